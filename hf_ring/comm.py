@@ -1,0 +1,86 @@
+"""Ring communication over an explicit process group: queue, commit, wait.
+
+Sends go to the next rank of the group and receives come from the previous one, as one batched
+point-to-point call, so the transfer runs while the caller computes. Works on gloo (CPU) and NCCL.
+This module imports only torch.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+
+class RingComm:
+    """Point-to-point neighbours of this rank on a ring over ``group``.
+
+    >>> comm = RingComm(group)
+    >>> comm.send_recv(block, next_block)  # queue: send ``block`` on, receive into ``next_block``
+    >>> comm.commit()                      # launch the queued transfers
+    >>> ...                                # compute on ``block``
+    >>> comm.wait()                        # ``next_block`` is now filled
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None, tag: int = 0) -> None:
+        self.group = group
+        self.size = dist.get_world_size(group)
+        rank = dist.get_rank(group)
+        self.rank = rank
+        self.next = dist.get_global_rank(group, (rank + 1) % self.size) if group else (rank + 1) % self.size
+        self.prev = dist.get_global_rank(group, (rank - 1) % self.size) if group else (rank - 1) % self.size
+        self.tag = tag
+        self._ops: list[dist.P2POp] = []
+        self._works: list[dist.Work] = []
+
+    def send_recv(self, send: Tensor, recv: Tensor) -> None:
+        """Queue sending ``send`` to the next rank and receiving the previous rank's into ``recv``."""
+        self._ops.append(dist.P2POp(dist.isend, send, self.next, self.group, self.tag))
+        self._ops.append(dist.P2POp(dist.irecv, recv, self.prev, self.group, self.tag))
+
+    def commit(self) -> None:
+        """Launch every queued transfer."""
+        if self._works:
+            raise RuntimeError("RingComm.commit called twice without wait")
+        self._works = dist.batch_isend_irecv(self._ops)
+        self._ops = []
+
+    def wait(self) -> None:
+        """Block until the committed transfers are done."""
+        for work in self._works:
+            work.wait()
+        self._works = []
+
+
+def group_size_rank(group: dist.ProcessGroup | None) -> tuple[int, int]:
+    """``(size, rank)`` of ``group``; ``(1, 0)`` when torch.distributed is not initialised."""
+    if not dist.is_available() or not dist.is_initialized():
+        return 1, 0
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def check_same_across_ranks(values: list[int], group: dist.ProcessGroup | None, what: str) -> None:
+    """Raise ``ValueError`` on every rank unless all ranks of ``group`` pass the same ``values``.
+
+    Costs one all-gather of 16 integers (``values`` holds at most 15).
+    """
+    size, _ = group_size_rank(group)
+    if size == 1:
+        return
+    device = torch.device("cpu")
+    if dist.get_backend(group) == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    if len(values) > 15:
+        raise ValueError("check_same_across_ranks takes at most 15 values")
+    mine = torch.full((16,), -1, dtype=torch.int64, device=device)
+    mine[0] = len(values)
+    mine[1 : 1 + len(values)] = torch.tensor(values, dtype=torch.int64)
+    gathered = [torch.empty_like(mine) for _ in range(size)]
+    dist.all_gather(gathered, mine, group=group)
+    rows = [g[1 : 1 + int(g[0])].tolist() for g in gathered]
+    if any(row != rows[0] for row in rows):
+        listing = ", ".join(f"rank {i}: {row}" for i, row in enumerate(rows))
+        raise ValueError(
+            f"ranks of the context-parallel group disagree on {what} ({listing}); every rank must "
+            "pass tensors of the same shape, dtype and options, or the ring would deadlock."
+        )

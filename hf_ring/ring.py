@@ -1,0 +1,215 @@
+"""Exact ring attention: one autograd Function driving a schedule of block kernel calls.
+
+Each rank of a context-parallel group of ``P`` ranks holds ``1/P`` of the sequence. K/V blocks
+travel around the ring (sent on while the current one is computed); partial outputs merge exactly
+through their log-sum-exp in float32. In backward, the same ring turns again: dQ stays local and
+the dK/dV accumulators (float32) travel with the blocks and arrive back at their owners after
+``P`` hops. This module imports only torch.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .comm import RingComm, check_same_across_ranks, group_size_rank
+from .kernels import BlockKernel, get_kernel
+from .parallel import default_group
+from .schedule import Block, make_schedule
+
+__all__ = ["ring_attention"]
+
+
+def merge_(out: Tensor, lse: Tensor, blk_out: Tensor, blk_lse: Tensor) -> None:
+    """Fold one block into the running result, in place and in log space.
+
+    ``out: [B, S, H, D]`` and ``lse: [B, S, H]`` are float32 accumulators (``lse = -inf`` for rows
+    that have seen no key yet); ``blk_out``/``blk_lse`` are the block's. Rows where both are
+    ``-inf`` stay ``0``/``-inf`` instead of turning into NaN.
+    """
+    new = torch.logaddexp(lse, blk_lse)
+    w_old = torch.exp(lse - new).nan_to_num_(0.0)
+    w_blk = torch.exp(blk_lse - new).nan_to_num_(0.0)
+    out.mul_(w_old.unsqueeze(-1)).add_(blk_out * w_blk.unsqueeze(-1))
+    lse.copy_(new)
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Accumulators are float32, or float64 for float64 inputs (oracle runs)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _rows(half: tuple[int, int], n: int) -> slice:
+    return slice(half[0] * n // 2, half[1] * n // 2)
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, scale, schedule, kernel, group):  # type: ignore[override]
+        # q: (B, S, Hq, D); k, v: (B, S, Hkv, D) -- this rank's shard
+        steps: list[tuple[Block, ...]] = schedule
+        n_steps = len(steps)
+        s_loc = q.shape[1]
+        acc = _acc_dtype(q.dtype)
+        out = torch.zeros(q.shape, dtype=acc, device=q.device)
+        lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
+        kv = torch.stack((k, v))  # (2, B, S, Hkv, D): one message per hop
+        bufs = (kv, torch.empty_like(kv) if n_steps > 1 else kv)
+        comm = RingComm(group) if n_steps > 1 else None
+        for step, blocks in enumerate(steps):
+            cur = bufs[step % 2]
+            if comm is not None and step + 1 < n_steps:
+                comm.send_recv(cur, bufs[(step + 1) % 2])
+                comm.commit()
+            for b in blocks:
+                qr, kr = _rows(b.q, s_loc), _rows(b.kv, s_loc)
+                o_b, l_b = kernel.forward(q[:, qr], cur[0, :, kr], cur[1, :, kr], causal=b.causal, scale=scale)
+                merge_(out[:, qr], lse[:, qr], o_b, l_b)
+            if comm is not None and step + 1 < n_steps:
+                comm.wait()
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.scale, ctx.schedule, ctx.kernel, ctx.group = scale, steps, kernel, group
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):  # type: ignore[override]
+        q, k, v, out, lse = ctx.saved_tensors
+        steps: list[tuple[Block, ...]] = ctx.schedule
+        kernel: BlockKernel = ctx.kernel
+        n_steps, s_loc = len(steps), q.shape[1]
+        dout = dout.contiguous()
+        acc_dtype = _acc_dtype(q.dtype)
+        dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
+        kv = torch.stack((k, v))
+        kv_bufs = (kv, torch.empty_like(kv) if n_steps > 1 else kv)
+        # dK/dV accumulators travel one hop behind the K/V blocks they belong to.
+        dkv_bufs = [torch.zeros(kv.shape, dtype=acc_dtype, device=q.device) for _ in range(min(n_steps, 2))]
+        kv_comm = RingComm(ctx.group, tag=0) if n_steps > 1 else None
+        dkv_comm = RingComm(ctx.group, tag=1) if n_steps > 1 else None
+        for step, blocks in enumerate(steps):
+            cur = kv_bufs[step % 2]
+            if kv_comm is not None and step + 1 < n_steps:
+                kv_comm.send_recv(cur, kv_bufs[(step + 1) % 2])
+                kv_comm.commit()
+            grads = []
+            for b in blocks:
+                qr, kr = _rows(b.q, s_loc), _rows(b.kv, s_loc)
+                dq_b, dk_b, dv_b = kernel.backward(
+                    dout[:, qr], q[:, qr], cur[0, :, kr], cur[1, :, kr], out[:, qr], lse[:, qr],
+                    causal=b.causal, scale=ctx.scale,
+                )  # fmt: skip
+                dq[:, qr] += dq_b
+                grads.append((kr, dk_b, dv_b))
+            acc = dkv_bufs[step % 2]
+            if dkv_comm is not None and step > 0:
+                dkv_comm.wait()  # acc now holds what earlier ranks added for this K/V block
+            for kr, dk_b, dv_b in grads:
+                acc[0, :, kr] += dk_b
+                acc[1, :, kr] += dv_b
+            if dkv_comm is not None:
+                dkv_comm.send_recv(acc, dkv_bufs[(step + 1) % 2])
+                dkv_comm.commit()
+            if kv_comm is not None and step + 1 < n_steps:
+                kv_comm.wait()
+        if dkv_comm is not None:
+            dkv_comm.wait()  # after P hops our own block's accumulator is back
+        dkv = dkv_bufs[n_steps % len(dkv_bufs)]
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
+
+
+def ring_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    group: dist.ProcessGroup | None = None,
+    causal: bool = True,
+    softmax_scale: float | None = None,
+    backend: str = "auto",
+    layout: str = "zigzag",
+    validate: bool = False,
+    dropout_p: float = 0.0,
+    attn_mask: Tensor | None = None,
+) -> Tensor:
+    """Exact attention over a sequence sharded across the ranks of ``group``.
+
+    Args:
+        q: ``[B, S_local, Hq, D]``, this rank's shard (see ``hf_ring.shard``).
+        k, v: ``[B, S_local, Hkv, D]`` with ``Hq % Hkv == 0`` (grouped-query attention; K/V travel
+            with their own ``Hkv`` heads).
+        group: the context-parallel group; ``None`` means the group of
+            ``setup_context_parallel``, else the world group. Without torch.distributed, or with
+            a group of one rank, this is plain attention.
+        causal: causal mask over *global* positions.
+        softmax_scale: defaults to ``1 / sqrt(D)``.
+        backend: block kernel, ``"auto"``, ``"torch"``, ``"flash_attn"`` or ``"reference"``.
+        layout: ``"zigzag"`` (rank ``r`` holds chunks ``r`` and ``2P-1-r`` of ``2P``; balanced) or
+            ``"contiguous"`` (rank ``r`` holds chunk ``r`` of ``P``; for comparison).
+        validate: check that every rank passes the same shapes and options before the ring turns
+            (one all-gather of 16 integers per call). A mismatch raises ``ValueError`` on every
+            rank instead of deadlocking. ``hf_ring.shard`` always makes this check.
+        dropout_p, attn_mask: not supported; anything but the defaults raises ``ValueError``.
+
+    Returns:
+        ``[B, S_local, Hq, D]`` in the dtype of ``q``: this rank's rows of attention over the whole
+        sequence, differentiable in ``q``, ``k`` and ``v``.
+
+    Zigzag picture, ``P = 2``, sequence cut into chunks ``c0 c1 c2 c3``: rank 0 holds
+    ``[c0 | c3]``, rank 1 holds ``[c1 | c2]``.
+    """
+    if dropout_p:
+        raise ValueError(
+            f"ring_attention: dropout_p={dropout_p} is not supported (attention dropout would need "
+            "the same random mask on every rank); set the model's attention_dropout to 0."
+        )
+    if attn_mask is not None:
+        raise ValueError(
+            "ring_attention: an explicit attn_mask is not supported; the ring applies the causal "
+            "mask over global positions itself (causal=True). Pad with hf_ring.shard_batch instead "
+            "of masking."
+        )
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(
+            f"ring_attention expects q [B, S, Hq, D] and k, v [B, S, Hkv, D]; got q {tuple(q.shape)}, "
+            f"k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
+    if k.shape != v.shape:
+        raise ValueError(f"ring_attention: k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape")
+    if q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]:
+        raise ValueError(
+            f"ring_attention: q {tuple(q.shape)} and k/v {tuple(k.shape)} must agree on batch, local "
+            "sequence length and head_dim"
+        )
+    if q.shape[2] % k.shape[2]:
+        raise ValueError(
+            f"ring_attention: query heads ({q.shape[2]}) must be a multiple of key/value heads "
+            f"({k.shape[2]}) for grouped-query attention"
+        )
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"ring_attention: q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype}); cast them to one dtype")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"ring_attention: q, k, v are on different devices ({q.device}, {k.device}, {v.device})")
+    if group is None:
+        group = default_group()
+    size, rank = group_size_rank(group)
+    if size > 1 and layout == "zigzag" and q.shape[1] % 2:
+        raise ValueError(
+            f"ring_attention: local sequence length {q.shape[1]} is odd, but the zigzag layout gives "
+            f"each rank two equal chunks: the full sequence length must be a multiple of 2 * P = "
+            f"{2 * size}. Pad the batch with hf_ring.shard_batch (it pads and masks), or pad to a "
+            f"multiple of {2 * size} yourself."
+        )
+    kernel = get_kernel(backend, q.device, q.dtype)
+    if validate:
+        meta = [*q.shape, k.shape[2], int(causal), _DTYPES.index(q.dtype) if q.dtype in _DTYPES else -2]
+        check_same_across_ranks(meta, group, "ring_attention inputs [B, S, Hq, D, Hkv, causal, dtype]")
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[3])
+    schedule = make_schedule(layout, causal, rank, size)
+    return _RingAttention.apply(q, k, v, scale, schedule, kernel, group)
+
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)

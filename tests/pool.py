@@ -1,0 +1,119 @@
+"""A pool of spawned gloo worker processes, one per rank, reused across tests.
+
+Starting torch in a fresh process costs seconds, so each world size gets one pool per test
+session. ``run(fn, *args)`` calls the module-level function ``fn`` on every rank and returns the
+per-rank results (plain Python values or numpy arrays). A rank that raises fails the call with its
+traceback; a call that does not finish within ``timeout`` seconds kills the pool and raises
+``TimeoutError``, so a deadlock fails the test instead of hanging it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import multiprocessing as mp
+import os
+import queue
+import tempfile
+import traceback
+from typing import Any
+
+
+def _worker(rank: int, world: int, init_file: str, tasks: Any, results: Any) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        module, name, args, kwargs = task
+        try:
+            fn = getattr(importlib.import_module(module), name)
+            results.put((rank, True, fn(*args, **kwargs)))
+        except BaseException:  # noqa: BLE001 - reported to the test process
+            results.put((rank, False, traceback.format_exc()))
+        finally:
+            from hf_ring.parallel import reset_context_parallel
+
+            reset_context_parallel()
+    dist.destroy_process_group()
+
+
+class Pool:
+    def __init__(self, world: int) -> None:
+        ctx = mp.get_context("spawn")
+        self.world = world
+        fd, self._init_file = tempfile.mkstemp(prefix="hf_ring_rdzv_")
+        os.close(fd)
+        os.unlink(self._init_file)
+        self.results = ctx.Queue()
+        self.tasks = [ctx.Queue() for _ in range(world)]
+        self.procs = [
+            ctx.Process(target=_worker, args=(r, world, self._init_file, self.tasks[r], self.results), daemon=True)
+            for r in range(world)
+        ]
+        for p in self.procs:
+            p.start()
+
+    def run(self, fn: Any, *args: Any, timeout: float = 180.0, **kwargs: Any) -> list[Any]:
+        for q in self.tasks:
+            q.put((fn.__module__, fn.__name__, args, kwargs))
+        out: dict[int, Any] = {}
+        errors: list[str] = []
+        for _ in range(self.world):
+            try:
+                rank, ok, value = self.results.get(timeout=timeout)
+            except queue.Empty:
+                self.close()
+                raise TimeoutError(
+                    f"{fn.__name__} on {self.world} ranks did not finish in {timeout:.0f} s "
+                    f"(finished: {sorted(out)}; errors: {errors}); the pool was killed"
+                ) from None
+            if ok:
+                out[rank] = value
+            else:
+                errors.append(f"rank {rank}:\n{value}")
+                out[rank] = None
+        if errors:
+            raise RuntimeError(f"{fn.__name__} failed on {len(errors)} rank(s):\n" + "\n".join(errors))
+        return [out[r] for r in range(self.world)]
+
+    def alive(self) -> bool:
+        return all(p.is_alive() for p in self.procs)
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+        for p in self.procs:
+            p.join(timeout=5)
+        if os.path.exists(self._init_file):
+            os.unlink(self._init_file)
+
+
+_POOLS: dict[int, Pool] = {}
+
+
+def run_ranks(world: int, fn: Any, *args: Any, timeout: float = 180.0, **kwargs: Any) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` on ``world`` gloo ranks; returns each rank's result."""
+    pool = _POOLS.get(world)
+    if pool is None or not pool.alive():
+        if pool is not None:
+            pool.close()
+        pool = _POOLS[world] = Pool(world)
+    try:
+        return pool.run(fn, *args, timeout=timeout, **kwargs)
+    except TimeoutError:
+        _POOLS.pop(world, None)
+        raise
+
+
+def close_all() -> None:
+    for pool in _POOLS.values():
+        for q in pool.tasks:
+            q.put(None)
+        pool.close()
+    _POOLS.clear()

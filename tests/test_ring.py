@@ -1,0 +1,120 @@
+"""Ring attention against float64 attention on the unsharded sequence, on gloo ranks."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import hf_ring
+from tests.oracle import attention, rel_err
+from tests.pool import run_ranks
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+NAMES = ("out", "dq", "dk", "dv")
+
+
+def ring_errors(cases: list[dict], backend: str = "auto") -> list[dict]:
+    """On every rank: run each case through the ring and return rank 0's relative errors of the
+    output and all gradients against float64, with single-device SDPA in the same dtype as a
+    baseline."""
+    rank = torch.distributed.get_rank()
+    results = []
+    for c in cases:
+        g = torch.Generator().manual_seed(c["seed"])
+        b, n, hq, hkv, d = c["B"], c["N"], c["Hq"], c["Hkv"], c["D"]
+        dtype = DTYPES[c["dtype"]]
+        q = torch.randn(b, n, hq, d, generator=g, dtype=torch.float64)
+        k = torch.randn(b, n, hkv, d, generator=g, dtype=torch.float64)
+        v = torch.randn(b, n, hkv, d, generator=g, dtype=torch.float64)
+        dout = torch.randn(b, n, hq, d, generator=g, dtype=torch.float64)
+
+        def grads(fn, xs):
+            xs = [x.detach().requires_grad_() for x in xs]
+            out = fn(*xs)
+            return [out, *torch.autograd.grad(out, xs, dout.to(out.dtype) if out.shape == dout.shape else hf_ring.shard(dout).to(out.dtype))]
+
+        ref = grads(lambda q, k, v: attention(q, k, v, c["causal"]), [q, k, v])
+        sdpa = grads(
+            lambda q, k, v: F.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=c["causal"], enable_gqa=True
+            ).transpose(1, 2),
+            [x.to(dtype) for x in (q, k, v)],
+        )
+        ring = grads(
+            lambda q, k, v: hf_ring.ring_attention(q, k, v, causal=c["causal"], backend=backend),
+            [hf_ring.shard(x.to(dtype)) for x in (q, k, v)],
+        )
+        ring = [hf_ring.unshard(x) for x in ring]
+        assert all(r.dtype == dtype for r in ring)
+        if rank == 0:
+            results.append(
+                {
+                    **c,
+                    **{f"ring_{n}": rel_err(x, r) for n, x, r in zip(NAMES, ring, ref)},
+                    **{f"sdpa_{n}": rel_err(x, r) for n, x, r in zip(NAMES, sdpa, ref)},
+                }
+            )
+    return results
+
+
+def make_cases(world: int, dtype: str, chunk: int = 23) -> list[dict]:
+    return [
+        dict(B=2, N=2 * world * chunk, Hq=hq, Hkv=hkv, D=d, causal=causal, dtype=dtype, seed=i)
+        for i, (causal, (hq, hkv), d) in enumerate(itertools.product((True, False), ((4, 4), (8, 2)), (64, 80)))
+    ]
+
+
+def check(results: list[dict]) -> None:
+    for r in results:
+        label = f"{r['dtype']} causal={r['causal']} Hq={r['Hq']} Hkv={r['Hkv']} D={r['D']} N={r['N']}"
+        for n in NAMES:
+            if r["dtype"] == "fp32":
+                assert r[f"ring_{n}"] <= 1e-5, f"{label}: {n} rel err {r[f'ring_{n}']:.2e} > 1e-5"
+            else:
+                assert r[f"ring_{n}"] <= 2 * r[f"sdpa_{n}"], (
+                    f"{label}: {n} rel err {r[f'ring_{n}']:.2e} > 2x single-device bf16 SDPA "
+                    f"({r[f'sdpa_{n}']:.2e})"
+                )
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_ring_matches_float64_oracle(world: int, dtype: str) -> None:
+    (results, *_) = run_ranks(world, ring_errors, make_cases(world, dtype))
+    check(results)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_reference_backend_matches_oracle(world: int) -> None:
+    (results, *_) = run_ranks(world, ring_errors, make_cases(world, "fp32")[:4], backend="reference")
+    check(results)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_error_does_not_grow_with_ring_size(dtype: str) -> None:
+    cases = [dict(B=1, N=8 * 64, Hq=8, Hkv=2, D=80, causal=True, dtype=dtype, seed=7)]
+    (one, *_) = run_ranks(1, ring_errors, cases)
+    (four, *_) = run_ranks(4, ring_errors, cases)
+    for n in NAMES:
+        base = max(one[0][f"ring_{n}"], 1e-7 if dtype == "fp32" else 0.0)
+        assert four[0][f"ring_{n}"] <= 2 * base, f"{dtype} {n}: P=4 {four[0][f'ring_{n}']:.2e} vs P=1 {base:.2e}"
+
+
+def test_single_process_without_distributed() -> None:
+    """No process group at all: plain attention, same results as the oracle."""
+    assert not torch.distributed.is_initialized()
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 37, 8, 80, generator=g, requires_grad=True)
+    k = torch.randn(2, 37, 2, 80, generator=g, requires_grad=True)
+    v = torch.randn(2, 37, 2, 80, generator=g, requires_grad=True)
+    out = hf_ring.ring_attention(q, k, v)
+    ref = attention(q, k, v, causal=True)
+    assert rel_err(out, ref) <= 1e-5
+    dout = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), dout)
+    want = torch.autograd.grad(ref, (q, k, v), dout.double())
+    for n, x, r in zip(NAMES[1:], got, want):
+        assert rel_err(x, r) <= 1e-5, n
