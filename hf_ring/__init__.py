@@ -1,5 +1,10 @@
-"""hf_ring: exact zigzag ring attention for long-context fine-tuning of Hugging Face models."""
+"""hf_ring: exact zigzag ring attention for long-context fine-tuning of Hugging Face models.
 
+``import hf_ring`` registers ``attn_implementation="ring"`` with transformers.
+"""
+
+from .batch import shard_batch
+from .integration import register
 from .parallel import ContextParallel, setup_context_parallel
 from .ring import ring_attention
 from .sharding import shard, unshard
@@ -8,8 +13,12 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ContextParallel",
+    "register",
     "ring_attention",
     "setup_context_parallel",
     "shard",
+    "shard_batch",
     "unshard",
 ]
+
+register()

@@ -176,33 +176,82 @@ class TorchCUDAKernel:
 class FlashAttnKernel:
     """flash-attn 2 (CUDA, fp16/bf16), through its private forward/backward entry points.
 
-    Call contract (flash-attn >= 2.6): ``_flash_attn_forward(q, k, v, dropout_p, softmax_scale,
-    causal, window_size_left, window_size_right, softcap, alibi_slopes, return_softmax)`` returns
-    ``(out, softmax_lse [B, H, S], S_dmask, rng_state)``; ``_flash_attn_backward(dout, q, k, v,
-    out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal, window_size_left,
-    window_size_right, softcap, alibi_slopes, deterministic, rng_state)`` fills ``dq, dk, dv``.
-    Layout is ``[B, S, H, D]`` natively and fewer K/V heads are accepted.
+    Call contract of ``flash_attn.flash_attn_interface`` from 2.7.0 through 2.8.x (checked up to
+    2.8.4, where both names are ``torch.library`` custom ops; the public names
+    ``_wrapped_flash_attn_*`` are ``torch.ops`` handles to the same ops)::
+
+        _flash_attn_forward(q, k, v, dropout_p, softmax_scale, causal, window_size_left,
+                            window_size_right, softcap, alibi_slopes, return_softmax)
+            -> (out, softmax_lse [B, H, Sq] float32, S_dmask, rng_state)
+        _flash_attn_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p,
+                             softmax_scale, causal, window_size_left, window_size_right, softcap,
+                             alibi_slopes, deterministic, rng_state=None)
+            -> softmax_d                      (dq, dk, dv are filled in place)
+
+    2.6.x takes one ``window_size`` tuple instead of the left/right pair; its forward returns
+    ``(out, q, k, v, out_padded, softmax_lse, S_dmask, rng_state)`` and its backward
+    ``(dq, dk, dv, softmax_d)``. Both forms are handled; older releases (no ``softcap``) are not.
+
+    Layout is ``[B, S, H, D]`` natively and fewer K/V heads are accepted. Since 2.7 the CUDA op
+    takes only head dims that are multiples of 8 (``flash_attn_func`` pads in Python), so other
+    head dims are zero-padded here (the scale is passed explicitly, so scores do not change).
+    Two differences from the ``BlockKernel`` wording, harmless for the ring, which asks for
+    ``causal`` only on square blocks where every row sees a key: flash-attn aligns the causal mask
+    bottom-right when ``Sq != Sk``, and it gives rows that see no key ``lse = +inf``.
     """
 
     name = "flash_attn"
 
     def __init__(self, module: object | None = None) -> None:
+        import inspect
+
         self.fa = module if module is not None else importlib.import_module("flash_attn.flash_attn_interface")
+        try:  # 2.7+ custom ops show only (*args, **kwargs): that is the current form
+            params = set(inspect.signature(self.fa._flash_attn_forward).parameters)
+        except (TypeError, ValueError):
+            params = set()
+        self.legacy = "window_size" in params  # 2.6.x
+        if "softmax_scale" in params and "softcap" not in params:
+            raise ImportError(
+                "flash-attn is too old for hf_ring (its _flash_attn_forward has no softcap "
+                "argument); install flash-attn >= 2.6 or use backend='torch'."
+            )
+
+    @staticmethod
+    def _pad(t: Tensor) -> Tensor:
+        d = t.shape[-1]
+        if d % 8:
+            return torch.nn.functional.pad(t, (0, 8 - d % 8))
+        return t if t.stride(-1) == 1 else t.contiguous()
 
     def forward(self, q, k, v, *, causal, scale):
-        out, lse, _, _ = self.fa._flash_attn_forward(
-            q, k, v, 0.0, scale, causal, -1, -1, 0.0, None, False
-        )
-        return out, lse.transpose(1, 2)
+        d = q.shape[-1]
+        q, k, v = self._pad(q), self._pad(k), self._pad(v)
+        if self.legacy:
+            res = self.fa._flash_attn_forward(q, k, v, 0.0, scale, causal, (-1, -1), 0.0, None, False)
+            out, lse = res[0], res[5]
+        else:
+            out, lse, _, _ = self.fa._flash_attn_forward(
+                q, k, v, 0.0, scale, causal, -1, -1, 0.0, None, False
+            )
+        return out[..., :d], lse.transpose(1, 2)
 
     def backward(self, dout, q, k, v, out, lse, *, causal, scale):
-        q, k, v, out, dout = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, out, dout))
+        d = q.shape[-1]
+        dout, q, k, v, out = (self._pad(t) for t in (dout, q, k, v, out))
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        self.fa._flash_attn_backward(
-            dout, q, k, v, out, lse.transpose(1, 2).contiguous(), dq, dk, dv,
-            0.0, scale, causal, -1, -1, 0.0, None, False, None,
-        )  # fmt: skip
-        return dq, dk, dv
+        lse = lse.transpose(1, 2).to(torch.float32).contiguous()  # [B, H, Sq]
+        if self.legacy:
+            self.fa._flash_attn_backward(
+                dout, q, k, v, out, lse, dq, dk, dv,
+                0.0, scale, causal, (-1, -1), 0.0, None, False, None,
+            )  # fmt: skip
+        else:
+            self.fa._flash_attn_backward(
+                dout, q, k, v, out, lse, dq, dk, dv,
+                0.0, scale, causal, -1, -1, 0.0, None, False, None,
+            )  # fmt: skip
+        return dq[..., :d], dk[..., :d], dv[..., :d]
 
 
 def _flash_attn_importable() -> bool:

@@ -190,7 +190,9 @@ def ring_attention(
             f"({k.shape[2]}) for grouped-query attention"
         )
     if not (q.dtype == k.dtype == v.dtype):
-        raise ValueError(f"ring_attention: q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype}); cast them to one dtype")
+        raise ValueError(
+            f"ring_attention: q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype}); cast them to one dtype"
+        )
     if not (q.device == k.device == v.device):
         raise ValueError(f"ring_attention: q, k, v are on different devices ({q.device}, {k.device}, {v.device})")
     if group is None:

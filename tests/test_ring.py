@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from functools import partial
 
 import pytest
 import torch
@@ -14,6 +15,19 @@ from tests.pool import run_ranks
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 NAMES = ("out", "dq", "dk", "dv")
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
+    """Single-device SDPA in the layout of the ring: ``[B, N, H, D]``."""
+    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+    return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, enable_gqa=True).transpose(1, 2)
+
+
+def _grads(fn, xs: list[torch.Tensor], dout: torch.Tensor) -> list[torch.Tensor]:
+    """``[fn(*xs), *d(fn)/d(xs)]`` for the upstream gradient ``dout``."""
+    xs = [x.detach().requires_grad_() for x in xs]
+    out = fn(*xs)
+    return [out, *torch.autograd.grad(out, xs, dout.to(out.dtype))]
 
 
 def ring_errors(cases: list[dict], backend: str = "auto") -> list[dict]:
@@ -31,21 +45,13 @@ def ring_errors(cases: list[dict], backend: str = "auto") -> list[dict]:
         v = torch.randn(b, n, hkv, d, generator=g, dtype=torch.float64)
         dout = torch.randn(b, n, hq, d, generator=g, dtype=torch.float64)
 
-        def grads(fn, xs):
-            xs = [x.detach().requires_grad_() for x in xs]
-            out = fn(*xs)
-            return [out, *torch.autograd.grad(out, xs, dout.to(out.dtype) if out.shape == dout.shape else hf_ring.shard(dout).to(out.dtype))]
-
-        ref = grads(lambda q, k, v: attention(q, k, v, c["causal"]), [q, k, v])
-        sdpa = grads(
-            lambda q, k, v: F.scaled_dot_product_attention(
-                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=c["causal"], enable_gqa=True
-            ).transpose(1, 2),
-            [x.to(dtype) for x in (q, k, v)],
-        )
-        ring = grads(
-            lambda q, k, v: hf_ring.ring_attention(q, k, v, causal=c["causal"], backend=backend),
+        causal = c["causal"]
+        ref = _grads(partial(attention, causal=causal), [q, k, v], dout)
+        sdpa = _grads(partial(_sdpa, causal=causal), [x.to(dtype) for x in (q, k, v)], dout)
+        ring = _grads(
+            partial(hf_ring.ring_attention, causal=causal, backend=backend),
             [hf_ring.shard(x.to(dtype)) for x in (q, k, v)],
+            hf_ring.shard(dout),
         )
         ring = [hf_ring.unshard(x) for x in ring]
         assert all(r.dtype == dtype for r in ring)
@@ -75,8 +81,7 @@ def check(results: list[dict]) -> None:
                 assert r[f"ring_{n}"] <= 1e-5, f"{label}: {n} rel err {r[f'ring_{n}']:.2e} > 1e-5"
             else:
                 assert r[f"ring_{n}"] <= 2 * r[f"sdpa_{n}"], (
-                    f"{label}: {n} rel err {r[f'ring_{n}']:.2e} > 2x single-device bf16 SDPA "
-                    f"({r[f'sdpa_{n}']:.2e})"
+                    f"{label}: {n} rel err {r[f'ring_{n}']:.2e} > 2x single-device bf16 SDPA ({r[f'sdpa_{n}']:.2e})"
                 )
 
 

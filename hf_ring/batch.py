@@ -1,0 +1,128 @@
+"""Turn a full batch into this rank's model inputs: pad, shift labels, shard, count targets.
+
+Every rank of a CP group passes the same full batch; each gets back the keyword arguments for its
+zigzag shard. This module imports only torch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .comm import check_same_across_ranks, group_size_rank
+from .loss import CPLoss
+from .parallel import default_group
+
+__all__ = ["shard_batch"]
+
+IGNORE_INDEX = -100
+_SEQ_KEYS = ("input_ids", "inputs_embeds", "labels", "attention_mask", "position_ids")
+_PASS_KEYS = ("num_items_in_batch", "use_cache", "return_dict", "output_hidden_states", "output_attentions")
+
+
+def _zigzag(x: Tensor, size: int, rank: int) -> Tensor:
+    chunks = x.chunk(2 * size, dim=1)
+    return torch.cat((chunks[rank], chunks[2 * size - 1 - rank]), dim=1).contiguous()
+
+
+def _check_right_padding(mask: Tensor) -> None:
+    m = mask.bool()
+    if (m[:, 1:] & ~m[:, :-1]).any():
+        raise ValueError(
+            "shard_batch: attention_mask has a 0 before a 1 (left padding, or holes inside a "
+            "sequence). hf_ring handles right padding exactly (padding after the last token of each "
+            "sequence); re-tokenize with tokenizer.padding_side='right', or drop the padding by "
+            "packing sequences to equal length."
+        )
+    if not m[:, 0].all():
+        raise ValueError("shard_batch: a sequence of the batch is empty (its attention_mask is all 0)")
+
+
+def shard_batch(
+    batch: dict[str, Any],
+    *,
+    group: dist.ProcessGroup | None = None,
+    pad_token_id: int = 0,
+    dp_size: int = 1,
+) -> dict[str, Any]:
+    """This rank's keyword arguments for ``model(**...)`` from a full batch.
+
+    Args:
+        batch: ``input_ids [B, N]`` (or ``inputs_embeds [B, N, H]``); optional ``labels [B, N]``
+            (Hugging Face convention: unshifted, ``-100`` where there is no target),
+            ``attention_mask [B, N]`` (right padding only), ``position_ids [B, N]``,
+            ``num_items_in_batch`` (valid targets of the whole step, e.g. over gradient
+            accumulation and DP replicas; counted here otherwise).
+        group: the CP group (default: that of ``setup_context_parallel``, else the world).
+        pad_token_id: id used to pad the sequence to a multiple of ``2P`` (its targets are masked).
+        dp_size: number of data-parallel replicas that ``num_items_in_batch`` spans (it then
+            counts the targets of all of them, and the backward is scaled to match DP averaging).
+
+    Returns:
+        ``input_ids`` (or ``inputs_embeds``) and ``position_ids`` of shape ``[B, N_pad / P]``
+        (global positions, zigzag order); when labels are given, ``labels`` and ``shift_labels``
+        ``[B, N_pad / P]`` (shifted on the full sequence before sharding, so no target is lost at
+        chunk boundaries) and ``num_items_in_batch``; ``use_cache=False``; and ``hf_ring_cp``, which
+        tells the model's loss to sum over the CP group. ``N_pad`` is ``N`` rounded up to a
+        multiple of ``2P``. Right padding is handled exactly: causal attention never lets a real
+        token see the padding after it, and padded positions have no targets.
+    """
+    unknown = [k for k, v in batch.items() if isinstance(v, Tensor) and k not in (*_SEQ_KEYS, *_PASS_KEYS)]
+    if unknown:
+        raise ValueError(
+            f"shard_batch: does not know how to shard {unknown}; it handles {list(_SEQ_KEYS)}. Remove "
+            "these keys or shard them yourself with hf_ring.shard."
+        )
+    if group is None:
+        group = default_group()
+    size, rank = group_size_rank(group)
+    key = "input_ids" if "input_ids" in batch else "inputs_embeds"
+    if key not in batch:
+        raise ValueError("shard_batch: the batch needs input_ids [B, N] or inputs_embeds [B, N, H]")
+    x: Tensor = batch[key]
+    b, n = x.shape[:2]
+    check_same_across_ranks([b, n], group, "the batch shape [B, N] (every rank of a CP group needs the same batch)")
+    for k in ("labels", "attention_mask", "position_ids"):
+        v = batch.get(k)
+        if v is not None and (v.dim() != 2 or v.shape[1] != n or v.shape[0] not in (1, b)):
+            raise ValueError(f"shard_batch: {k} has shape {tuple(v.shape)}, expected [{b}, {n}]")
+    n_pad = -(-n // (2 * size)) * 2 * size
+    pad = n_pad - n
+
+    def padded(t: Tensor, value: float) -> Tensor:
+        if pad == 0:
+            return t
+        shape = (*t.shape[:1], pad, *t.shape[2:])
+        return torch.cat((t, t.new_full(shape, value)), dim=1)
+
+    labels = batch.get("labels")
+    mask = batch.get("attention_mask")
+    if mask is not None:
+        _check_right_padding(mask)
+        if labels is not None:
+            labels = labels.masked_fill(~mask.bool(), IGNORE_INDEX)
+    positions = batch.get("position_ids")
+    if positions is None:
+        positions = torch.arange(n, device=x.device).expand(b, n)
+    positions = positions.expand(b, n)
+    step = torch.arange(1, pad + 1, device=x.device)
+    positions = torch.cat((positions, positions[:, -1:] + step), dim=1) if pad else positions
+
+    out: dict[str, Any] = {k: batch[k] for k in _PASS_KEYS if k in batch}
+    out[key] = _zigzag(padded(x, pad_token_id if key == "input_ids" else 0.0), size, rank)
+    out["position_ids"] = _zigzag(positions, size, rank)
+    out.setdefault("use_cache", False)
+    if labels is not None:
+        labels = padded(labels, IGNORE_INDEX)
+        shifted = torch.cat((labels[:, 1:], labels.new_full((b, 1), IGNORE_INDEX)), dim=1)
+        if "num_items_in_batch" not in out:
+            out["num_items_in_batch"] = (shifted != IGNORE_INDEX).sum()
+        local = _zigzag(shifted, size, rank)
+        # ``labels`` only switches the model's loss on; ``shift_labels`` are the targets it uses.
+        out["labels"] = local
+        out["shift_labels"] = local
+        out["hf_ring_cp"] = CPLoss(group, float(size * dp_size))
+    return out

@@ -1,0 +1,49 @@
+"""Tiny random-initialised causal LMs built from configs (nothing is downloaded)."""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+
+
+def tiny_config(family: str, **overrides):
+    common = dict(
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+    )
+    common.update(overrides)
+    if family == "llama":
+        return LlamaConfig(**common)
+    if family == "qwen2":
+        return Qwen2Config(**common)
+    if family == "qwen3":
+        return Qwen3Config(head_dim=16, **common)
+    if family == "mistral":
+        return MistralConfig(**{"sliding_window": None, **common})
+    raise ValueError(family)
+
+
+def tiny_model(family: str, attn: str, dtype: torch.dtype = torch.float32, seed: int = 0, **overrides):
+    """The same weights for every ``attn`` and ``dtype`` given the same ``seed``."""
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(family, **overrides), attn_implementation=attn)
+    return model.to(dtype)
+
+
+def tiny_batch(b: int, n: int, vocab: int = 97, seed: int = 1) -> dict[str, torch.Tensor]:
+    """``input_ids``/``labels [b, n]`` with ``-100`` spans in the labels."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (b, n), generator=g)
+    labels = ids.clone()
+    labels[:, : n // 5] = -100
+    labels[0, n // 2 : n // 2 + 3] = -100
+    return {"input_ids": ids, "labels": labels}

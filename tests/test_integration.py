@@ -1,0 +1,188 @@
+"""attn_implementation="ring" glue: registration, shard_batch, padding, eval logits, and every
+documented error."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AttentionInterface, AutoModelForCausalLM, BloomConfig
+from transformers.loss.loss_utils import LOSS_MAPPING
+
+import hf_ring
+from hf_ring.integration import ring_attention_forward
+from tests.models import tiny_batch, tiny_config, tiny_model
+from tests.oracle import rel_err
+from tests.pool import run_ranks
+
+
+def test_register_is_idempotent_and_leaves_other_losses_alone() -> None:
+    hf_ring.register()
+    hf_ring.register()
+    assert AttentionInterface._global_mapping["ring"] is ring_attention_forward
+    wrapped = LOSS_MAPPING["ForCausalLM"]
+    assert not hasattr(wrapped.hf_ring_original, "hf_ring_original")
+    batch = tiny_batch(2, 20)
+    model = tiny_model("llama", "sdpa")
+    logits = model(input_ids=batch["input_ids"]).logits
+    want = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), batch["labels"][:, 1:].flatten())
+    assert torch.allclose(model(**batch).loss, want, rtol=1e-6)
+
+
+# --- shard_batch -------------------------------------------------------------------------------
+
+
+def padded_losses(world: int) -> dict:
+    """Right-padded batch of two lengths vs each sequence alone, all with CP = world."""
+    lengths, n = (29, 17), 29
+    batch = tiny_batch(2, n, seed=3)
+    mask = torch.zeros(2, n, dtype=torch.long)
+    for i, length in enumerate(lengths):
+        mask[i, :length] = 1
+    batch["input_ids"] = batch["input_ids"].masked_fill(mask == 0, 5)
+    batch["attention_mask"] = mask
+    model = tiny_model("qwen3", "ring")
+    ref = tiny_model("qwen3", "sdpa", torch.float64)
+    out = model(**hf_ring.shard_batch(batch))
+    alone, oracle = [], []
+    for i, length in enumerate(lengths):
+        one = {k: v[i : i + 1, :length] for k, v in batch.items() if k != "attention_mask"}
+        alone.append(model(**hf_ring.shard_batch(one)).loss.item())
+        oracle.append(ref(**one).loss.item())
+    # per-sequence losses from the padded run's logits
+    logits = hf_ring.unshard(out.logits)[:, :n].double()
+    per_seq = []
+    for i, length in enumerate(lengths):
+        tgt = batch["labels"][i, 1:length]
+        per_seq.append(torch.nn.functional.cross_entropy(logits[i, : length - 1], tgt, ignore_index=-100).item())
+    counts = [(batch["labels"][i, 1:length] != -100).sum().item() for i, length in enumerate(lengths)]
+    whole = sum(loss * c for loss, c in zip(oracle, counts)) / sum(counts)
+    return {"alone": alone, "oracle": oracle, "per_seq": per_seq, "loss": out.loss.item(), "whole": whole}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_right_padding_gives_per_sequence_losses(world: int) -> None:
+    for r in run_ranks(world, padded_losses, world):
+        for i in range(2):
+            assert abs(r["alone"][i] - r["oracle"][i]) <= 1e-5 * r["oracle"][i]
+            assert abs(r["per_seq"][i] - r["oracle"][i]) <= 1e-5 * r["oracle"][i]
+        assert abs(r["loss"] - r["whole"]) <= 1e-5 * r["whole"]
+
+
+def eval_logits(world: int, family: str) -> float:
+    batch = tiny_batch(2, 41)
+    ids = batch["input_ids"]
+    model = tiny_model(family, "ring").eval()
+    ref = tiny_model(family, "sdpa", torch.float64).eval()
+    with torch.no_grad():
+        logits = model(**hf_ring.shard_batch({"input_ids": ids})).logits
+        full = hf_ring.unshard(logits)[:, : ids.shape[1]]
+        return rel_err(full, ref(input_ids=ids).logits)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_eval_logits_unshard_to_single_process_logits(family: str) -> None:
+    assert max(run_ranks(3, eval_logits, 3, family)) <= 1e-5
+
+
+def test_shard_batch_layout_and_counts() -> None:
+    """Single process: padding to 2P = 2, labels shifted before sharding, global count."""
+    batch = tiny_batch(2, 9)
+    out = hf_ring.shard_batch(batch)
+    assert out["input_ids"].shape == (2, 10) and out["position_ids"][0].tolist() == list(range(10))
+    want = torch.cat((batch["labels"][:, 1:], torch.full((2, 2), -100)), dim=1)
+    assert torch.equal(out["shift_labels"], want)
+    assert out["num_items_in_batch"].item() == (want != -100).sum().item()
+    assert out["use_cache"] is False
+    given = hf_ring.shard_batch({**batch, "num_items_in_batch": torch.tensor(123)})
+    assert given["num_items_in_batch"].item() == 123
+
+
+# --- errors ------------------------------------------------------------------------------------
+
+
+def _step(model, batch):
+    return model(**hf_ring.shard_batch(batch))
+
+
+def test_dropout_while_training_raises() -> None:
+    model = tiny_model("llama", "ring", attention_dropout=0.1).train()
+    with pytest.raises(ValueError, match="does not support attention dropout"):
+        _step(model, tiny_batch(1, 16))
+    model.eval()  # dropout is off in eval: fine
+    _step(model, tiny_batch(1, 16))
+
+
+def test_sliding_window_in_effect_raises() -> None:
+    qwen = tiny_model("qwen2", "ring", use_sliding_window=True, sliding_window=8, max_window_layers=1)
+    with pytest.raises(ValueError, match="sliding window of 8 tokens"):
+        _step(qwen, tiny_batch(1, 16))
+    mistral = AutoModelForCausalLM.from_config(tiny_config("mistral", sliding_window=8), attn_implementation="ring")
+    with pytest.raises(ValueError, match="sliding window of 8 tokens"):
+        _step(mistral, tiny_batch(1, 16))
+    _step(mistral, tiny_batch(1, 8))  # window covers the whole sequence: exact, allowed
+
+
+def test_softcapping_and_sinks_raise() -> None:
+    module = tiny_model("llama", "ring").model.layers[0].self_attn
+    q, k = torch.randn(1, 4, 8, 16), torch.randn(1, 2, 8, 16)
+    with pytest.raises(ValueError, match="soft-capping"):
+        ring_attention_forward(module, q, k, k, None, scaling=0.25, softcap=30.0)
+    with pytest.raises(ValueError, match="attention sinks"):
+        ring_attention_forward(module, q, k, k, None, scaling=0.25, s_aux=torch.zeros(4))
+
+
+def test_mask_not_prepared_by_ring_raises() -> None:
+    model = tiny_model("llama", "ring")
+    ids = tiny_batch(1, 8)["input_ids"]
+    with pytest.raises(ValueError, match="did not prepare"):
+        model(input_ids=ids, attention_mask=torch.zeros(1, 1, 8, 8), use_cache=False)
+    with pytest.raises(ValueError, match="attention_mask with padding"):
+        model(input_ids=ids, attention_mask=torch.tensor([[1, 1, 1, 1, 1, 1, 0, 0]]), use_cache=False)
+    model(input_ids=ids, attention_mask=torch.ones(1, 8, dtype=torch.long), use_cache=False)  # no padding: fine
+
+
+def test_left_padding_raises() -> None:
+    batch = tiny_batch(2, 8)
+    batch["attention_mask"] = torch.tensor([[1] * 8, [0, 0] + [1] * 6])
+    with pytest.raises(ValueError, match="left padding"):
+        hf_ring.shard_batch(batch)
+
+
+def test_kv_cache_decoding_raises() -> None:
+    model = tiny_model("llama", "ring").eval()
+    ids = tiny_batch(1, 8)["input_ids"]
+    out = model(input_ids=ids, use_cache=True)
+    with pytest.raises(ValueError, match="decoding with a KV cache"):
+        model(input_ids=ids[:, :1], cache=out.cache, use_cache=True)
+
+
+def test_dynamic_rope_raises() -> None:
+    model = tiny_model("llama", "ring", rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4})
+    with pytest.raises(ValueError, match="rope_type='dynamic'"):
+        _step(model, tiny_batch(1, 8))
+
+
+def test_unknown_batch_key_raises() -> None:
+    with pytest.raises(ValueError, match="does not know how to shard"):
+        hf_ring.shard_batch({**tiny_batch(1, 8), "token_type_ids": torch.zeros(1, 8)})
+
+
+def model_without_ring(kind: str) -> str:
+    if kind == "sdpa":
+        model = tiny_model("llama", "sdpa")
+    else:  # a model that ignores transformers' attention registry
+        cfg = BloomConfig(n_layer=1, hidden_size=32, n_head=4, vocab_size=97, bos_token_id=0, eos_token_id=0)
+        model = AutoModelForCausalLM.from_config(cfg, attn_implementation="ring")
+    try:
+        _step(model, tiny_batch(2, 12))
+    except (RuntimeError, TypeError) as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.parametrize(
+    ("kind", "message"), [("sdpa", "never called ring attention"), ("bloom", "computes attention itself")]
+)
+def test_sharded_batch_through_model_without_ring_attention_raises(kind: str, message: str) -> None:
+    for msg in run_ranks(2, model_without_ring, kind):
+        assert message in msg

@@ -1,0 +1,113 @@
+"""Model level: one training step with attn_implementation="ring" and CP in {2, 4} against the
+same step on one process with sdpa attention in float64 (loss on every rank, every gradient)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import hf_ring
+from tests.models import FAMILIES, tiny_batch, tiny_model
+from tests.oracle import rel_err
+from tests.pool import run_ranks
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
+N = 37  # not a multiple of 2P for P in {2, 3, 4}
+
+
+def _lora(model):
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(5)
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj"]
+    cfg = LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False)  # B != 0: real grads
+    return get_peft_model(model, cfg)
+
+
+def _step(family: str, attn: str, dtype: torch.dtype, batch: dict, *, lora: bool, ckpt: bool, cp: bool):
+    """Loss and gradients (by parameter name, float64) of one step; with ``cp``, the batch goes
+    through shard_batch and gradients are averaged over the group, as DDP would."""
+    model = tiny_model(family, attn, dtype)
+    if lora:
+        model = _lora(model)
+    if ckpt:
+        model.gradient_checkpointing_enable()
+        if lora:
+            model.enable_input_require_grads()
+    model.train()
+    out = model(**(hf_ring.shard_batch(batch) if cp else batch))
+    out.loss.backward()
+    grads = {}
+    for name, p in model.named_parameters():
+        if p.grad is None:
+            continue
+        g = p.grad.double()
+        if cp:
+            dist.all_reduce(g)
+            g /= dist.get_world_size()
+        grads[name] = g
+    return out.loss.double(), grads
+
+
+def model_errors(cases: list[dict]) -> list[dict]:
+    """On every rank: per case, the loss error on this rank and the worst per-tensor gradient error
+    of ring (CP = world) and of single-process sdpa in the same dtype, against float64 sdpa."""
+    results = []
+    for c in cases:
+        batch = tiny_batch(2, c.get("N", N))
+        kw = dict(lora=c["lora"], ckpt=c["ckpt"])
+        ref_loss, ref_grads = _step(c["family"], "sdpa", torch.float64, batch, cp=False, **kw)
+        dtype = DTYPES[c["dtype"]]
+        sdpa_loss, sdpa_grads = _step(c["family"], "sdpa", dtype, batch, cp=False, **kw)
+        ring_loss, ring_grads = _step(c["family"], "ring", dtype, batch, cp=True, **kw)
+        assert ring_grads.keys() == ref_grads.keys() and ref_grads
+        results.append(
+            {
+                **c,
+                "ring_loss": rel_err(ring_loss, ref_loss),
+                "sdpa_loss": rel_err(sdpa_loss, ref_loss),
+                "ring_grads": {k: rel_err(ring_grads[k], ref_grads[k]) for k in ref_grads},
+                "sdpa_grads": {k: rel_err(sdpa_grads[k], ref_grads[k]) for k in ref_grads},
+            }
+        )
+    return results
+
+
+def check(per_rank: list[list[dict]]) -> None:
+    for rank, results in enumerate(per_rank):
+        for r in results:
+            label = f"rank {rank} {r['family']} {r['dtype']} lora={r['lora']} ckpt={r['ckpt']}"
+            if r["dtype"] == "fp32":
+                assert r["ring_loss"] <= 1e-5, f"{label}: loss rel err {r['ring_loss']:.2e}"
+                for k, e in r["ring_grads"].items():
+                    assert e <= 1e-5, f"{label}: grad {k} rel err {e:.2e}"
+            else:
+                # the loss of a tiny model is a few bf16 ulps from float64 either way: floor 1e-4
+                assert r["ring_loss"] <= max(2 * r["sdpa_loss"], 1e-4), (
+                    f"{label}: loss rel err {r['ring_loss']:.2e} vs sdpa {r['sdpa_loss']:.2e}"
+                )
+                for k, e in r["ring_grads"].items():
+                    s = r["sdpa_grads"][k]
+                    assert e <= 2 * s, f"{label}: grad {k} rel err {e:.2e} > 2x bf16 sdpa {s:.2e}"
+
+
+def _cases(dtype: str, **flags) -> list[dict]:
+    return [dict(family=f, dtype=dtype, lora=False, ckpt=False) | flags for f in FAMILIES]
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("world", [2, 4])
+def test_training_step_matches_single_process(world: int, dtype: str) -> None:
+    check(run_ranks(world, model_errors, _cases(dtype)))
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_lora_step_matches_single_process(dtype: str) -> None:
+    check(run_ranks(2, model_errors, _cases(dtype, lora=True)))
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_gradient_checkpointing_step_matches_single_process(dtype: str) -> None:
+    cases = _cases(dtype, ckpt=True) + [dict(family="llama", dtype=dtype, lora=True, ckpt=True)]
+    check(run_ranks(4, model_errors, cases))
