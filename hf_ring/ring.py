@@ -121,6 +121,53 @@ class _RingAttention(torch.autograd.Function):
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
 
 
+def _check_inputs(
+    q: Tensor, k: Tensor, v: Tensor, size: int, layout: str, dropout_p: float, attn_mask: Tensor | None
+) -> None:
+    """Raise ``ValueError`` for inputs the ring cannot take (this rank's own view)."""
+    if dropout_p:
+        raise ValueError(
+            f"ring_attention: dropout_p={dropout_p} is not supported (attention dropout would need "
+            "the same random mask on every rank); set the model's attention_dropout to 0."
+        )
+    if attn_mask is not None:
+        raise ValueError(
+            "ring_attention: an explicit attn_mask is not supported; the ring applies the causal "
+            "mask over global positions itself (causal=True). Pad with hf_ring.shard_batch instead "
+            "of masking."
+        )
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(
+            f"ring_attention expects q [B, S, Hq, D] and k, v [B, S, Hkv, D]; got q {tuple(q.shape)}, "
+            f"k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
+    if k.shape != v.shape:
+        raise ValueError(f"ring_attention: k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape")
+    if q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]:
+        raise ValueError(
+            f"ring_attention: q {tuple(q.shape)} and k/v {tuple(k.shape)} must agree on batch, local "
+            "sequence length and head_dim"
+        )
+    if q.shape[2] % k.shape[2]:
+        raise ValueError(
+            f"ring_attention: query heads ({q.shape[2]}) must be a multiple of key/value heads "
+            f"({k.shape[2]}) for grouped-query attention"
+        )
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(
+            f"ring_attention: q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype}); cast them to one dtype"
+        )
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"ring_attention: q, k, v are on different devices ({q.device}, {k.device}, {v.device})")
+    if size > 1 and layout == "zigzag" and q.shape[1] % 2:
+        raise ValueError(
+            f"ring_attention: local sequence length {q.shape[1]} is odd, but the zigzag layout gives "
+            f"each rank two equal chunks: the full sequence length must be a multiple of 2 * P = "
+            f"{2 * size}. Pad the batch with hf_ring.shard_batch (it pads and masks), or pad to a "
+            f"multiple of {2 * size} yourself."
+        )
+
+
 def ring_attention(
     q: Tensor,
     k: Tensor,
@@ -161,57 +208,31 @@ def ring_attention(
     Zigzag picture, ``P = 2``, sequence cut into chunks ``c0 c1 c2 c3``: rank 0 holds
     ``[c0 | c3]``, rank 1 holds ``[c1 | c2]``.
     """
-    if dropout_p:
-        raise ValueError(
-            f"ring_attention: dropout_p={dropout_p} is not supported (attention dropout would need "
-            "the same random mask on every rank); set the model's attention_dropout to 0."
-        )
-    if attn_mask is not None:
-        raise ValueError(
-            "ring_attention: an explicit attn_mask is not supported; the ring applies the causal "
-            "mask over global positions itself (causal=True). Pad with hf_ring.shard_batch instead "
-            "of masking."
-        )
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise ValueError(
-            f"ring_attention expects q [B, S, Hq, D] and k, v [B, S, Hkv, D]; got q {tuple(q.shape)}, "
-            f"k {tuple(k.shape)}, v {tuple(v.shape)}"
-        )
-    if k.shape != v.shape:
-        raise ValueError(f"ring_attention: k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape")
-    if q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]:
-        raise ValueError(
-            f"ring_attention: q {tuple(q.shape)} and k/v {tuple(k.shape)} must agree on batch, local "
-            "sequence length and head_dim"
-        )
-    if q.shape[2] % k.shape[2]:
-        raise ValueError(
-            f"ring_attention: query heads ({q.shape[2]}) must be a multiple of key/value heads "
-            f"({k.shape[2]}) for grouped-query attention"
-        )
-    if not (q.dtype == k.dtype == v.dtype):
-        raise ValueError(
-            f"ring_attention: q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype}); cast them to one dtype"
-        )
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"ring_attention: q, k, v are on different devices ({q.device}, {k.device}, {v.device})")
     if group is None:
         group = default_group()
     size, rank = group_size_rank(group)
-    if size > 1 and layout == "zigzag" and q.shape[1] % 2:
-        raise ValueError(
-            f"ring_attention: local sequence length {q.shape[1]} is odd, but the zigzag layout gives "
-            f"each rank two equal chunks: the full sequence length must be a multiple of 2 * P = "
-            f"{2 * size}. Pad the batch with hf_ring.shard_batch (it pads and masks), or pad to a "
-            f"multiple of {2 * size} yourself."
-        )
-    kernel = get_kernel(backend, q.device, q.dtype)
+    try:
+        _check_inputs(q, k, v, size, layout, dropout_p, attn_mask)
+        kernel = get_kernel(backend, q.device, q.dtype)
+    except ValueError:
+        if validate and size > 1:
+            # Join the all-gather anyway: ranks whose inputs are fine wait in it. Every rank then
+            # raises the mismatch, or (all ranks failing alike) its own error, re-raised below.
+            _validate(q, k, causal, group, bad=True)
+        raise
     if validate:
-        meta = [*q.shape, k.shape[2], int(causal), _DTYPES.index(q.dtype) if q.dtype in _DTYPES else -2]
-        check_same_across_ranks(meta, group, "ring_attention inputs [B, S, Hq, D, Hkv, causal, dtype]")
+        _validate(q, k, causal, group, bad=False)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[3])
     schedule = make_schedule(layout, causal, rank, size)
     return _RingAttention.apply(q, k, v, scale, schedule, kernel, group)
 
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def _validate(q: Tensor, k: Tensor, causal: bool, group: dist.ProcessGroup | None, bad: bool) -> None:
+    shape = [*q.shape[:4], *[-1] * (4 - min(q.dim(), 4))]
+    hkv = k.shape[2] if k.dim() > 2 else -1
+    dtype = _DTYPES.index(q.dtype) if q.dtype in _DTYPES else -2
+    meta = [*shape, hkv, int(causal), dtype, int(bad)]
+    check_same_across_ranks(meta, group, "ring_attention inputs [B, S, Hq, D, Hkv, causal, dtype, bad input]")

@@ -39,7 +39,7 @@ def make_schedule(layout: str, causal: bool, rank: int, size: int) -> list[tuple
 
     ``layout="zigzag"``: rank ``r`` holds chunks ``r`` and ``2P-1-r`` of ``2P``.
     ``layout="contiguous"``: rank ``r`` holds chunk ``r`` of ``P`` (kept for comparison: causal work
-    is unbalanced across ranks, rank ``P-1`` does ``P`` times the work of rank 0).
+    is unbalanced across ranks, rank ``P-1`` does ``2P-1`` times the work of rank 0).
     """
     if layout not in LAYOUTS:
         raise ValueError(f"unknown layout {layout!r}; choose one of {LAYOUTS}")
