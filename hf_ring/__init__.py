@@ -4,6 +4,7 @@
 """
 
 from .batch import shard_batch
+from .data import count_targets, dp_sampler, prepare_dataloader
 from .integration import register
 from .parallel import ContextParallel, setup_context_parallel
 from .ring import ring_attention
@@ -13,6 +14,9 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ContextParallel",
+    "count_targets",
+    "dp_sampler",
+    "prepare_dataloader",
     "register",
     "ring_attention",
     "setup_context_parallel",

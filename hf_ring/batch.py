@@ -89,6 +89,11 @@ def shard_batch(
         v = batch.get(k)
         if v is not None and (v.dim() != 2 or v.shape[1] != n or v.shape[0] not in (1, b)):
             raise ValueError(f"shard_batch: {k} has shape {tuple(v.shape)}, expected [{b}, {n}]")
+    if n < 2 * size:
+        raise ValueError(
+            f"shard_batch: a sequence of {n} tokens is shorter than 2 * P = {2 * size} zigzag chunks; "
+            "context parallelism is for long sequences: use a smaller cp_size or longer sequences."
+        )
     n_pad = -(-n // (2 * size)) * 2 * size
     pad = n_pad - n
 
