@@ -14,6 +14,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ContextParallel",
+    "RingTrainer",
+    "RingTrainingArguments",
     "count_targets",
     "dp_sampler",
     "prepare_dataloader",
@@ -24,5 +26,17 @@ __all__ = [
     "shard_batch",
     "unshard",
 ]
+
+
+
+def __getattr__(name: str):
+    # RingTrainer imports transformers.Trainer and accelerate: load it on first use, so that
+    # `import hf_ring` stays light.
+    if name in ("RingTrainer", "RingTrainingArguments"):
+        from . import hf_trainer
+
+        return getattr(hf_trainer, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 register()

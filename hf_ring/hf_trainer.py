@@ -1,0 +1,329 @@
+"""``RingTrainer``: a drop-in for Hugging Face ``Trainer`` that trains with context parallelism.
+
+Launch one process per device (``torchrun --nproc_per_node K train.py`` or ``accelerate launch``);
+the world is cut into CP groups of ``cp_size`` consecutive ranks (see ``setup_context_parallel``),
+the rest is data parallelism (DP). Compared with ``Trainer``, ``RingTrainer``
+
+* gives every rank of a CP group the same batches and the DP replicas different ones (its data
+  loaders are split over the DP replicas, not over all processes);
+* counts the valid targets of each optimizer step over its gradient-accumulation window and the DP
+  replicas (not over the CP duplicates), and passes each batch through ``shard_batch``, so the loss
+  it logs is the mean over all those targets, as on one device, and the gradients after DDP's
+  averaging are those of one device running the whole step;
+* refuses a model whose ``attn_implementation`` is not ``"ring"`` when ``cp_size > 1``.
+
+Everything else (optimizers, schedulers, logging through ``report_to``, checkpoints, callbacks)
+is ``Trainer``'s. See docs/trainer.md.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from transformers import Trainer, TrainingArguments
+
+from .batch import shard_batch
+from .data import count_targets
+from .parallel import ContextParallel, context_parallel_state, setup_context_parallel
+from .sharding import unshard
+
+__all__ = ["RingTrainer", "RingTrainingArguments"]
+
+
+@dataclass
+class RingTrainingArguments(TrainingArguments):
+    """``TrainingArguments`` with ``cp_size`` (so that ``HfArgumentParser`` accepts ``--cp_size``)."""
+
+    cp_size: int = field(
+        default=1,
+        metadata={
+            "help": "Context-parallel group size: each sequence is split over this many processes "
+            '(needs attn_implementation="ring" when > 1). The world size must be a multiple of it; '
+            "world_size / cp_size is the number of data-parallel replicas."
+        },
+    )
+
+
+def _attn_implementation(model: nn.Module) -> str | None:
+    config = getattr(model, "config", None)
+    return getattr(config, "_attn_implementation", None)
+
+
+def _launched() -> bool:
+    return dist.is_available() and (dist.is_initialized() or "WORLD_SIZE" in os.environ)
+
+
+class RingTrainer(Trainer):
+    """``transformers.Trainer`` with context parallelism over ``cp_size`` processes per sequence.
+
+    Takes ``Trainer``'s arguments, plus ``cp_size`` (default: ``args.cp_size`` when ``args`` is a
+    ``RingTrainingArguments``, else the CP size of an earlier ``setup_context_parallel`` call, else
+    1). ``per_device_train_batch_size`` is the batch of one DP replica (one CP group), and the
+    global batch of an optimizer step is ``per_device_train_batch_size * gradient_accumulation_steps
+    * world_size / cp_size``. The model must be a causal LM whose loss comes from transformers'
+    ``ForCausalLM`` loss; ``compute_loss_func`` and label smoothing are not supported.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module | None = None,
+        args: TrainingArguments | None = None,
+        *rest: Any,
+        cp_size: int | None = None,
+        **kwargs: Any,
+    ) -> None:
+        args_cp = getattr(args, "cp_size", None)
+        if cp_size is not None and args_cp is not None and cp_size != args_cp:
+            raise ValueError(f"RingTrainer: cp_size={cp_size} but args.cp_size={args_cp}; pass one of them.")
+        if cp_size is None:
+            cp_size = args_cp
+        if cp_size is None:
+            state = context_parallel_state()
+            cp_size = state.cp_size if state is not None else 1
+        if cp_size < 1:
+            raise ValueError(f"RingTrainer: cp_size must be >= 1, got {cp_size}")
+        if cp_size > 1 and not _launched():
+            raise RuntimeError(
+                f"RingTrainer: cp_size={cp_size} needs a multiple of {cp_size} processes, but no launcher "
+                f"environment was found; start the script with `torchrun --nproc_per_node {cp_size} ...` "
+                f"or `accelerate launch --num_processes {cp_size} ...`."
+            )
+        self._cp_size_requested = cp_size
+        if model is not None:
+            self._check_attention(model)
+        if kwargs.get("compute_loss_func") is not None:
+            raise NotImplementedError(
+                "RingTrainer: compute_loss_func is not supported; the loss is the model's causal-LM loss, "
+                "summed over the CP group (the model only sees this rank's shard of the sequence)."
+            )
+        if args is not None and args.label_smoothing_factor:
+            raise NotImplementedError("RingTrainer: label_smoothing_factor is not supported.")
+        super().__init__(model, args, *rest, **kwargs)
+
+        self._cp: ContextParallel | None = None
+        if cp_size > 1 or (dist.is_available() and dist.is_initialized()):
+            state = context_parallel_state()
+            if state is None:
+                state = setup_context_parallel(cp_size)
+            elif state.cp_size != cp_size:
+                raise ValueError(
+                    f"RingTrainer: cp_size={cp_size}, but setup_context_parallel was already called with "
+                    f"cp_size={state.cp_size}; pass the same size (or omit cp_size to use it)."
+                )
+            self._cp = state
+        pc = getattr(self.accelerator, "parallelism_config", None)
+        if pc is not None and cp_size > 1:
+            raise ValueError(
+                "RingTrainer: do not combine cp_size with TrainingArguments.parallelism_config (accelerate's "
+                "own context/tensor parallelism); RingTrainer builds the DP x CP layout itself."
+            )
+        if cp_size > 1 and self.args.train_sampling_strategy == "batch_rebalance":
+            raise NotImplementedError(
+                "RingTrainer: train_sampling_strategy='batch_rebalance' splits batches over all processes; "
+                "use 'random', 'sequential' or 'group_by_length' with cp_size > 1."
+            )
+        # compute_loss normalises by the targets of the whole accumulation window itself.
+        self.loss_is_scaled_for_ga = True
+        self._unshard_logits = False
+
+    # --- layout -------------------------------------------------------------------------------
+    @property
+    def cp_size(self) -> int:
+        """Processes per sequence (1 when not launched)."""
+        return self._cp.cp_size if self._cp is not None else 1
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel replicas: world size / cp_size."""
+        return self._cp.dp_size if self._cp is not None else 1
+
+    @property
+    def _cp_group(self) -> dist.ProcessGroup | None:
+        return self._cp.cp_group if self._cp is not None else None
+
+    @property
+    def _dp_group(self) -> dist.ProcessGroup | None:
+        return self._cp.dp_group if self._cp is not None and self._cp.dp_size > 1 else None
+
+    def _check_attention(self, model: nn.Module) -> None:
+        attn = _attn_implementation(model)
+        if self._cp_size_requested > 1 and attn != "ring":
+            raise ValueError(
+                f"RingTrainer: cp_size={self._cp_size_requested} needs the model loaded with "
+                f'attn_implementation="ring" (this one uses {attn!r}): each rank holds only a shard of the '
+                'sequence. Use from_pretrained(..., attn_implementation="ring") after `import hf_ring`, '
+                'or model.set_attn_implementation("ring").'
+            )
+
+    def get_total_train_batch_size(self, args: TrainingArguments) -> int:
+        """Samples per optimizer step: the CP ranks of a replica share their batch."""
+        return self._train_batch_size * args.gradient_accumulation_steps * self.dp_size
+
+    # --- data: split over the DP replicas only --------------------------------------------------
+    @contextmanager
+    def _split_over_dp_replicas(self) -> Iterator[None]:
+        """While active, ``self.accelerator`` prepares data loaders for ``dp_size`` replicas
+        (rank ``dp_rank``) instead of all processes: the ranks of a CP group get the same batches."""
+        cp = self._cp
+        if cp is None or cp.cp_size == 1:
+            yield
+            return
+        from accelerate.data_loader import prepare_data_loader
+
+        acc = self.accelerator
+        if acc.dispatch_batches:
+            raise ValueError(
+                "RingTrainer: accelerator_config.dispatch_batches=True is not supported with cp_size > 1 "
+                "(process 0 would deal batches to all processes); leave it unset."
+            )
+        if acc._prepare_device_mesh() is not None:
+            raise ValueError("RingTrainer: an accelerate device mesh is not supported with cp_size > 1.")
+
+        def prepare(data_loader: Any, device_placement: bool | None = None, slice_fn_for_dispatch: Any = None) -> Any:
+            if getattr(data_loader, "_is_accelerate_prepared", False):
+                return data_loader
+            prepared = prepare_data_loader(
+                data_loader,
+                acc.device,
+                num_processes=cp.dp_size,
+                process_index=cp.dp_rank,
+                split_batches=acc.split_batches,
+                put_on_device=acc.device_placement if device_placement is None else device_placement,
+                rng_types=acc.rng_types.copy(),
+                # every rank reads the data itself (an iterable dataset must yield the same order on every rank)
+                dispatch_batches=False,
+                even_batches=acc.even_batches,
+                use_seedable_sampler=acc.use_seedable_sampler,
+                data_seed=acc.dataloader_config.data_seed,
+                non_blocking=acc.non_blocking,
+                use_stateful_dataloader=acc.use_stateful_dataloader,
+            )
+            acc._dataloaders.append(prepared)
+            return prepared
+
+        acc.prepare_data_loader = prepare  # instance attribute: shadows Accelerator.prepare_data_loader
+        try:
+            yield
+        finally:
+            del acc.prepare_data_loader
+
+    def get_train_dataloader(self) -> Any:
+        with self._split_over_dp_replicas():
+            return super().get_train_dataloader()
+
+    def get_eval_dataloader(self, eval_dataset: Any = None) -> Any:
+        with self._split_over_dp_replicas():
+            return super().get_eval_dataloader(eval_dataset)
+
+    def get_test_dataloader(self, test_dataset: Any) -> Any:
+        with self._split_over_dp_replicas():
+            return super().get_test_dataloader(test_dataset)
+
+    # --- loss ---------------------------------------------------------------------------------
+    def _get_num_items_in_batch(self, batch_samples: list, device: torch.device) -> torch.Tensor | None:
+        """Valid next-token targets of these micro-batches, summed over the DP replicas only
+        (``Trainer`` would sum over all processes, counting each CP group's batch ``cp_size`` times)."""
+        if not batch_samples or "labels" not in batch_samples[0]:
+            return None
+        return count_targets(batch_samples, self._dp_group).to(device)
+
+    def compute_loss(
+        self,
+        model: nn.Module,
+        inputs: dict[str, Any],
+        return_outputs: bool = False,
+        num_items_in_batch: torch.Tensor | int | None = None,
+    ) -> Any:
+        """The loss of this rank's shard, summed over the CP group, times ``dp_size``.
+
+        ``num_items_in_batch`` counts the targets of all DP replicas, so each CP group's loss is its
+        share of the step's mean; times ``dp_size`` it is what ``Trainer`` expects per process (it
+        averages the logged loss over all processes, as it does with
+        ``average_tokens_across_devices``). The backward of each rank's share is scaled by
+        ``cp_size`` (by ``shard_batch``) and by ``dp_size`` (here): DDP's averaging over the
+        ``dp_size * cp_size`` processes then gives the gradient of one device running the step.
+        """
+        self._check_attention(self.model)
+        if inputs.get("labels") is None:
+            raise ValueError("RingTrainer: the batch has no labels; the data collator must produce `labels`.")
+        if num_items_in_batch is None:
+            num_items_in_batch = self._get_num_items_in_batch([inputs], self.args.device)
+        pad = getattr(getattr(self.model, "config", None), "pad_token_id", None)
+        kwargs = shard_batch(
+            {**inputs, "num_items_in_batch": num_items_in_batch},
+            group=self._cp_group,
+            pad_token_id=pad if isinstance(pad, int) else 0,
+        )
+        outputs = model(**kwargs)
+        loss = outputs["loss"] if isinstance(outputs, dict) else outputs[0]
+        if self.dp_size > 1:
+            loss = loss * self.dp_size
+        if return_outputs and self._unshard_logits and "logits" in outputs:
+            outputs["logits"] = unshard(outputs["logits"], group=self._cp_group)[:, : inputs["labels"].shape[1]]
+        return (loss, outputs) if return_outputs else loss
+
+    # --- evaluation ---------------------------------------------------------------------------
+    def prediction_step(
+        self,
+        model: nn.Module,
+        inputs: dict[str, Any],
+        prediction_loss_only: bool,
+        ignore_keys: list[str] | None = None,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        has_labels = bool(self.label_names) and all(inputs.get(k) is not None for k in self.label_names)
+        if not has_labels:  # Trainer would run the model on the full sequence: shard it ourselves
+            if prediction_loss_only:
+                return (None, None, None)
+            inputs = self._prepare_inputs(inputs)
+            key = "input_ids" if "input_ids" in inputs else "inputs_embeds"
+            with torch.no_grad():
+                out = model(**shard_batch(dict(inputs), group=self._cp_group))
+            logits = unshard(out["logits"], group=self._cp_group)[:, : inputs[key].shape[1]]
+            return (None, logits, None)
+        self._unshard_logits = not prediction_loss_only
+        try:
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+        finally:
+            self._unshard_logits = False
+
+    def _gather_over_dp(self, data: Any, **_: Any) -> Any:
+        """``gather_for_metrics`` over the DP replicas: the ranks of a CP group hold the same values."""
+        from accelerate.utils import recursively_apply
+
+        group, size = self._cp.dp_group, self._cp.dp_size
+
+        def gather(t: torch.Tensor) -> torch.Tensor:
+            t = t.contiguous()
+            if size == 1:
+                return t
+            parts = [torch.empty_like(t) for _ in range(size)]
+            dist.all_gather(parts, t, group=group)
+            return torch.cat(parts, dim=0)
+
+        data = recursively_apply(gather, data, error_on_other_type=True)
+        state = self.accelerator.gradient_state
+        if state.end_of_dataloader and state.remainder > 0:
+            data = recursively_apply(lambda t: t[: state.remainder], data)
+        return data
+
+    def evaluation_loop(self, *args: Any, **kwargs: Any) -> Any:
+        if self._cp is not None and self._cp.cp_size > 1:
+            self.gather_function = self._gather_over_dp  # Trainer resets it after the loop
+        return super().evaluation_loop(*args, **kwargs)
+
+    # --- bookkeeping --------------------------------------------------------------------------
+    def floating_point_ops(self, inputs: dict[str, Any]) -> int:
+        """This rank's share: Trainer sums the estimate over all processes."""
+        return super().floating_point_ops(inputs) // self.cp_size
+
+    def _track_num_input_tokens(self, inputs: dict[str, Any]) -> None:
+        before = self.state.num_input_tokens_seen
+        super()._track_num_input_tokens(inputs)  # gathered over all processes: cp_size copies of each batch
+        self.state.num_input_tokens_seen = before + (self.state.num_input_tokens_seen - before) // self.cp_size

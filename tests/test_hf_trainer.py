@@ -1,0 +1,137 @@
+"""RingTrainer against transformers' Trainer: 5 optimizer steps (gradient accumulation 2, right
+padding, masked prompt spans) of a tiny Llama at CP=2 (2 processes) and DP=2 x CP=2 (4 processes),
+against one process of plain Trainer with sdpa attention on the same data in the same order: the
+logged losses, gradient norms and eval loss, and the final parameters, agree in float32.
+
+The runs are tests/hf_trainer_run.py under torchrun (Trainer needs the launcher's environment),
+started together once per session; each writes JSON and parameters that the tests read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "tests" / "hf_trainer_run.py"
+TIMEOUT = 240
+TOL = 1e-5
+
+
+def _launch(args: list[str], nproc: int | None, log: Path) -> subprocess.Popen:
+    cmd = [sys.executable]
+    if nproc is not None:
+        cmd += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
+    return subprocess.Popen(
+        [*cmd, str(SCRIPT), *args], cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT
+    )
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Path:
+    """Runs the reference and both RingTrainer layouts (concurrently); returns their output folder."""
+    out = tmp_path_factory.mktemp("hf_trainer")
+    jobs = {
+        "ref": _launch(["ref", str(out), "1", "2"], None, out / "ref.log"),
+        "cp2": _launch(["ring", str(out), "2"], 2, out / "cp2.log"),
+        "dp2cp2": _launch(["ring", str(out), "2"], 4, out / "dp2cp2.log"),
+    }
+    deadline = time.monotonic() + TIMEOUT
+    failed = []
+    for name, proc in jobs.items():
+        try:
+            rc = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for p in jobs.values():
+                p.kill()
+            rc = "timeout"
+        if rc != 0:
+            failed.append(f"--- {name}: exit {rc}\n{(out / f'{name}.log').read_text()[-4000:]}")
+    if failed:
+        pytest.fail("training runs failed:\n" + "\n".join(failed))
+    return out
+
+
+def _rel(x, ref) -> float:
+    x, ref = torch.as_tensor(x, dtype=torch.float64), torch.as_tensor(ref, dtype=torch.float64)
+    return float((x - ref).norm() / ref.norm())
+
+
+def _load(runs: Path, name: str) -> tuple[dict, dict[str, torch.Tensor]]:
+    return json.loads((runs / f"{name}.json").read_text()), torch.load(runs / f"{name}.pt")
+
+
+def _compare(runs: Path, ring: str, ref: str) -> None:
+    (r, r_params), (s, s_params) = _load(runs, ring), _load(runs, ref)
+    init = torch.load(runs / "init.pt")
+    assert r["steps"] == s["steps"] == [1, 2, 3, 4, 5]
+    for step, (a, b) in enumerate(zip(r["loss"], s["loss"]), 1):
+        assert abs(a - b) <= TOL * abs(b), f"step {step}: loss {a} vs single-process Trainer {b}"
+    for step, (a, b) in enumerate(zip(r["grad_norm"], s["grad_norm"]), 1):
+        assert abs(a - b) <= TOL * abs(b), f"step {step}: grad norm {a} vs single-process Trainer {b}"
+    assert abs(r["eval_loss"] - s["eval_loss"]) <= TOL * abs(s["eval_loss"])
+    assert r_params.keys() == s_params.keys() == init.keys()
+    for k, p in s_params.items():
+        assert _rel(r_params[k], p) <= TOL, f"{k}: parameter rel err {_rel(r_params[k], p):.2e}"
+        # the updates themselves agree, so the check above is not passed by parameters that barely moved
+        step = p.double() - init[k].double()
+        assert step.norm() > 0, k
+        err = _rel(r_params[k].double() - init[k].double(), step)
+        assert err <= 1e-4, f"{k}: update rel err {err:.2e}"
+    # predict(): logits gathered over the CP group and the DP replicas, in dataset order
+    r_pred, s_pred = torch.load(runs / f"{ring}_pred.pt"), torch.load(runs / f"{ref}_pred.pt")
+    real = s_pred["mask"].bool()  # sdpa and ring differ only at padded positions (no targets there)
+    for key in ("labelled", "unlabelled"):
+        assert r_pred[key].shape == s_pred[key].shape == (*real.shape, 97), key
+        err = _rel(r_pred[key][real], s_pred[key][real])
+        assert err <= TOL, f"predict ({key}): logits rel err {err:.2e}"
+
+
+def test_cp2_matches_single_process_trainer(runs: Path) -> None:
+    _compare(runs, "ring_w2_cp2", "ref_dp1")
+
+
+def test_dp2_cp2_matches_single_process_trainer(runs: Path) -> None:
+    _compare(runs, "ring_w4_cp2", "ref_dp2")
+
+
+def test_cp_groups_share_batches_replicas_split_them(runs: Path) -> None:
+    cp2, _ = _load(runs, "ring_w2_cp2")
+    dp2, _ = _load(runs, "ring_w4_cp2")
+    ref1, _ = _load(runs, "ref_dp1")
+    ref2, _ = _load(runs, "ref_dp2")
+    assert (cp2["cp_size"], cp2["dp_size"], cp2["total_batch"]) == (2, 1, 4)
+    assert (dp2["cp_size"], dp2["dp_size"], dp2["total_batch"]) == (2, 2, 8)
+    a, b = cp2["first_batches"]
+    assert a == b == ref1["first_batch"]
+    r0, r1, r2, r3 = dp2["first_batches"]
+    assert r0 == r1 and r2 == r3 and r0 != r2
+    assert sorted(r0 + r2) == sorted(ref2["first_batch"])
+
+
+def test_refuses_attention_other_than_ring(runs: Path) -> None:
+    for name in ("ring_w2_cp2", "ring_w4_cp2"):
+        res, _ = _load(runs, name)
+        msg = res["errors"].get("sdpa", "")
+        assert 'attn_implementation="ring"' in msg and "'sdpa'" in msg, msg
+
+
+def test_import_hf_ring_does_not_load_trainer(runs: Path) -> None:
+    ref, _ = _load(runs, "ref_dp1")
+    assert not ref["trainer_loaded_by_import"], "`import hf_ring` imported transformers.trainer"
+
+
+def test_cp_size_without_launcher_raises(monkeypatch) -> None:
+    from hf_ring.hf_trainer import RingTrainer
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(RuntimeError, match="torchrun --nproc_per_node 2"):
+        RingTrainer(model=None, cp_size=2)
