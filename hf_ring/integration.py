@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .chunked_loss import take_pending
 from .comm import group_size_rank
 from .loss import CPLoss, reduce_loss
 from .parallel import default_group
@@ -148,7 +149,8 @@ _calls = [0]  # ring attention calls since the last loss of a sharded batch
 
 def _ring_causal_lm_loss(original: Any) -> Any:
     def loss(*args: Any, hf_ring_cp: CPLoss | None = None, **kwargs: Any) -> Tensor:
-        local = original(*args, **kwargs)
+        pending = take_pending(hf_ring_cp)  # set aside by enable_chunked_loss's LM-head hook
+        local = original(*args, **kwargs) if pending is None else pending.loss(**kwargs)
         if hf_ring_cp is None:
             return local
         if _calls[0] == 0 and group_size_rank(hf_ring_cp.group)[0] > 1:

@@ -24,10 +24,13 @@ import torch
 import torch.distributed as dist
 
 from .batch import shard_batch
+from .checkpointing import enable_activation_checkpointing
+from .chunked_loss import enable_chunked_loss
 from .data import count_targets
 from .parallel import ContextParallel, setup_context_parallel
 from .passkey import PasskeyDataset, retrieved
 from .sharding import unshard
+from .tiled_mlp import enable_tiled_mlp
 
 STATE_FILE = "trainer_state.pt"
 
@@ -46,6 +49,9 @@ class TrainConfig:
     grad_accum: int = 1
     lora: dict[str, Any] | None = None
     gradient_checkpointing: bool = False
+    activation_offload: bool = False  # checkpointed activations in host memory (hf_ring.checkpointing)
+    chunked_loss: bool = True  # loss without full logits (hf_ring.chunked_loss); eval logits unaffected
+    tiled_mlp: int | None = None  # run each MLP over tiles of this many tokens (hf_ring.tiled_mlp)
     lr: float = 1e-3
     weight_decay: float = 0.0
     warmup_steps: int = 0
@@ -93,10 +99,16 @@ def build_model(cfg: TrainConfig, attn: str = "ring") -> torch.nn.Module:
         from peft import LoraConfig, get_peft_model
 
         model = get_peft_model(model, LoraConfig(**cfg.lora))
+    if cfg.activation_offload and not cfg.gradient_checkpointing:
+        raise ValueError("activation_offload: true needs gradient_checkpointing: true")
     if cfg.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
+        enable_activation_checkpointing(model, offload=cfg.activation_offload)
         if cfg.lora:
             model.enable_input_require_grads()
+    if cfg.chunked_loss:
+        enable_chunked_loss(model)
+    if cfg.tiled_mlp:
+        enable_tiled_mlp(model, cfg.tiled_mlp)
     return model
 
 

@@ -1,0 +1,301 @@
+"""Measured peak memory per rank of one training step of a small ring model, against the planner (issue 5).
+
+    python -m benchmarks.memory                         # ~2 min: writes benchmarks/results/memory.{jsonl,png}
+    python -m benchmarks.memory --quick --out /tmp/m.jsonl
+
+A 4-layer Llama (hidden 64, MLP 224 -- the 3.5x ratio of Llama-3.1-8B --, 4 query / 2 K/V heads,
+vocabulary 256, float32) runs one forward + backward with attn_implementation="ring" on P gloo
+ranks (spawned processes), sequence N, batch 1, activation checkpointing and the chunked loss on
+(the hf_ring training path). Variants at N = 8192, P = 2: no checkpointing; offload; bfloat16;
+vocabulary 32K with the chunked and with the full-logits loss; the MLP over tiles of 512 tokens,
+without and with offload; LoRA (rank 16, all linear layers, PEFT defaults) on the bf16 model, plain
+and with offload + tiled MLP. Gradients are allocated before the measured step (as from an earlier
+micro-batch), so the figures are the activations and working sets the step adds.
+
+Two measures per rank, the worst rank kept:
+  * ``measured``: allocator-style peak of the tensor storage that the step creates
+    (``hf_ring.memory.LiveTensorBytes``, a TorchDispatchMode that counts each storage from creation
+    to free; on CPU there are no allocator statistics). Offloaded activations are counted apart
+    (``host``). Repeatable to the byte.
+  * ``rss``: growth of the process's resident set across the step (VmHWM after resetting it through
+    /proc/self/clear_refs, minus VmRSS before), with glibc returning every allocation >= 64 KiB to
+    the OS (MALLOC_MMAP_THRESHOLD_=65536): an independent cross-check that includes what the
+    tracker cannot see (gloo buffers, allocator overhead). Linux only; null elsewhere.
+``planned``: ``hf_ring.memory.plan(...).activation_peak`` for the same case.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import tempfile
+from pathlib import Path
+
+SHAPE = dict(hidden_size=64, intermediate_size=224, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2)
+GRID = {"Ns": [2048, 4096, 8192, 16384], "Ps": [1, 2, 4]}
+QUICK = {"Ns": [1024, 2048], "Ps": [1, 2]}
+
+
+def _case(n, dtype="float32", ckpt=True, offload=False, chunked=True, vocab=256, tiled=None, lora=False,
+          name="ckpt+chunked"):  # fmt: skip
+    return dict(N=n, dtype=dtype, ckpt=ckpt, offload=offload, chunked=chunked, vocab=vocab, tiled=tiled, lora=lora,
+                name=name)  # fmt: skip
+
+
+def variants(n: int) -> list[dict]:
+    return [
+        _case(n, ckpt=False, name="no checkpointing"),
+        _case(n, offload=True, name="ckpt+offload"),
+        _case(n, dtype="bfloat16", name="ckpt+chunked bf16"),
+        _case(n, vocab=32000, name="ckpt+chunked V=32K"),
+        _case(n, vocab=32000, chunked=False, name="ckpt+full logits V=32K"),
+        _case(n, tiled=512, name="ckpt+tiled MLP (512)"),
+        _case(n, tiled=512, offload=True, name="ckpt+offload+tiled MLP"),
+        _case(n, dtype="bfloat16", lora=True, name="LoRA r16 bf16 ckpt+chunked"),
+        _case(n, dtype="bfloat16", lora=True, offload=True, tiled=512, name="LoRA bf16 offload+tiled"),
+    ]
+
+
+# ============================================================================ worker side
+def _status(field: str) -> int | None:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _reset_hwm() -> bool:
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def _worker(rank: int, size: int, init_file: str, cases: list[dict], q) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    if size > 1:
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=size)
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    import hf_ring
+    from hf_ring.memory import LORA_TARGETS, LiveTensorBytes
+
+    out = []
+    for c in cases:
+        conf = LlamaConfig(**SHAPE, vocab_size=c["vocab"], max_position_embeddings=1 << 20, tie_word_embeddings=False)
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(conf, attn_implementation="ring").to(getattr(torch, c["dtype"]))
+        if c["lora"]:
+            from peft import LoraConfig, get_peft_model
+
+            model = get_peft_model(model, LoraConfig(r=16, target_modules=list(LORA_TARGETS)))
+            model.enable_input_require_grads()
+        if c["ckpt"]:
+            hf_ring.enable_activation_checkpointing(model, offload=c["offload"])
+        if c["chunked"]:
+            hf_ring.enable_chunked_loss(model)
+        if c["tiled"]:
+            hf_ring.enable_tiled_mlp(model, c["tiled"])
+        model.train()
+        for p in model.parameters():  # as in gradient accumulation: the gradients exist already
+            if p.requires_grad:
+                p.grad = torch.zeros_like(p)
+        g = torch.Generator().manual_seed(1)
+        ids = torch.randint(0, c["vocab"], (1, c["N"]), generator=g)
+        kwargs = hf_ring.shard_batch({"input_ids": ids, "labels": ids})
+        rss = None
+        for step in ("warm-up", "rss", "tracked"):  # the RSS pass runs without the tracker's bookkeeping
+            if size > 1:
+                dist.barrier()
+            if step == "warm-up":  # one-time allocations (thread pools, kernels) out of the way
+                model(**kwargs).loss.backward()
+            elif step == "tracked":
+                with LiveTensorBytes() as mem:
+                    res = model(**kwargs)
+                    res.loss.backward()
+                    del res
+            else:
+                before = _status("VmRSS") if _reset_hwm() else None
+                res = model(**kwargs)
+                res.loss.backward()
+                del res
+                hwm = _status("VmHWM")
+                rss = hwm - before if before is not None and hwm is not None else None
+        out.append({"peak": mem.peak, "host_peak": mem.host_peak, "rss": rss})
+        del model
+    q.put((rank, out))
+    if size > 1:
+        dist.destroy_process_group()
+
+
+def run_p(p: int, cases: list[dict]) -> list[list[dict]]:
+    import multiprocessing as mp
+
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # inherited by the spawned ranks
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    with tempfile.TemporaryDirectory() as d:
+        init = os.path.join(d, "rdzv")
+        procs = [ctx.Process(target=_worker, args=(r, p, init, cases, q)) for r in range(p)]
+        for proc in procs:
+            proc.start()
+        res = dict(q.get(timeout=1800) for _ in procs)
+        for proc in procs:
+            proc.join()
+    return [res[r] for r in range(p)]
+
+
+# ============================================================================ driver
+def machine() -> dict:
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {"cores": cores, "platform": platform.platform()}
+
+
+def versions() -> dict:
+    import torch
+    import transformers
+
+    return {"torch": torch.__version__, "transformers": transformers.__version__, "python": sys.version.split()[0]}
+
+
+def measure(grid: dict, variant_at: tuple[int, int] | None) -> list[dict]:
+    from hf_ring.memory import plan
+
+    rows = []
+    meta = {"machine": machine(), "versions": versions()}
+    for p in grid["Ps"]:
+        cases = [_case(n) for n in grid["Ns"]]
+        if variant_at and variant_at[1] == p:
+            cases += variants(variant_at[0])
+        per_rank = run_p(p, cases)
+        for i, c in enumerate(cases):
+            peak = max(r[i]["peak"] for r in per_rank)
+            host = max(r[i]["host_peak"] for r in per_rank)
+            rss = [r[i]["rss"] for r in per_rank]
+            config = dict(model_type="llama", **SHAPE, vocab_size=c["vocab"])
+            dtype = "fp32" if c["dtype"] == "float32" else "bf16"
+            mode = "lora" if c["lora"] else "full"
+            pl = plan(config, c["N"], p, cp=p, mode=mode, dtype=dtype, checkpointing=c["ckpt"], offload=c["offload"],
+                      chunked_loss=c["chunked"], tiled_mlp=c["tiled"], reserve_gib=0)  # fmt: skip
+            rows.append({
+                "config": c["name"], "N": c["N"], "P": p, "tokens_per_rank": pl.tokens_per_rank, "dtype": c["dtype"],
+                "vocab": c["vocab"], "measured_mib": peak / 2**20, "planned_mib": pl.activation_peak / 2**20,
+                "ratio": peak / pl.activation_peak, "peak_phase": pl.peak_phase,
+                "rss_mib": max(rss) / 2**20 if None not in rss else None,
+                "host_mib": host / 2**20, "planned_host_mib": sum(pl.host.values()) / 2**20,
+                "model": SHAPE, **meta,
+            })  # fmt: skip
+            r = rows[-1]
+            print(f"{c['name']:<26} N={c['N']:>6} P={p}  measured {r['measured_mib']:8.2f} MiB  planned "
+                  f"{r['planned_mib']:8.2f}  ratio {r['ratio']:.3f}  rss {r['rss_mib'] or float('nan'):8.2f}  "
+                  f"host {r['host_mib']:.2f}", flush=True)  # fmt: skip
+    return rows
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    main = [r for r in rows if r["config"] == "ckpt+chunked"]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    ax = axes[0]
+    for p, marker in zip(sorted({r["P"] for r in main}), "osD^"):
+        rs = sorted((r for r in main if r["P"] == p), key=lambda r: r["N"])
+        ax.plot([r["N"] for r in rs], [r["measured_mib"] for r in rs], marker=marker, label=f"P={p} measured")
+        ax.plot([r["N"] for r in rs], [r["planned_mib"] for r in rs], ls=":", color=ax.lines[-1].get_color(),
+                label=f"P={p} planned")  # fmt: skip
+    ax.set(xscale="log", yscale="log", xlabel="sequence length N (tokens)", ylabel="peak per rank (MiB)",
+           title="peak memory per rank vs N")  # fmt: skip
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3, which="both")
+    ax = axes[1]
+    for p, marker in zip(sorted({r["P"] for r in main}), "osD^"):
+        rs = sorted((r for r in main if r["P"] == p), key=lambda r: r["N"])
+        ax.plot([r["tokens_per_rank"] for r in rs], [r["measured_mib"] for r in rs], marker=marker, ls="",
+                label=f"P={p}")  # fmt: skip
+    xs = sorted({r["tokens_per_rank"] for r in main})
+    by_t = {r["tokens_per_rank"]: r["planned_mib"] for r in main}
+    ax.plot(xs, [by_t[x] for x in xs], color="gray", ls=":", label="planner")
+    ax.set(xscale="log", yscale="log", xlabel="tokens per rank N/P", ylabel="peak per rank (MiB)",
+           title="the same points against N/P")  # fmt: skip
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3, which="both")
+    fig.suptitle("one training step, 4-layer Llama (hidden 64), ring attention, checkpointing + chunked loss, fp32",
+                 fontsize=9)  # fmt: skip
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default="benchmarks/results/memory.jsonl")
+    ap.add_argument("--quick", action="store_true", help="a tiny grid, for tests")
+    ap.add_argument("--table", action="store_true", help="print the planner tables of docs/memory.md and exit")
+    a = ap.parse_args(argv)
+    if a.table:
+        print(planner_tables())
+        return
+    grid = QUICK if a.quick else GRID
+    rows = measure(grid, (2048, 2) if a.quick else (8192, 2))
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    plot(rows, out.with_suffix(".png"))
+    print(f"wrote {out} and {out.with_suffix('.png')}")
+
+
+# ============================================================================ planner tables (docs/memory.md)
+def planner_tables() -> str:
+    """Markdown: per-GPU peak of Llama-3.1-8B and Qwen2.5-7B at 128K/512K/1M on 8 and 16 x 80 GiB."""
+    from hf_ring.memory import GiB, max_seq_len, plan
+
+    cols = {
+        "LoRA": dict(mode="lora"),
+        "LoRA + offload": dict(mode="lora", offload=True),
+        "LoRA + offload + tiled MLP": dict(mode="lora", offload=True, tiled_mlp=8192),
+        "full FT": dict(mode="full"),
+        "full FT + offload + tiled MLP": dict(mode="full", offload=True, tiled_mlp=8192),
+    }
+    lines = ["| model | N | GPUs (CP) | tokens/GPU | " + " | ".join(cols) + " |",
+             "|---|---|---|---|" + "---|" * len(cols)]  # fmt: skip
+    for model in ("Llama-3.1-8B", "Qwen2.5-7B"):
+        for n, label in ((2**17, "128K"), (2**19, "512K"), (2**20, "1M")):
+            for g in (8, 16):
+                cells = []
+                for kw in cols.values():
+                    p = plan(model, n, g, cp=g, sharding="fsdp", **kw)
+                    cells.append(f"{p.peak / GiB:.1f}{'' if p.fits else ' ✗'}")
+                lines.append(f"| {model} | {label} | {g} ({g}) | {n // g // 1024}K | " + " | ".join(cells) + " |")
+    out = "\n".join(lines)
+    longest = ["", "| setup | longest sequence that fits (planner) |", "|---|---|"]
+    for model, g, kw, what in (
+        ("Llama-3.1-8B", 1, dict(mode="lora"), "LoRA, 1 GPU"),
+        ("Llama-3.1-8B", 1, dict(mode="lora", offload=True, tiled_mlp=8192), "LoRA + offload + tiled MLP, 1 GPU"),
+        ("Llama-3.1-8B", 8, dict(mode="lora"), "LoRA, 8 GPUs"),
+        ("Llama-3.1-8B", 8, dict(mode="lora", offload=True, tiled_mlp=8192), "LoRA + offload + tiled MLP, 8 GPUs"),
+        ("Llama-3.1-8B", 8, dict(mode="full", offload=True, tiled_mlp=8192), "full FT + offload + tiled MLP, 8 GPUs"),
+        ("Llama-3.1-8B", 16, dict(mode="lora", offload=True, tiled_mlp=8192), "LoRA + offload + tiled MLP, 16 GPUs"),
+        ("Llama-3.1-8B", 32, dict(mode="full", offload=True, tiled_mlp=8192), "full FT + offload + tiled MLP, 32 GPUs"),
+        ("Qwen2.5-7B", 8, dict(mode="lora", offload=True, tiled_mlp=8192), "LoRA + offload + tiled MLP, 8 GPUs"),
+    ):
+        n = max_seq_len(model, g, sharding="fsdp", **kw)
+        longest.append(f"| {model}, {what} | {n / 2**20:.2f}M ({n:,}) |")
+    return out + "\n" + "\n".join(longest)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,109 @@
+"""The gated MLP of every decoder layer over tiles of the sequence, saving only its input.
+
+A gated MLP (``down(act(gate(x)) * up(x))``) keeps four ``[tokens, intermediate]`` tensors for
+backward and makes two more in it; with the layer inputs checkpointed (and offloaded), that is most
+of a rank's activation memory at long context (Llama-3.1-8B: intermediate 14336 = 3.5 x hidden;
+``hf-ring plan`` shows the terms). ``enable_tiled_mlp(model, tile_tokens)`` runs each MLP over
+tiles of ``tile_tokens`` tokens under ``no_grad`` in forward and saves only its input; backward
+re-runs one tile at a time with gradients, so the MLP's working set is that of one tile. The MLP
+acts on each token independently, so the result is exact; the price is one more MLP forward.
+
+Parameter gradients are summed over the tiles (float32) and handed to autograd once, as the
+gradients of the Function's inputs, so DDP's per-parameter hooks fire once per step as usual.
+LoRA adapters inside the MLP (PEFT) are parameters of the MLP like any other.
+
+This module imports only torch.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["enable_tiled_mlp", "disable_tiled_mlp"]
+
+
+class _TiledMLP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, forward, tile, *params):  # type: ignore[override]
+        flat = x.reshape(-1, x.shape[-1])
+        out = None
+        with torch.no_grad():
+            for s in range(0, flat.shape[0], tile):
+                y = forward(flat[s : s + tile])
+                if out is None:
+                    out = y.new_empty((flat.shape[0], y.shape[-1]))
+                out[s : s + tile] = y
+                del y
+        ctx.save_for_backward(x)
+        ctx.forward, ctx.tile, ctx.params = forward, tile, params
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        (x,) = ctx.saved_tensors
+        params = ctx.params
+        want = [i for i, p in enumerate(params) if ctx.needs_input_grad[3 + i]]
+        flat, g = x.reshape(-1, x.shape[-1]), grad.reshape(-1, grad.shape[-1])
+        dx = torch.empty_like(flat) if ctx.needs_input_grad[0] else None
+        acc = [torch.zeros(params[i].shape, dtype=torch.float32, device=params[i].device) for i in want]
+        for s in range(0, flat.shape[0], ctx.tile):
+            xt = flat[s : s + ctx.tile].detach().requires_grad_(dx is not None)
+            with torch.enable_grad():
+                yt = ctx.forward(xt)
+            inputs = ([xt] if dx is not None else []) + [params[i] for i in want]
+            grads = torch.autograd.grad(yt, inputs, g[s : s + ctx.tile], allow_unused=True)
+            if dx is not None:
+                dx[s : s + ctx.tile] = grads[0]
+                grads = grads[1:]
+            for a, gp in zip(acc, grads):
+                if gp is not None:
+                    a += gp
+        out: list[Tensor | None] = [None] * len(params)
+        for i, a in zip(want, acc):
+            out[i] = a.to(params[i].dtype)
+        return (dx.reshape(x.shape) if dx is not None else None, None, None, *out)
+
+
+def _tiled_forward(self: nn.Module, x: Tensor) -> Tensor:
+    forward, tile = self._hf_ring_tiled
+    if x.shape[:-1].numel() <= tile or not torch.is_grad_enabled():
+        return forward(x)
+    params = [p for p in self.parameters() if p.requires_grad]
+    return _TiledMLP.apply(x, forward, tile, *params)
+
+
+def _mlps(model: nn.Module) -> list[nn.Module]:
+    return [
+        m
+        for m in model.modules()
+        if all(isinstance(getattr(m, n, None), nn.Module) for n in ("gate_proj", "up_proj", "down_proj"))
+        and type(m).__name__.endswith("MLP")
+    ]
+
+
+def enable_tiled_mlp(model: nn.Module, tile_tokens: int = 8192) -> nn.Module:
+    """Run every gated MLP (``...MLP`` modules with ``gate_proj``/``up_proj``/``down_proj``: Llama,
+    Qwen2/3, Mistral) of ``model`` over tiles of ``tile_tokens`` tokens (see the module docstring).
+    Works on plain, PEFT- and DDP-wrapped models, with activation checkpointing; idempotent (a
+    second call changes the tile size). Returns ``model``."""
+    if tile_tokens < 1:
+        raise ValueError(f"tile_tokens must be positive, not {tile_tokens}")
+    mlps = _mlps(model)
+    if not mlps:
+        raise TypeError(f"enable_tiled_mlp: no gated MLP (gate_proj, up_proj, down_proj) in {type(model).__name__}")
+    for m in mlps:
+        forward = m._hf_ring_tiled[0] if hasattr(m, "_hf_ring_tiled") else m.forward
+        m._hf_ring_tiled = (forward, int(tile_tokens))
+        m.forward = types.MethodType(_tiled_forward, m)
+    return model
+
+
+def disable_tiled_mlp(model: nn.Module) -> nn.Module:
+    """Undo ``enable_tiled_mlp``."""
+    for m in _mlps(model):
+        if hasattr(m, "_hf_ring_tiled"):
+            del m.forward, m._hf_ring_tiled
+    return model

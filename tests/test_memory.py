@@ -1,0 +1,317 @@
+"""Per-rank memory: measured peaks of small ring models grow as N / P and match the planner within
+20%; checkpointing with offload gives the same step; the planner's model figures, its CLI and the
+recipes' stated memory."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import hf_ring
+from hf_ring.cli import main as cli_main
+from hf_ring.cli import tokens
+from hf_ring.memory import (
+    LORA_TARGETS,
+    GiB,
+    LiveTensorBytes,
+    max_seq_len,
+    model_shape,
+    plan,
+    recipe_memory,
+    smallest_cp,
+)
+from tests.models import tiny_batch, tiny_model
+from tests.oracle import rel_err
+from tests.pool import run_ranks
+
+ROOT = Path(__file__).resolve().parent.parent
+SHAPE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4)
+PLAN_CONFIG = dict(model_type="llama", num_attention_heads=4, num_key_value_heads=2, **SHAPE)
+
+# --- the tracker ----------------------------------------------------------------------------------
+
+
+def test_live_tensor_bytes_counts_what_a_block_allocates():
+    outside = torch.ones(1000)
+    with LiveTensorBytes() as mem:
+        a = torch.ones(256)  # 1 KiB
+        view = a[10:]  # no new memory
+        b = outside.view(10, 100).t()  # a view of a tensor made outside: not counted
+        outside.add_(1)  # in place on it: not counted
+        c = torch.empty(512)  # 2 KiB
+        assert mem.live == 3072
+        del c
+        assert mem.live == 1024 and mem.peak == 3072
+        d = a * 2
+        del a, view, d
+    assert mem.live == 0 and mem.peak == 3072 and b.shape == (100, 10)
+
+
+# --- measured peaks against the planner ----------------------------------------------------------------
+
+
+def measure_step(cases: list[dict]) -> list[dict]:
+    """One training step per case on this rank (CP = the world, or one process): the peak bytes of
+    the tensors it creates, its gradients allocated beforehand (as from an earlier micro-batch)."""
+    out = []
+    for c in cases:
+        shape = {**SHAPE, "vocab_size": c.get("vocab", SHAPE["vocab_size"])}
+        model = tiny_model("llama", "ring", getattr(torch, c["dtype"]), max_position_embeddings=1 << 16, **shape)
+        if c["lora"]:
+            from peft import LoraConfig, get_peft_model
+
+            model = get_peft_model(model, LoraConfig(r=8, target_modules=list(LORA_TARGETS)))
+            model.enable_input_require_grads()
+        if c["ckpt"]:
+            hf_ring.enable_activation_checkpointing(model, offload=c["offload"])
+        if c["chunked"]:
+            hf_ring.enable_chunked_loss(model)
+        if c["tiled"]:
+            hf_ring.enable_tiled_mlp(model, c["tiled"])
+        model.train()
+        for p in model.parameters():  # as in gradient accumulation: the gradients exist already
+            if p.requires_grad:
+                p.grad = torch.zeros_like(p)
+        batch = tiny_batch(1, c["N"], vocab=shape["vocab_size"], seed=2)
+        kwargs = hf_ring.shard_batch(batch)
+        with LiveTensorBytes() as mem:
+            res = model(**kwargs)
+            res.loss.backward()
+            del res
+        out.append({"peak": mem.peak, "host_peak": mem.host_peak})
+    return out
+
+
+def _case(n, dtype="float32", ckpt=True, offload=False, chunked=True, vocab=256, tiled=None, lora=False):
+    return dict(N=n, dtype=dtype, ckpt=ckpt, offload=offload, chunked=chunked, vocab=vocab, tiled=tiled, lora=lora)
+
+
+GRID = {1: [_case(512), _case(1024)], 2: [_case(1024), _case(2048)], 4: [_case(2048), _case(4096)]}
+VARIANTS = [  # CP = 2, 2048 tokens
+    _case(2048, ckpt=False),
+    _case(2048, offload=True),
+    _case(2048, dtype="bfloat16"),
+    _case(2048, chunked=False, vocab=2048),
+    _case(2048, vocab=2048),
+    _case(2048, tiled=256),
+    _case(2048, tiled=256, offload=True),
+    _case(2048, dtype="bfloat16", lora=True),  # PEFT's float32 adapters on a bf16 model
+]
+
+
+def _planned(c: dict, p: int):
+    cfg = {**PLAN_CONFIG, "vocab_size": c["vocab"]}
+    dtype = "fp32" if c["dtype"] == "float32" else "bf16"
+    return plan(cfg, c["N"], p, cp=p, mode="lora" if c["lora"] else "full", lora_rank=8, dtype=dtype,
+                checkpointing=c["ckpt"], offload=c["offload"], chunked_loss=c["chunked"], tiled_mlp=c["tiled"],
+                reserve_gib=0)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def measured() -> dict:
+    """{(P, case index): (case, worst rank's peak, host peak)}."""
+    runs = {1: measure_step(GRID[1])}
+    runs[2] = run_ranks(2, measure_step, GRID[2] + VARIANTS)
+    runs[4] = run_ranks(4, measure_step, GRID[4])
+    out = {}
+    for p, per_rank in runs.items():
+        per_rank = per_rank if p > 1 else [per_rank]
+        cases = GRID[p] + (VARIANTS if p == 2 else [])
+        for i, c in enumerate(cases):
+            peak = max(r[i]["peak"] for r in per_rank)
+            host = max(r[i]["host_peak"] for r in per_rank)
+            out[(p, i)] = (c, peak, host)
+    return out
+
+
+def test_planner_predicts_measured_activation_peaks(measured):
+    for (p, _), (c, peak, host) in measured.items():
+        pl = _planned(c, p)
+        ratio = peak / pl.activation_peak
+        planned = pl.activation_peak / 2**20
+        assert 0.8 <= ratio <= 1.2, f"P={p} {c}: measured {peak / 2**20:.2f} MiB, planned {planned:.2f}"
+        if c["offload"]:
+            planned_host = sum(pl.host.values())
+            assert 0.8 <= host / planned_host <= 1.2, f"P={p} {c}: host {host} vs {planned_host}"
+        else:
+            assert host == 0
+
+
+def test_peak_memory_per_rank_grows_as_n_over_p(measured):
+    grid = {(p, c["N"]): peak for (p, i), (c, peak, _) in measured.items() if i < len(GRID[p])}
+    per_token = {k: v / (k[1] / k[0]) for k, v in grid.items()}
+    assert max(per_token.values()) / min(per_token.values()) < 1.25, per_token
+    # the same N/P gives the same peak whatever P is
+    assert abs(grid[(1, 512)] / grid[(2, 1024)] - 1) < 0.1
+    assert abs(grid[(2, 1024)] / grid[(4, 2048)] - 1) < 0.1
+    assert abs(grid[(1, 1024)] / grid[(2, 2048)] - 1) < 0.1
+    assert abs(grid[(2, 2048)] / grid[(4, 4096)] - 1) < 0.1
+    # doubling P halves the peak at a fixed N
+    assert 1.8 < grid[(1, 1024)] / grid[(2, 1024)] < 2.2
+    assert 1.8 < grid[(2, 2048)] / grid[(4, 2048)] < 2.2
+
+
+def test_offload_and_chunked_loss_lower_the_measured_peak(measured):
+    v = {i - len(GRID[2]): (c, peak, host) for (p, i), (c, peak, host) in measured.items() if p == 2}
+    base = measured[(2, 1)][1]  # fp32, checkpointing, chunked, 2048 tokens
+    assert measured[(2, 1)][0]["N"] == v[0][0]["N"] == 2048
+    assert v[0][1] > 2 * base  # no checkpointing
+    assert v[1][1] < base and v[1][2] > 0  # offload: less on the device, some on the host
+    assert v[2][1] < 0.6 * base  # bf16
+    assert v[4][1] < 0.6 * v[3][1]  # chunked vs full logits, vocabulary 2048
+    assert v[5][1] < 0.85 * base and v[6][1] < 0.85 * v[1][1]  # tiled MLP, without and with offload
+
+
+# --- offload gives the same step ------------------------------------------------------------------------
+
+
+def offload_step_errors(cases: list[dict]) -> list[dict]:
+    out = []
+    for c in cases:
+        batch = tiny_batch(2, 37)
+        results = {}
+        for mode in MODES:
+            model = tiny_model(c["family"], "ring")
+            if c["lora"]:
+                from peft import LoraConfig, get_peft_model
+
+                torch.manual_seed(5)
+                lora = LoraConfig(r=4, target_modules=["q_proj", "up_proj"], init_lora_weights=False)
+                model = get_peft_model(model, lora)
+            if mode != "plain":
+                hf_ring.enable_activation_checkpointing(model, offload="offload" in mode)
+                if c["lora"]:
+                    model.enable_input_require_grads()
+            if "tiled" in mode:
+                hf_ring.enable_tiled_mlp(model, tile_tokens=7)
+            hf_ring.enable_chunked_loss(model)
+            if c["ddp"]:
+                model = torch.nn.parallel.DistributedDataParallel(model)
+            model.train()
+            with LiveTensorBytes() as mem:
+                res = model(**hf_ring.shard_batch(batch))
+                res.loss.backward()
+            grads = {}
+            inner = model.module if c["ddp"] else model
+            for n, p in inner.named_parameters():
+                if p.grad is not None:
+                    g = p.grad.double()
+                    if not c["ddp"]:
+                        dist.all_reduce(g)
+                        g /= 2
+                    grads[n] = g
+            results[mode] = (res.loss.detach().double(), grads, mem.host_peak)
+        loss, grads, _ = results["plain"]
+        errs = {"host_offload": results["offload"][2], "host_ckpt": results["ckpt"][2]}
+        for mode in MODES[1:]:
+            errs[f"{mode} loss"] = rel_err(results[mode][0], loss)
+            assert results[mode][1].keys() == grads.keys()
+            errs[f"{mode} grads"] = max(rel_err(results[mode][1][k], grads[k]) for k in grads)
+        out.append(errs)
+    return out
+
+
+MODES = ("plain", "ckpt", "offload", "tiled", "tiled+offload")
+
+
+def test_checkpointing_offload_and_tiled_mlp_give_the_same_step_cp2():
+    cases = [dict(family="llama", lora=False, ddp=False), dict(family="qwen2", lora=True, ddp=False),
+             dict(family="qwen3", lora=False, ddp=True)]  # fmt: skip
+    for rank, results in enumerate(run_ranks(2, offload_step_errors, cases)):
+        for c, e in zip(cases, results):
+            assert e.pop("host_ckpt") == 0 and e.pop("host_offload") > 0, (rank, c)
+            for k, v in e.items():
+                assert v <= 1e-6, f"rank {rank} {c}: {k} rel err {v:.2e}"
+
+
+def test_offload_needs_checkpointing():
+    with pytest.raises(ValueError, match="checkpointing"):
+        plan("Llama-3.1-8B", 2**20, 8, checkpointing=False, offload=True)
+
+
+# --- the planner ------------------------------------------------------------------------------------
+
+
+def test_known_models_and_config_sources(tmp_path):
+    assert abs(model_shape("Llama-3.1-8B").params / 8.03e9 - 1) < 0.005
+    assert abs(model_shape("Qwen2.5-7B").params / 7.62e9 - 1) < 0.005
+    assert abs(model_shape("meta-llama/Llama-3.2-1B").params / 1.24e9 - 1) < 0.01
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(PLAN_CONFIG))
+    assert model_shape(str(tmp_path)) == model_shape(str(cfg)) == model_shape(PLAN_CONFIG)
+    assert model_shape("tiny-cpu-demo").hidden == 128  # a recipe whose init_from run does not exist yet
+    with pytest.raises(ValueError, match="unknown model"):
+        model_shape("no-such-model")
+
+
+def test_planner_terms_for_llama_8b_at_1m_tokens():
+    p = plan("Llama-3.1-8B", 2**20, 8, cp=8)
+    t = 2**17
+    assert p.tokens_per_rank == t
+    # checkpointed layer inputs: 32 layers x 4096 x bf16 = 256 KiB per token, plus the final norm (its fp32
+    # input and bf16 output; its weight is frozen) and RoPE
+    assert p.rows["checkpointed activations"] == t * (32 * 4096 * 2 + (4 + 2) * 4096 + 4 + 2 * 128 * 2)
+    assert p.rows["weights"] / 1e9 == pytest.approx(8.03 * 2 + model_shape("Llama-3.1-8B").lora_params(16) * 4e-9, 1e-2)
+    off = plan("Llama-3.1-8B", 2**20, 8, cp=8, offload=True)
+    assert off.host["checkpointed activations"] > 35 * GiB and off.peak < p.peak - 30 * GiB
+    full = plan("Llama-3.1-8B", 2**20, 8, cp=8, chunked_loss=False)
+    assert full.activation_peak - p.activation_peak > t * 128256 * 8  # full logits: >= 2 float32 copies
+    # activations scale as 1 / CP
+    assert plan("Llama-3.1-8B", 2**20, 16, cp=16).activation_peak == pytest.approx(p.activation_peak / 2, rel=0.02)
+    # FSDP / ZeRO-3 over 8 GPUs: full fine-tuning model states shrink to ~16 bytes x params / 8
+    m = model_shape("Llama-3.1-8B")
+    z3 = plan(m, 2**17, 8, cp=8, mode="full", sharding="zero3")
+    gathered = 2 * (2 * m.layer_params + 2 * m.vocab * m.hidden)  # two layers, embedding and head, in bf16
+    assert z3.model_states == pytest.approx(16 * m.params / 8 + gathered, rel=1e-9)
+
+
+def test_ring_overlap_threshold_with_gqa():
+    p = plan("Llama-3.1-8B", 2**17, 8, cp=8, flops=400e12, intra_GBps=300)
+    # forward: T >= F * bytes * Hkv / (BW * Hq) = 400e12 * 2 * (8/32) / 300e9
+    assert p.overlap["forward_threshold"] == 667
+    assert p.overlap["hidden"] and p.tokens_per_rank > p.overlap["threshold_tokens"]
+    mha = dict(PLAN_CONFIG, num_key_value_heads=4)
+    gqa, no_gqa = (plan(c, 2**15, 8, cp=8).overlap["threshold_tokens"] for c in (PLAN_CONFIG, mha))
+    assert no_gqa == pytest.approx(2 * gqa, abs=2)  # K/V with half as many heads: half the tokens
+    two_nodes = plan("Llama-3.1-8B", 2**16, 16, cp=16, flops=400e12, inter_GBps=45)
+    assert two_nodes.overlap["link"] == "inter-node" and two_nodes.overlap["forward_threshold"] == 4445
+    assert not two_nodes.overlap["hidden"]  # 4K tokens per rank are too few across nodes
+
+
+def test_smallest_cp_and_longest_sequence():
+    assert smallest_cp("Llama-3.1-8B", 2**17, 8) == 2
+    assert smallest_cp("Llama-3.1-8B", 2**20, 8) is None  # 1M on 8 GPUs needs offload
+    assert smallest_cp("Llama-3.1-8B", 2**20, 8, offload=True) == 8
+    longest = max_seq_len("Llama-3.1-8B", 8, offload=True)
+    assert plan("Llama-3.1-8B", longest, 8, offload=True, cp=8).fits
+    assert not plan("Llama-3.1-8B", longest + 1024, 8, offload=True, cp=8).fits
+
+
+def test_cli_plan(capsys):
+    assert tokens("128K") == 131072 and tokens("1M") == 2**20 and tokens("1.5M") == 1572864
+    assert cli_main(["plan", "Llama-3.1-8B", "--seq-len", "1M", "--gpus", "8", "--offload"]) == 0
+    out = capsys.readouterr().out
+    assert "checkpointed activations" in out and "smallest CP size that fits: 8" in out and "ring overlap" in out
+    args = ["plan", "Qwen2.5-7B", "--seq-len", "512K", "--gpus", "16", "--mode", "full", "--sharding", "fsdp", "--json"]
+    assert cli_main(args) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["cp"] == data["smallest_fitting_cp"] and data["fits"] and data["model"]["vocab"] == 152064
+    assert cli_main(["plan", "tiny-cpu-demo"]) == 0
+    assert "tiny-cpu-demo" in capsys.readouterr().out
+
+
+def test_every_recipe_states_the_planners_memory():
+    recipes = sorted((ROOT / "recipes").glob("*.yaml"))
+    assert recipes
+    import yaml
+
+    for path in recipes:
+        stated = yaml.safe_load(path.read_text()).get("memory_gb")
+        assert stated, f"{path.name}: no memory_gb; run hf-ring plan {path.name} --write"
+        want = recipe_memory(path)
+        for k, v in want.items():
+            assert stated.get(k) == pytest.approx(v, abs=0.002), f"{path.name}: memory_gb.{k} {stated.get(k)} != {v}"
