@@ -1,0 +1,1 @@
+"""Benchmarks for hf_ring (not part of the installed package)."""

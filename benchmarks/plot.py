@@ -1,0 +1,217 @@
+"""Draw every figure of the attention benchmark from its JSON-lines table.
+
+    python -m benchmarks.plot benchmarks/results/attention.jsonl [--outdir benchmarks/results]
+
+Writes efficiency.png, vs_torch_ring.png, load_balance.png, comm_hidden.png, attention_memory.png and
+times.png. Error bars are the p20..p80 range over iterations.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+COLORS = {1: "tab:gray", 2: "tab:blue", 4: "tab:orange", 8: "tab:green"}
+
+
+def load(path: str | Path) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def select(rows, **kw) -> list[dict]:
+    return sorted((r for r in rows if all(r.get(k) == v for k, v in kw.items())), key=lambda r: r["x"])
+
+
+def _series(ax, rows, label, color, style="-o", xkey="x"):
+    if not rows:
+        return
+    xs = [r[xkey] for r in rows]
+    med = [r["median"] for r in rows]
+    lo = [max(0.0, r["median"] - r["p20"]) for r in rows]
+    hi = [max(0.0, r["p80"] - r["median"]) for r in rows]
+    ax.errorbar(xs, med, yerr=[lo, hi], fmt=style, color=color, label=label, capsize=3, lw=1.5, ms=5)
+
+
+def _ps(rows) -> list[int]:
+    return sorted({r["P"] for r in rows})
+
+
+def _subtitle(rows) -> str:
+    if not rows:
+        return ""
+    m, v = rows[0]["machine"], rows[0]["versions"]
+    commit = v.get("hf_ring_commit", "?")
+    return f"{m['cpu']}, {m['cores']} cores; torch {v['torch']}, hf_ring {v['hf_ring']} ({commit})"
+
+
+def _log2x(ax, xs):
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sorted(set(xs)))
+    ax.set_xticklabels([str(x) for x in sorted(set(xs))])
+
+
+def _finish(fig, ax, rows, title, path):
+    ax.set_title(title, fontsize=11)
+    fig.suptitle(_subtitle(rows), fontsize=7, y=0.995, color="dimgray")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_efficiency(rows, out: Path) -> Path:
+    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    eff = [r for r in rows if r["name"] == "efficiency"]
+    for p in _ps(eff):
+        _series(ax, select(eff, provider="hf_ring", P=p), f"hf_ring P={p}", COLORS.get(p, None))
+        _series(ax, select(eff, provider="torch_ring", P=p), f"torch ring P={p}", COLORS.get(p, None), "--s")
+    ax.axhline(0.97, color="red", ls=":", lw=1, label="target 0.97")
+    if eff:
+        _log2x(ax, [r["x"] for r in eff])
+    ax.set_xlabel("total sequence length N")
+    ax.set_ylabel("efficiency = t_sdpa(all threads, 1 process) / t_ring")
+    return _finish(fig, ax, rows, "Efficiency vs N (causal, Hq=8, Hkv=2, D=64, fp32, fwd+bwd)", out / "efficiency.png")
+
+
+def plot_vs_torch(rows, out: Path) -> Path:
+    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    vs = [r for r in rows if r["name"] == "vs_torch_ring"]
+    for p in _ps(vs):
+        _series(ax, select(vs, P=p), f"P={p}", COLORS.get(p, None))
+    ax.axhline(1.10, color="red", ls=":", lw=1, label="target 1.10")
+    ax.axhline(1.0, color="black", lw=0.8)
+    if vs:
+        _log2x(ax, [r["x"] for r in vs])
+    ax.set_xlabel("total sequence length N")
+    ax.set_ylabel("t_torch_ring / t_hf_ring  (> 1: hf_ring faster)")
+    return _finish(fig, ax, rows, "hf_ring vs torch's ring on the same zigzag shards", out / "vs_torch_ring.png")
+
+
+def plot_times(rows, out: Path) -> Path:
+    t = [r for r in rows if r["name"] == "fwd_bwd"]
+    ps = _ps(t)
+    fig, axes = plt.subplots(1, len(ps), figsize=(4.2 * len(ps), 4.2), squeeze=False, sharey=True)
+    styles = {"sdpa": ("k", "-o"), "sdpa_1thread": ("gray", ":o"), "hf_ring": ("tab:blue", "-s"),
+              "torch_ring": ("tab:red", "--^"), "hf_ring_contiguous": ("tab:purple", "-.v"),
+              "hf_ring_nocomm": ("tab:green", ":x")}  # fmt: skip
+    for ax, p in zip(axes[0], ps):
+        for prov, (c, st) in styles.items():
+            _series(ax, select(t, provider=prov, P=p), prov, c, st)
+        _log2x(ax, [r["x"] for r in t])
+        ax.set_yscale("log")
+        ax.set_xlabel("N")
+        th = select(t, provider="hf_ring", P=p)
+        ax.set_title(f"P={p}, {th[0]['threads'] if th else '?'} thread(s)/rank", fontsize=10)
+        ax.grid(True, alpha=0.3, which="both")
+        ax.legend(fontsize=7)
+    axes[0][0].set_ylabel("fwd+bwd seconds (max over ranks)")
+    fig.suptitle("fwd+bwd wall time; " + _subtitle(rows), fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "times.png", dpi=110)
+    plt.close(fig)
+    return out / "times.png"
+
+
+def plot_load_balance(rows, out: Path) -> Path:
+    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    lb = [r for r in rows if r["name"] == "load_balance"]
+    for p in _ps(lb):
+        c = COLORS.get(p, None)
+        _series(ax, select(lb, provider="hf_ring", P=p), f"zigzag P={p}", c)
+        _series(ax, select(lb, provider="hf_ring_contiguous", P=p), f"contiguous P={p}", c, "--s")
+        ax.axhline(2 * p / (p + 1), color=c, ls=":", lw=1, label=f"2P/(P+1) = {2 * p / (p + 1):.2f}")
+    ax.axhline(1.03, color="red", ls=":", lw=1, label="target 1.03 (zigzag)")
+    if lb:
+        _log2x(ax, [r["x"] for r in lb])
+    ax.set_xlabel("total sequence length N")
+    ax.set_ylabel("max / mean over ranks of per-rank compute")
+    return _finish(fig, ax, rows, "Load balance: zigzag vs contiguous (main-thread CPU s)", out / "load_balance.png")
+
+
+def plot_comm(rows, out: Path) -> Path:
+    cm = [r for r in rows if r["name"] == "comm"]
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4.4))
+    for p in _ps(cm):
+        c = COLORS.get(p, None)
+        _series(a1, select(cm, metric="hidden_fraction", P=p), f"P={p}: 1-(t_ring-t_nocomm)/t_comm", c)
+        _series(a1, select(cm, metric="hidden_fraction_wait", P=p), f"P={p}: 1-wait/t_comm", c, "--s")
+        _series(a2, select(cm, metric="t_comm_alone", P=p), f"P={p} comm alone", c, "-o")
+        _series(a2, select(cm, metric="exposed", P=p), f"P={p} t_ring - t_nocomm", c, "--^")
+        _series(a2, select(cm, metric="wait", P=p), f"P={p} time in wait", c, ":x")
+    a1.axhline(0.95, color="red", ls=":", lw=1, label="target 0.95")
+    a1.axhline(1.0, color="black", lw=0.8)
+    a1.set_ylabel("hidden fraction of communication")
+    a2.set_ylabel("seconds per fwd+bwd")
+    a2.axhline(0.0, color="black", lw=0.8)
+    for a in (a1, a2):
+        if cm:
+            _log2x(a, [r["x"] for r in cm])
+        a.set_xlabel("total sequence length N")
+        a.grid(True, alpha=0.3)
+        a.legend(fontsize=7)
+    a1.set_title("Communication hidden behind compute", fontsize=11)
+    a2.set_title("Communication: alone vs exposed", fontsize=11)
+    fig.suptitle(_subtitle(rows), fontsize=7, y=0.995, color="dimgray")
+    fig.tight_layout()
+    fig.savefig(out / "comm_hidden.png", dpi=110)
+    plt.close(fig)
+    return out / "comm_hidden.png"
+
+
+def plot_memory(rows, out: Path) -> Path:
+    mem = [r for r in rows if r["name"] == "peak_memory" and r["metric"] == "rss_growth"]
+    ns = sorted({r["N"] for r in mem})
+    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    cmap = plt.get_cmap("viridis")
+    for i, n in enumerate(ns):
+        c = cmap(i / max(1, len(ns) - 1) * 0.85)
+        hr = select(mem, provider="hf_ring", N=n)
+        _series(ax, hr, f"hf_ring N={n}", c)
+        _series(ax, select(mem, provider="torch_ring", N=n), f"torch ring N={n}", c, "--^")
+        base = [r for r in hr if r["P"] == 1]
+        if base:
+            ps = [r["P"] for r in hr]
+            ax.plot(ps, [1.1 * base[0]["median"] / p for p in ps], ls=":", color=c, lw=1,
+                    label=f"1.1 x peak(P=1)/P, N={n}")  # fmt: skip
+        sd = select(mem, provider="sdpa", N=n)
+        if sd:
+            ax.scatter([1], [sd[0]["median"]], marker="*", s=80, color=c, zorder=5, label=f"SDPA N={n}")
+    if mem:
+        _log2x(ax, [r["x"] for r in mem])
+    ax.set_yscale("log")
+    ax.set_xlabel("ranks P")
+    ax.set_ylabel("peak RSS growth per rank over one fwd+bwd (MiB)")
+    return _finish(fig, ax, rows, "Peak memory per rank vs P (excludes q, k, v, dout)", out / "attention_memory.png")
+
+
+def plot_all(table: str | Path, outdir: str | Path) -> list[Path]:
+    rows = load(table)
+    out = Path(outdir)
+    out.mkdir(parents=True, exist_ok=True)
+    plots = (plot_efficiency, plot_vs_torch, plot_times, plot_load_balance, plot_comm, plot_memory)
+    return [f(rows, out) for f in plots]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("table", nargs="?", default="benchmarks/results/attention.jsonl")
+    ap.add_argument("--outdir", default=None, help="default: the table's folder")
+    args = ap.parse_args(argv)
+    paths = plot_all(args.table, args.outdir or Path(args.table).parent)
+    for p in paths:
+        print(p)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
