@@ -186,3 +186,16 @@ def model_without_ring(kind: str) -> str:
 def test_sharded_batch_through_model_without_ring_attention_raises(kind: str, message: str) -> None:
     for msg in run_ranks(2, model_without_ring, kind):
         assert message in msg
+
+
+def too_short() -> str:
+    try:
+        hf_ring.shard_batch(tiny_batch(1, 5))
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_sequence_shorter_than_2p_raises() -> None:
+    for msg in run_ranks(4, too_short):
+        assert "shorter than 2 * P = 8" in msg
