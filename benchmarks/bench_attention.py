@@ -1,6 +1,6 @@
 """Attention-level benchmark of hf_ring on CPU/gloo (issue 6).
 
-    python -m benchmarks.bench_attention --out benchmarks/results/attention.jsonl          # ~12 min
+    python -m benchmarks.bench_attention --out benchmarks/results/attention.jsonl          # ~10 min idle
     python -m benchmarks.bench_attention --out /tmp/attention.jsonl --quick                # < 30 s
 
 Causal attention, B=1, Hq=8, Hkv=2, D=64, float32, total sequence N in {4096, 8192, 16384}, P in
@@ -19,9 +19,13 @@ Measured (see NOTES.md for definitions):
   * communication hiding: the same schedule's compute without send/recv (t_nocomm), the same hops
     without compute (t_comm_alone); hidden = 1 - (t_ring - t_nocomm) / t_comm_alone.
   * peak memory per rank: growth of the resident set (VmHWM after resetting it through
-    /proc/self/clear_refs, minus VmRSS before) across one fwd+bwd, in separate processes where glibc
-    returns every allocation >= 64 KiB to the OS on free (MALLOC_MMAP_THRESHOLD_=65536), so the
-    resident set follows the live tensors.
+    /proc/self/clear_refs, minus VmRSS before) across one fwd+bwd, measured first in each fresh
+    worker while glibc returns every allocation >= 64 KiB to the OS on free (mallopt
+    M_MMAP_THRESHOLD), so that the resident set follows the live tensors.
+  * on a shared machine, an iteration during which other processes used > 10% of the CPUs is run
+    again (at most ``iters`` times per N); ``machine_load`` rows record the load of the kept ones.
+    ``--wait-idle S`` waits up to S s for a quiet machine before each P. Every finished P is saved
+    in the raw file; ``--resume [--redo P ...]`` continues an interrupted run.
 
 Output: one JSON object per line with fields name, provider, metric, x, P, N, median, p20, p80,
 unit, machine, versions, threads, note; and ``<out stem>_raw.json`` with every per-rank sample.
@@ -598,6 +602,15 @@ def build_rows(timing: dict, memory: dict, cfg: dict, meta: dict) -> list[dict]:
                     "fraction",
                     note=note_of(p, "1 - (mean wait in RingComm.wait)/t_comm_alone"),
                 )
+                frac = [e / t for e, t in zip(exposed, t_ring["hf_ring"])]
+                add("comm", "hf_ring", "exposed_fraction_of_t_ring", p, n, _stats(frac), "fraction",
+                    note=note_of(p, "(t_ring - t_nocomm)/t_ring, paired per iteration: the ring's whole cost "
+                                    "beyond its compute; " + nt))  # fmt: skip
+                reps = max(1, len(t_cm) // max(1, iters))
+                t_cm_it = [float(np.median(t_cm[i * reps : (i + 1) * reps])) for i in range(iters)]
+                frac = [c / t for c, t in zip(t_cm_it, t_ring["hf_ring"])]
+                add("comm", "hf_ring", "comm_alone_fraction_of_t_ring", p, n, _stats(frac), "fraction",
+                    note=note_of(p, "t_comm_alone/t_ring: what there is to hide; " + nt))  # fmt: skip
 
     for p in cfg["Ps"]:
         if p in meta["load"]:
@@ -708,6 +721,8 @@ def main(argv: list[str] | None = None) -> int:
         metavar="S",
         help="before each P, wait up to S seconds for other processes to leave the CPUs",
     )
+    ap.add_argument("--resume", action="store_true", help="reuse the P already in <out>_raw.json (same config)")
+    ap.add_argument("--redo", type=int, nargs="*", default=None, metavar="P", help="with --resume: run these P again")
     args = ap.parse_args(argv)
 
     cfg = dict(QUICK if args.quick else FULL)
@@ -725,8 +740,31 @@ def main(argv: list[str] | None = None) -> int:
 
     t_start = time.monotonic()
     cfg["memory"] = not args.no_memory
-    timing, memory = {}, {}
+    raw = out.with_name(out.stem + "_raw.json")
+    timing, memory, walls = {}, {}, {}
+    if args.resume and raw.exists():
+        old = json.loads(raw.read_text())
+        same = {k: old["config"].get(k) for k in ("Ns", "iters", "threads", "memory")} == {
+            k: cfg[k] for k in ("Ns", "iters", "threads", "memory")
+        }
+        if not same:
+            raise SystemExit(f"--resume: {raw} was made with another configuration ({old['config']})")
+        for ps, v in old["timing"].items():
+            if int(ps) in cfg["Ps"] and int(ps) not in (args.redo or []):
+                timing[int(ps)], memory[int(ps)] = v, old["memory"][ps]
+                meta["load"][int(ps)] = old["meta"]["load"][ps]
+                walls[int(ps)] = old.get("walls", {}).get(ps)
+        print(f"[bench] resuming: P={sorted(timing)} taken from {raw}", flush=True)
+
+    def save_raw() -> None:
+        with open(raw, "w") as f:
+            json.dump({"config": cfg, "meta": meta, "timing": {str(p): v for p, v in timing.items()},
+                       "memory": {str(p): v for p, v in memory.items()},
+                       "walls": {str(p): v for p, v in walls.items()}}, f)  # fmt: skip
+
     for p in cfg["Ps"]:
+        if p in timing:
+            continue
         t0 = time.monotonic()
         c = {**cfg, "threads": cfg["threads"] if p == 1 else max(1, cfg["threads"] // p)}
         if args.wait_idle:
@@ -734,23 +772,19 @@ def main(argv: list[str] | None = None) -> int:
         per_rank, meta["load"][p] = _launch(_worker, p, c, args.timeout)
         timing[p] = [r["timing"] for r in per_rank]
         memory[p] = [r["memory"] for r in per_rank]
-        print(
-            f"[bench] P={p} done in {time.monotonic() - t0:.1f} s (foreign CPU load {100 * meta['load'][p]:.0f}%)",
-            flush=True,
-        )
+        walls[p] = time.monotonic() - t0
+        save_raw()  # after every P, so that an interrupted run can --resume
+        print(f"[bench] P={p} done in {walls[p]:.1f} s (foreign CPU load {100 * meta['load'][p]:.0f}%)", flush=True)
 
     # reshape: [p][rank][n][provider][iter] -> [p][n][rank][provider][iter]
     tim = {p: {n: [timing[p][r][n] for r in range(p)] for n in timing[p][0]} for p in timing}
     mem = {p: {n: [memory[p][r][n] for r in range(p)] for n in memory[p][0]} for p in memory}
+    meta["load"] = {int(k): v for k, v in meta["load"].items()}
     rows = build_rows(tim, mem, cfg, meta)
     with open(out, "w") as f:
         for r in rows:
             f.write(json.dumps({k: r[k] for k in FIELDS}) + "\n")
-    raw = out.with_name(out.stem + "_raw.json")
-    with open(raw, "w") as f:
-        json.dump({"config": cfg, "meta": meta, "timing": {str(p): v for p, v in timing.items()},
-                   "memory": {str(p): v for p, v in memory.items()},
-                   "wall_s": time.monotonic() - t_start}, f)  # fmt: skip
+    save_raw()
     print(f"[bench] {len(rows)} rows -> {out} (raw samples: {raw}); total {time.monotonic() - t_start:.1f} s")
     return 0
 

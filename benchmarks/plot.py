@@ -58,11 +58,14 @@ def _log2x(ax, xs):
     ax.set_xticklabels([str(x) for x in sorted(set(xs))])
 
 
-def _finish(fig, ax, rows, title, path):
+def _finish(fig, ax, rows, title, path, outside=False):
     ax.set_title(title, fontsize=11)
     fig.suptitle(_subtitle(rows), fontsize=7, y=0.995, color="dimgray")
     ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
+    if outside:
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    else:
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -70,24 +73,41 @@ def _finish(fig, ax, rows, title, path):
 
 
 def plot_efficiency(rows, out: Path) -> Path:
-    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4.4))
     eff = [r for r in rows if r["name"] == "efficiency"]
     for p in _ps(eff):
-        _series(ax, select(eff, provider="hf_ring", P=p), f"hf_ring P={p}", COLORS.get(p, None))
-        _series(ax, select(eff, provider="torch_ring", P=p), f"torch ring P={p}", COLORS.get(p, None), "--s")
-    ax.axhline(0.97, color="red", ls=":", lw=1, label="target 0.97")
-    if eff:
-        _log2x(ax, [r["x"] for r in eff])
-    ax.set_xlabel("total sequence length N")
-    ax.set_ylabel("efficiency = t_sdpa(all threads, 1 process) / t_ring")
-    return _finish(fig, ax, rows, "Efficiency vs N (causal, Hq=8, Hkv=2, D=64, fp32, fwd+bwd)", out / "efficiency.png")
+        _series(a1, select(eff, provider="hf_ring", P=p), f"hf_ring P={p}", COLORS.get(p, None))
+        _series(a1, select(eff, provider="torch_ring", P=p), f"torch ring P={p}", COLORS.get(p, None), "--s")
+    a1.axhline(0.97, color="red", ls=":", lw=1, label="target 0.97")
+    a1.set_ylabel("t_sdpa(all threads, 1 process) / t_ring")
+    a1.set_title("Efficiency (wall time, same total threads)", fontsize=11)
+    ec = [r for r in rows if r["name"] == "efficiency_cpu"]
+    for p in _ps(ec):
+        _series(a2, select(ec, provider="hf_ring", P=p), f"hf_ring P={p}", COLORS.get(p, None))
+        _series(a2, select(ec, provider="torch_ring", P=p), f"torch ring P={p}", COLORS.get(p, None), "--s")
+    a2.axhline(1.0, color="black", lw=0.8)
+    a2.set_ylabel("CPU s of 1-thread SDPA / (P x max-rank CPU s)")
+    a2.set_title("Work efficiency (CPU time; no thread scaling)", fontsize=11)
+    for a in (a1, a2):
+        if eff:
+            _log2x(a, [r["x"] for r in eff])
+        a.set_xlabel("total sequence length N")
+        a.grid(True, alpha=0.3)
+        a.legend(fontsize=7)
+    fig.suptitle("causal, Hq=8, Hkv=2, D=64, fp32, fwd+bwd; " + _subtitle(rows), fontsize=7, y=0.995, color="dimgray")
+    fig.tight_layout()
+    fig.savefig(out / "efficiency.png", dpi=110)
+    plt.close(fig)
+    return out / "efficiency.png"
 
 
 def plot_vs_torch(rows, out: Path) -> Path:
     fig, ax = plt.subplots(figsize=(6.4, 4.4))
     vs = [r for r in rows if r["name"] == "vs_torch_ring"]
+    vc = [r for r in rows if r["name"] == "vs_torch_ring_cpu"]
     for p in _ps(vs):
-        _series(ax, select(vs, P=p), f"P={p}", COLORS.get(p, None))
+        _series(ax, select(vs, P=p), f"P={p} wall time", COLORS.get(p, None))
+        _series(ax, select(vc, P=p), f"P={p} main-thread CPU time", COLORS.get(p, None), "--s")
     ax.axhline(1.10, color="red", ls=":", lw=1, label="target 1.10")
     ax.axhline(1.0, color="black", lw=0.8)
     if vs:
@@ -143,15 +163,15 @@ def plot_comm(rows, out: Path) -> Path:
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4.4))
     for p in _ps(cm):
         c = COLORS.get(p, None)
-        _series(a1, select(cm, metric="hidden_fraction", P=p), f"P={p}: 1-(t_ring-t_nocomm)/t_comm", c)
-        _series(a1, select(cm, metric="hidden_fraction_wait", P=p), f"P={p}: 1-wait/t_comm", c, "--s")
-        _series(a2, select(cm, metric="t_comm_alone", P=p), f"P={p} comm alone", c, "-o")
-        _series(a2, select(cm, metric="exposed", P=p), f"P={p} t_ring - t_nocomm", c, "--^")
-        _series(a2, select(cm, metric="wait", P=p), f"P={p} time in wait", c, ":x")
+        _series(a1, select(cm, metric="hidden_fraction", P=p), f"P={p}: 1-(t_ring-t_nocomm)/t_comm_alone", c)
+        _series(a1, select(cm, metric="hidden_fraction_wait", P=p), f"P={p}: 1-wait/t_comm_alone", c, "--s")
+        _series(a2, select(cm, metric="comm_alone_fraction_of_t_ring", P=p), f"P={p}: t_comm_alone/t_ring", c, "-o")
+        _series(a2, select(cm, metric="exposed_fraction_of_t_ring", P=p), f"P={p}: (t_ring-t_nocomm)/t_ring", c, "--^")
     a1.axhline(0.95, color="red", ls=":", lw=1, label="target 0.95")
     a1.axhline(1.0, color="black", lw=0.8)
+    a1.axhline(0.0, color="black", lw=0.5)
     a1.set_ylabel("hidden fraction of communication")
-    a2.set_ylabel("seconds per fwd+bwd")
+    a2.set_ylabel("fraction of the ring's fwd+bwd time")
     a2.axhline(0.0, color="black", lw=0.8)
     for a in (a1, a2):
         if cm:
@@ -160,7 +180,7 @@ def plot_comm(rows, out: Path) -> Path:
         a.grid(True, alpha=0.3)
         a.legend(fontsize=7)
     a1.set_title("Communication hidden behind compute", fontsize=11)
-    a2.set_title("Communication: alone vs exposed", fontsize=11)
+    a2.set_title("What there is to hide vs what shows", fontsize=11)
     fig.suptitle(_subtitle(rows), fontsize=7, y=0.995, color="dimgray")
     fig.tight_layout()
     fig.savefig(out / "comm_hidden.png", dpi=110)
@@ -171,7 +191,7 @@ def plot_comm(rows, out: Path) -> Path:
 def plot_memory(rows, out: Path) -> Path:
     mem = [r for r in rows if r["name"] == "peak_memory" and r["metric"] == "rss_growth"]
     ns = sorted({r["N"] for r in mem})
-    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    fig, ax = plt.subplots(figsize=(8.6, 4.6))
     cmap = plt.get_cmap("viridis")
     for i, n in enumerate(ns):
         c = cmap(i / max(1, len(ns) - 1) * 0.85)
@@ -191,7 +211,9 @@ def plot_memory(rows, out: Path) -> Path:
     ax.set_yscale("log")
     ax.set_xlabel("ranks P")
     ax.set_ylabel("peak RSS growth per rank over one fwd+bwd (MiB)")
-    return _finish(fig, ax, rows, "Peak memory per rank vs P (excludes q, k, v, dout)", out / "attention_memory.png")
+    return _finish(
+        fig, ax, rows, "Peak memory per rank vs P (excludes q, k, v, dout)", out / "attention_memory.png", outside=True
+    )
 
 
 def plot_all(table: str | Path, outdir: str | Path) -> list[Path]:
