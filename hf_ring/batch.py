@@ -15,6 +15,7 @@ from torch import Tensor
 from .comm import check_same_across_ranks, group_size_rank
 from .loss import CPLoss
 from .parallel import default_group
+from .sharding import zigzag
 
 __all__ = ["shard_batch"]
 
@@ -24,8 +25,7 @@ _PASS_KEYS = ("num_items_in_batch", "use_cache", "return_dict", "output_hidden_s
 
 
 def _zigzag(x: Tensor, size: int, rank: int) -> Tensor:
-    chunks = x.chunk(2 * size, dim=1)
-    return torch.cat((chunks[rank], chunks[2 * size - 1 - rank]), dim=1).contiguous()
+    return zigzag(x, 1, size, rank).contiguous()  # the batch shape was checked once, above
 
 
 def _check_right_padding(mask: Tensor) -> None:

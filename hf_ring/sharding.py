@@ -41,6 +41,11 @@ def shard(x: Tensor, *, dim: int = 1, group: dist.ProcessGroup | None = None) ->
             f"shard: length {n} along dim {dim} is not a multiple of 2 * P = {2 * size}; pad it to "
             f"a multiple of {2 * size} first (hf_ring.shard_batch pads batches and masks the padding)."
         )
+    return zigzag(x, dim, size, rank)
+
+
+def zigzag(x: Tensor, dim: int, size: int, rank: int) -> Tensor:
+    """Chunks ``rank`` and ``2 * size - 1 - rank`` of ``2 * size`` along ``dim`` (no checks)."""
     chunks = x.chunk(2 * size, dim=dim)
     return torch.cat((chunks[rank], chunks[2 * size - 1 - rank]), dim=dim)
 
