@@ -199,7 +199,7 @@ def _make_work(n: int, rank: int, size: int, group, cfg: dict) -> dict:
     if size > 1:
         cont = W.local_inputs(n, rank, size, "contiguous")
         zz_t = W.to_bhsd(*zz)
-        work["hf_ring_nocomm"] = lambda: W.nocomm_fwd_bwd(*zz, rank=rank, size=size)
+        work["hf_ring_nocomm"] = lambda: W.nocomm_fwd_bwd(*zz, group=group)
         work["torch_ring"] = lambda: W.torch_ring_fwd_bwd(*zz_t, group=group)
         work["hf_ring_contiguous"] = lambda: W.hf_ring_fwd_bwd(*cont, group=group, layout="contiguous")
         work["comm_alone"] = lambda: W.comm_alone(zz[1], zz[2], group=group)

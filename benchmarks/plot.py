@@ -1,9 +1,11 @@
-"""Draw every figure of the attention benchmark from its JSON-lines table.
+"""Draw every benchmark figure from the long-format JSON-lines tables (one row per measurement).
 
-    python -m benchmarks.plot benchmarks/results/attention.jsonl [--outdir benchmarks/results]
+    python -m benchmarks.plot [TABLE ...] [--outdir DIR]     # default: benchmarks/results/*.jsonl of the benchmarks
 
-Writes efficiency.png, vs_torch_ring.png, load_balance.png, comm_hidden.png, attention_memory.png and
-times.png. Error bars are the p20..p80 range over iterations.
+The tables are read as one: attention rows (``bench_attention``) give efficiency.png,
+vs_torch_ring.png, times.png, load_balance.png, comm_hidden.png and attention_memory.png; model rows
+(``bench_model``) model_throughput.png and model_memory.png; GPU rows (``bench_gpu``) gpu_fraction.png
+and gpu_overlap.png. Error bars are the p20..p80 range over iterations.
 """
 
 from __future__ import annotations
@@ -216,21 +218,158 @@ def plot_memory(rows, out: Path) -> Path:
     )
 
 
-def plot_all(table: str | Path, outdir: str | Path) -> list[Path]:
-    rows = load(table)
+# ============================================================================ GPU benchmark (bench_gpu.py)
+_GPU_MARKERS = {2: "o", 4: "s", 8: "^", 16: "v"}
+_LINK_COLORS = ("tab:purple", "tab:red", "tab:brown", "tab:olive", "tab:cyan")
+
+
+def _gpu_title(rows, what: str) -> str:
+    dev = str(rows[0]["machine"].get("gpu", "?"))
+    return f"{what} on {'CPU (smoke test)' if dev.startswith('none') else dev}"
+
+
+def plot_gpu(rows, outdir) -> list[Path]:
+    """``gpu_fraction.png`` (fraction of theoretical vs N, per P) and ``gpu_overlap.png`` (tokens per
+    rank vs the measured overlap threshold, per link) from ``benchmarks.bench_gpu`` rows; [] without them."""
+    frac = [r for r in rows if r["name"] == "gpu_fraction_of_theoretical"]
+    thr = [r for r in rows if r["name"] == "gpu_overlap_threshold"]
+    if not frac and not thr:
+        return []
     out = Path(outdir)
     out.mkdir(parents=True, exist_ok=True)
-    plots = (plot_efficiency, plot_vs_torch, plot_times, plot_load_balance, plot_comm, plot_memory)
-    return [f(rows, out) for f in plots]
+    paths = []
+    if frac:
+        # the baseline that uses the ring's own kernel (bench_gpu marks it in the note)
+        same = sorted({r["metric"].split(".vs_")[1] for r in frac if "same kernel" in r["note"]}) or sorted(
+            {r["metric"].split(".vs_")[1] for r in frac}
+        )
+        base = same[0]
+        fig, ax = plt.subplots(figsize=(6.8, 4.4))
+        for p in _ps(frac):
+            c = COLORS.get(p, None)
+            _series(ax, select(frac, metric=f"max_rank.vs_{base}", P=p), f"P={p}, slowest rank", c)
+            _series(ax, select(frac, metric=f"mean_rank.vs_{base}", P=p), f"P={p}, mean over ranks", c, ":s")
+        ax.axhline(1.0, color="black", lw=0.8, label="theoretical (t_full / P)")
+        _log2x(ax, [r["x"] for r in frac])
+        ax.set_xlabel("total sequence length N")
+        ax.set_ylabel(f"(t_{base} / P) / t_rank")
+        ax.set_ylim(bottom=0)
+        paths.append(_finish(fig, ax, frac, _gpu_title(frac, "Emulated zigzag rank vs full attention / P"),
+                             out / "gpu_fraction.png", outside=True))  # fmt: skip
+    if thr:
+        fig, ax = plt.subplots(figsize=(7.4, 4.6))
+        meas = [dict(r, T=r["N"] // r["P"]) for r in thr if r["metric"] == "tokens_per_rank"]
+        links = sorted({r["provider"] for r in thr})
+        ts = [r["T"] for r in meas]
+        for i, link in enumerate(links):
+            c = _LINK_COLORS[i % len(_LINK_COLORS)]
+            for p in _ps(meas):
+                pts = sorted((r for r in meas if r["provider"] == link and r["P"] == p), key=lambda r: r["T"])
+                _series(ax, pts, f"{link}, P={p}", c, "-" + _GPU_MARKERS.get(p, "o"), xkey="T")
+            plan = [r["median"] for r in thr if r["provider"] == link and r["metric"].endswith("planner_default_flops")]
+            if plan:
+                ax.axhline(max(plan), color=c, ls="--", lw=1, label=f"{link}: plan() at 400 TFLOP/s")
+        if ts:
+            lo, hi = min(ts) / 2, max(ts) * 2
+            ax.plot([lo, hi], [lo, hi], color="black", lw=0.8, label="threshold = T (hidden below)")
+            _log2x(ax, ts)
+        ax.set_yscale("log")
+        ax.set_xlabel("tokens per rank T = N / P")
+        ax.set_ylabel("overlap threshold T* (tokens per rank)")
+        paths.append(_finish(fig, ax, thr, _gpu_title(thr, "Ring overlap: measured threshold vs T"),
+                             out / "gpu_overlap.png", outside=True))  # fmt: skip
+    return paths
+
+
+# ============================================================================ model benchmark (bench_model.py)
+def plot_model(rows, outdir) -> list[Path]:
+    """``model_throughput.png`` (tokens/s, and t_sdpa/t_ring with the speedup over CP=1, vs N per P)
+    and ``model_memory.png`` (peak MiB per rank vs N per P) from ``benchmarks.bench_model`` rows;
+    [] without them."""
+    tp = [r for r in rows if r["name"] == "train_step" and r["metric"] == "tokens_per_s"]
+    mem = [r for r in rows if r["name"] == "peak_memory" and r["metric"] in ("live_tensor_bytes", "rss_growth_step")]
+    if not tp and not mem:
+        return []
+    out = Path(outdir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+    label = "tiny Llama training step (fwd+bwd+AdamW), checkpointing + chunked loss, fp32"
+    if tp:
+        eff = [r for r in rows if r["name"] == "efficiency" and r["metric"] == "t_sdpa_step/t_ring_step"]
+        spd = [r for r in rows if r["name"] == "speedup_vs_cp1" and r["provider"] == "hf_ring"]
+        fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4.4))
+        for p in _ps(tp):
+            _series(a1, select(tp, provider="hf_ring", P=p), f"hf_ring CP={p}", COLORS.get(p, None))
+        sd = [r for r in tp if r["provider"] == "sdpa"]
+        if sd:  # measured in every P's run; the smallest P's (CP=1: the same process layout)
+            _series(a1, select(sd, P=min(_ps(sd))), "sdpa, 1 process, all threads", "black", "--^")
+        a1.set_yscale("log")
+        a1.set_ylabel("tokens / s (N / step time; max over ranks)")
+        a1.set_title("Training throughput", fontsize=11)
+        for p in _ps(eff):
+            _series(a2, select(eff, provider="hf_ring", P=p), f"CP={p}: t_sdpa / t_ring", COLORS.get(p, None))
+        for p in _ps(spd):
+            _series(a2, select(spd, P=p), f"CP={p}: t(CP=1) / t(CP={p})", COLORS.get(p, None), "--s")
+        a2.axhline(1.0, color="black", lw=0.8)
+        a2.set_ylabel("ratio of step times (> 1: hf_ring CP=P faster)")
+        a2.set_title("vs single-process SDPA (paired) and vs CP=1", fontsize=11)
+        for a in (a1, a2):
+            _log2x(a, [r["x"] for r in tp])
+            a.set_xlabel("sequence length N (tokens)")
+            a.grid(True, alpha=0.3, which="both")
+            a.legend(fontsize=7)
+        fig.suptitle(label + "; " + _subtitle(tp), fontsize=7, y=0.995, color="dimgray")
+        fig.tight_layout()
+        fig.savefig(out / "model_throughput.png", dpi=110)
+        plt.close(fig)
+        paths.append(out / "model_throughput.png")
+    if mem:
+        fig, ax = plt.subplots(figsize=(8.2, 4.6))
+        live = [r for r in mem if r["metric"] == "live_tensor_bytes"]
+        rss = [r for r in mem if r["metric"] == "rss_growth_step"]
+        for p in _ps(mem):
+            c = COLORS.get(p, None)
+            _series(ax, select(live, provider="hf_ring", P=p), f"hf_ring CP={p}: live tensors", c)
+            _series(ax, select(rss, provider="hf_ring", P=p), f"hf_ring CP={p}: RSS growth", c, ":s")
+            base = select(live, provider="hf_ring", P=1)
+            if p > 1 and base:
+                ax.plot([r["x"] for r in base], [r["median"] / p for r in base], ls="--", lw=0.8, color=c,
+                        label=f"CP=1 live tensors / {p}")  # fmt: skip
+        _series(ax, select(live, provider="sdpa", P=1), "sdpa, 1 process: live tensors", "black", "--^")
+        _log2x(ax, [r["x"] for r in mem])
+        ax.set_yscale("log")
+        ax.set_xlabel("sequence length N (tokens)")
+        ax.set_ylabel("peak per rank during one step (MiB)")
+        state = [r for r in rows if r["name"] == "peak_memory" and r["metric"] == "model_state"]
+        extra = f"; + {state[0]['median']:.0f} MiB parameters and AdamW state" if state else ""
+        paths.append(_finish(fig, ax, mem, "Peak memory per rank of a training step" + extra,
+                             out / "model_memory.png", outside=True))  # fmt: skip
+    return paths
+
+
+ATTENTION_PLOTS = (plot_efficiency, plot_vs_torch, plot_times, plot_load_balance, plot_comm, plot_memory)
+DEFAULT_TABLES = ("attention.jsonl", "model.jsonl", "gpu.jsonl")
+
+
+def plot_all(tables: str | Path | list[str | Path], outdir: str | Path) -> list[Path]:
+    """Every figure that the rows of ``tables`` (one or more JSON-lines files, read as one table) give."""
+    tables = [tables] if isinstance(tables, (str, Path)) else tables
+    rows = [r for t in tables for r in load(t)]
+    out = Path(outdir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [f(rows, out) for f in ATTENTION_PLOTS] if select(rows, name="fwd_bwd") else []
+    return paths + plot_model(rows, out) + plot_gpu(rows, out)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("table", nargs="?", default="benchmarks/results/attention.jsonl")
-    ap.add_argument("--outdir", default=None, help="default: the table's folder")
+    ap.add_argument("tables", nargs="*", help="default: the tables of benchmarks/results that exist")
+    ap.add_argument("--outdir", default=None, help="default: the first table's folder")
     args = ap.parse_args(argv)
-    paths = plot_all(args.table, args.outdir or Path(args.table).parent)
-    for p in paths:
+    tables = args.tables or [p for t in DEFAULT_TABLES if (p := Path("benchmarks/results") / t).exists()]
+    if not tables:
+        ap.error("no tables given and none in benchmarks/results")
+    for p in plot_all(tables, args.outdir or Path(tables[0]).parent):
         print(p)
     return 0
 

@@ -3,8 +3,8 @@ on this rank's shard and returns its timings. Imported inside the spawned gloo w
 
 Providers
   hf_ring      hf_ring.ring_attention (zigzag or contiguous layout), autograd fwd + bwd
-  nocomm       the same schedule's kernel calls, merges and accumulations, without any send/recv
-               (built from make_schedule + get_kernel + merge_, mirroring hf_ring/ring.py)
+  nocomm       hf_ring's own autograd Function with its RingComm swapped for one that sends nothing:
+               the same schedule's kernel calls, merges and accumulations, without any send/recv
   comm_alone   the same messages over the same RingComm hops, without any compute
   torch_ring   torch's own ring engine (_templated_ring_attention[_backward]) on the same shards
   sdpa         F.scaled_dot_product_attention(enable_gqa=True) over the whole sequence
@@ -17,7 +17,6 @@ wrappers cost two ``perf_counter`` calls per kernel call / wait.
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 
@@ -28,9 +27,6 @@ import torch.nn.functional as F
 import hf_ring
 import hf_ring.comm as hcomm
 import hf_ring.ring as hring
-from hf_ring.kernels import get_kernel
-from hf_ring.ring import merge_
-from hf_ring.schedule import make_schedule
 
 B, HQ, HKV, D = 1, 8, 2, 64
 SEED = 1234
@@ -145,64 +141,34 @@ def hf_ring_fwd_bwd(q, k, v, do, *, group, layout="zigzag") -> dict:
 
 
 # --------------------------------------------------------------------------------------- nocomm
-def nocomm_fwd_bwd(q, k, v, do, *, rank: int, size: int, layout="zigzag") -> dict:
-    """The kernel calls, merges and accumulations of rank ``rank``'s schedule, with no send/recv.
+class _NoComm:
+    """``RingComm``'s interface with no transfer: the ring runs its whole schedule (kernel calls,
+    merges, accumulations, buffers) on the blocks it already holds."""
 
-    Mirrors ``hf_ring.ring._RingAttention`` step by step (same buffers, same kernels on blocks of
-    the same shapes); the visiting K/V block is played by the local one (same shape and dtype;
-    the kernels' cost does not depend on the values).
+    def __init__(self, group, tag: int = 0) -> None:
+        pass
+
+    def send_recv(self, send: torch.Tensor, recv: torch.Tensor) -> None:
+        pass
+
+    def commit(self) -> None:
+        pass
+
+    def wait(self) -> None:
+        pass
+
+
+def nocomm_fwd_bwd(q, k, v, do, *, group, layout="zigzag") -> dict:
+    """``hf_ring_fwd_bwd`` with ``hf_ring.ring.RingComm`` replaced by ``_NoComm`` for the call.
+
+    The receive buffers keep whatever they held (the kernels' cost does not depend on values).
     """
-    steps = make_schedule(layout, True, rank, size)
-    kernel = get_kernel("auto", q.device, q.dtype)
-    scale = 1.0 / math.sqrt(q.shape[3])
-    s_loc = q.shape[1]
-
-    def rows(half):
-        return slice(half[0] * s_loc // 2, half[1] * s_loc // 2)
-
-    c0, t0 = time.thread_time(), time.perf_counter()
-    kt = 0.0
-    # forward
-    out = torch.zeros(q.shape, dtype=torch.float32)
-    lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32)
-    kv = torch.stack((k, v))
-    spare = torch.empty_like(kv) if size > 1 else kv  # the ring's receive buffer (kept for memory parity)
-    for blocks in steps:
-        for b in blocks:
-            qr, kr = rows(b.q), rows(b.kv)
-            tk = time.perf_counter()
-            o_b, l_b = kernel.forward(q[:, qr], kv[0, :, kr], kv[1, :, kr], causal=b.causal, scale=scale)
-            kt += time.perf_counter() - tk
-            merge_(out[:, qr], lse[:, qr], o_b, l_b)
-    out = out.to(q.dtype)
-    t1 = time.perf_counter()
-    kt_f = kt
-    # backward
-    dq = torch.zeros(q.shape, dtype=torch.float32)
-    kv = torch.stack((k, v))
-    spare = torch.empty_like(kv) if size > 1 else kv  # noqa: F841
-    dkv_bufs = [torch.zeros(kv.shape, dtype=torch.float32) for _ in range(min(size, 2))]
-    for step, blocks in enumerate(steps):
-        grads = []
-        for b in blocks:
-            qr, kr = rows(b.q), rows(b.kv)
-            tk = time.perf_counter()
-            dq_b, dk_b, dv_b = kernel.backward(
-                do[:, qr], q[:, qr], kv[0, :, kr], kv[1, :, kr], out[:, qr], lse[:, qr],
-                causal=b.causal, scale=scale,
-            )  # fmt: skip
-            kt += time.perf_counter() - tk
-            dq[:, qr] += dq_b
-            grads.append((kr, dk_b, dv_b))
-        acc = dkv_bufs[step % len(dkv_bufs)]
-        for kr, dk_b, dv_b in grads:
-            acc[0, :, kr] += dk_b
-            acc[1, :, kr] += dv_b
-    dkv = dkv_bufs[size % len(dkv_bufs)]
-    res = (dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype))
-    t2, c2 = time.perf_counter(), time.thread_time()
-    del res
-    return {"fwd": t1 - t0, "bwd": t2 - t1, "total": t2 - t0, "cpu": c2 - c0, "kernel": kt, "kernel_fwd": kt_f}
+    real = hring.RingComm
+    hring.RingComm = _NoComm
+    try:
+        return hf_ring_fwd_bwd(q, k, v, do, group=group, layout=layout)
+    finally:
+        hring.RingComm = real
 
 
 # --------------------------------------------------------------------------------------- comm alone

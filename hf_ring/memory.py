@@ -322,21 +322,20 @@ def activation_terms(
     }
 
 
-def ring_buffer_bytes(m: ModelShape, b: int, cp: int) -> dict[str, float]:
-    """Per-token bytes of the ring's working buffers (``hf_ring.ring``)."""
-    kv = 2 * m.kv_heads * m.head_dim  # K and V, one message per hop
-    hops = 2 if cp > 1 else 1
-    fwd = 4 * m.heads * m.head_dim + 4 * m.heads + hops * kv * b  # fp32 output/LSE accumulators, K/V buffers
-    bwd = (
-        4 * m.heads * m.head_dim  # dQ accumulator (fp32)
-        + hops * kv * b  # K/V buffers
-        + min(hops, 2) * kv * 4  # dK/dV accumulators travelling the ring (fp32)
-        # the kernel's dq, dk, dv: of the block in flight and of the one before (measured: a little
-        # over two blocks' worth is live at the attention-backward peak)
-        + b * (2.5 * m.heads + 4 * m.kv_heads) * m.head_dim
-        + b * m.heads * m.head_dim  # dOut made contiguous
+def ring_buffer_bytes(m: ModelShape, b: int, cp: int) -> float:
+    """Per-token bytes of the ring's working set in attention backward (``hf_ring.ring``), beyond the
+    tensors the layer saves (``b``: bytes per element of the model's dtype)."""
+    q, kv = m.heads * m.head_dim, m.kv_heads * m.head_dim
+    kernel_grads = b * (q + 2 * kv)  # one kernel call's dq, dk, dv
+    if cp == 1:  # one kernel call over the whole shard
+        return kernel_grads
+    return (
+        4 * q  # dQ accumulator (fp32)
+        + 2 * 2 * kv * b  # the K/V message and its receive buffer
+        + 2 * 2 * kv * 4  # the dK/dV accumulator travelling the ring (fp32) and its receive buffer
+        + kernel_grads  # of the block in flight (each step's are freed before the next kernel call)
+        + b * q  # dOut made contiguous
     )
-    return {"forward": fwd, "backward": bwd}
 
 
 def plan(
@@ -464,12 +463,12 @@ def plan(
         tile_ws += 3 * m.hidden * m.intermediate * (4 + b)
     if checkpointing:
         mlp_ws = t * (a["layer_saved"] + a["mlp_backward"]) + dx + tile_ws
-        attn_ws = t * (a["layer_saved_attn"] + ring["backward"]) + dx
+        attn_ws = t * (a["layer_saved_attn"] + ring) + dx
     else:
         mlp_ws = t * a["mlp_backward"] + dx + tile_ws
-        attn_ws = t * ring["backward"] + dx
+        attn_ws = t * ring + dx
     rows["recompute working set (one layer)" if checkpointing else "backward working set (one layer)"] = mlp_ws
-    rows["ring buffers (attention backward)"] = t * ring["backward"]
+    rows["ring buffers (attention backward)"] = t * ring
     rows["loss working set (backward)"] = loss_bwd
     rows["runtime reserve"] = reserve_gib * GiB
     phases = {

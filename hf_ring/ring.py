@@ -46,6 +46,21 @@ def _rows(half: tuple[int, int], n: int) -> slice:
     return slice(half[0] * n // 2, half[1] * n // 2)
 
 
+def _kv_message(k: Tensor, v: Tensor, hm: bool) -> Tensor:
+    """K and V as one contiguous message: (2, B, S, Hkv, D), or (2, B, Hkv, S, D) when ``hm``."""
+    return torch.stack((k.transpose(1, 2), v.transpose(1, 2))) if hm else torch.stack((k, v))
+
+
+def _kv_view(buf: Tensor, hm: bool) -> Tensor:
+    """The (2, B, S, Hkv, D) view of a K/V message."""
+    return buf.transpose(2, 3) if hm else buf
+
+
+def _single_block(steps: list[tuple[Block, ...]]) -> bool:
+    """One rank, one block over the whole shard: a plain kernel call, nothing to merge."""
+    return len(steps) == 1 and len(steps[0]) == 1 and steps[0][0].q == (0, 2) and steps[0][0].kv == (0, 2)
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, scale, schedule, kernel, group):  # type: ignore[override]
@@ -54,9 +69,18 @@ class _RingAttention(torch.autograd.Function):
         n_steps = len(steps)
         s_loc = q.shape[1]
         acc = _acc_dtype(q.dtype)
+        ctx.scale, ctx.schedule, ctx.kernel, ctx.group = scale, steps, kernel, group
+        if _single_block(steps):  # one rank: one kernel call, nothing to merge
+            b = steps[0][0]
+            out, lse = kernel.forward(q, k, v, causal=b.causal, scale=scale)
+            ctx.save_for_backward(q, k, v, out, lse)
+            return out.contiguous()
         out = torch.zeros(q.shape, dtype=acc, device=q.device)
         lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
-        kv = torch.stack((k, v))  # (2, B, S, Hkv, D): one message per hop
+        # kernels that read K/V faster in [B, H, S, D] memory get the K/V message in that order (the
+        # stack copies anyway); blocks are sliced from its (2, B, S, Hkv, D) view
+        hm = kernel.heads_major
+        kv = _kv_message(k, v, hm)  # one message per hop
         bufs = (kv, torch.empty_like(kv) if n_steps > 1 else kv)
         comm = RingComm(group) if n_steps > 1 else None
         for step, blocks in enumerate(steps):
@@ -64,15 +88,16 @@ class _RingAttention(torch.autograd.Function):
             if comm is not None and step + 1 < n_steps:
                 comm.send_recv(cur, bufs[(step + 1) % 2])
                 comm.commit()
+            kvv = _kv_view(cur, hm)
             for b in blocks:
                 qr, kr = _rows(b.q, s_loc), _rows(b.kv, s_loc)
-                o_b, l_b = kernel.forward(q[:, qr], cur[0, :, kr], cur[1, :, kr], causal=b.causal, scale=scale)
+                o_b, l_b = kernel.forward(q[:, qr], kvv[0, :, kr], kvv[1, :, kr], causal=b.causal, scale=scale)
                 merge_(out[:, qr], lse[:, qr], o_b, l_b)
+                del o_b, l_b  # free the block result before the next kernel call
             if comm is not None and step + 1 < n_steps:
                 comm.wait()
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.scale, ctx.schedule, ctx.kernel, ctx.group = scale, steps, kernel, group
         return out
 
     @staticmethod
@@ -81,13 +106,19 @@ class _RingAttention(torch.autograd.Function):
         steps: list[tuple[Block, ...]] = ctx.schedule
         kernel: BlockKernel = ctx.kernel
         n_steps, s_loc = len(steps), q.shape[1]
-        dout = dout.contiguous()
+        if _single_block(steps):
+            dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, causal=steps[0][0].causal, scale=ctx.scale)
+            return dq, dk, dv, None, None, None, None
         acc_dtype = _acc_dtype(q.dtype)
+        hm = kernel.heads_major
+        dout = dout.contiguous()
         dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
-        kv = torch.stack((k, v))
+        kv = _kv_message(k, v, hm)
         kv_bufs = (kv, torch.empty_like(kv) if n_steps > 1 else kv)
         # dK/dV accumulators travel one hop behind the K/V blocks they belong to.
-        dkv_bufs = [torch.zeros(kv.shape, dtype=acc_dtype, device=q.device) for _ in range(min(n_steps, 2))]
+        dkv_bufs = [torch.zeros(kv.shape, dtype=acc_dtype, device=q.device)]
+        if n_steps > 1:  # the first receive overwrites it whole: no need to zero it
+            dkv_bufs.append(torch.empty(kv.shape, dtype=acc_dtype, device=q.device))
         kv_comm = RingComm(ctx.group, tag=0) if n_steps > 1 else None
         dkv_comm = RingComm(ctx.group, tag=1) if n_steps > 1 else None
         for step, blocks in enumerate(steps):
@@ -96,20 +127,23 @@ class _RingAttention(torch.autograd.Function):
                 kv_comm.send_recv(cur, kv_bufs[(step + 1) % 2])
                 kv_comm.commit()
             grads = []
+            kvv = _kv_view(cur, hm)
             for b in blocks:
                 qr, kr = _rows(b.q, s_loc), _rows(b.kv, s_loc)
                 dq_b, dk_b, dv_b = kernel.backward(
-                    dout[:, qr], q[:, qr], cur[0, :, kr], cur[1, :, kr], out[:, qr], lse[:, qr],
+                    dout[:, qr], q[:, qr], kvv[0, :, kr], kvv[1, :, kr], out[:, qr], lse[:, qr],
                     causal=b.causal, scale=ctx.scale,
                 )  # fmt: skip
                 dq[:, qr] += dq_b
                 grads.append((kr, dk_b, dv_b))
             acc = dkv_bufs[step % 2]
+            accv = _kv_view(acc, hm)
             if dkv_comm is not None and step > 0:
                 dkv_comm.wait()  # acc now holds what earlier ranks added for this K/V block
             for kr, dk_b, dv_b in grads:
-                acc[0, :, kr] += dk_b
-                acc[1, :, kr] += dv_b
+                accv[0, :, kr] += dk_b
+                accv[1, :, kr] += dv_b
+            grads = dq_b = dk_b = dv_b = None  # free this step's block gradients before the next kernel call
             if dkv_comm is not None:
                 dkv_comm.send_recv(acc, dkv_bufs[(step + 1) % 2])
                 dkv_comm.commit()
@@ -117,8 +151,11 @@ class _RingAttention(torch.autograd.Function):
                 kv_comm.wait()
         if dkv_comm is not None:
             dkv_comm.wait()  # after P hops our own block's accumulator is back
-        dkv = dkv_bufs[n_steps % len(dkv_bufs)]
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
+        dkv = _kv_view(dkv_bufs[n_steps % len(dkv_bufs)], hm)
+        dk, dv = dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+        if hm:  # [B, S, Hkv, D] gradients in their usual memory order (Hkv/Hq of dq's size)
+            dk, dv = dk.contiguous(), dv.contiguous()
+        return dq.to(q.dtype), dk, dv, None, None, None, None
 
 
 def _check_inputs(

@@ -56,3 +56,145 @@ def test_quick_benchmark_table_and_plots(tmp_path):
     assert len(pngs) == 6
     for png in pngs:
         assert png.exists() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+# ============================================================================ model benchmark (bench_model.py)
+@pytest.mark.timeout(150)
+def test_quick_model_benchmark(tmp_path):
+    """A tiny Llama training step, CP=2 against CP=1 and single-process SDPA: the long table and its plots."""
+    out = tmp_path / "model.jsonl"
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.bench_model", "--quick", "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=140,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
+    assert rows and all(set(r) == FIELDS for r in rows)
+    for r in rows:
+        assert r["p20"] <= r["median"] + 1e-12 <= r["p80"] + 2e-12, r
+        assert r["machine"]["cores"] >= 1 and r["versions"]["torch"] and r["versions"]["transformers"]
+    by_key = {(r["name"], r["provider"], r["metric"], r["P"], r["N"]): r for r in rows}
+    n = 512
+    for p in (1, 2):
+        for prov in ("hf_ring", "sdpa"):
+            for metric in ("time", "tokens_per_s", "time_forward", "time_backward", "time_optimizer"):
+                assert by_key[("train_step", prov, metric, p, n)]["median"] > 0, (prov, metric, p)
+        assert by_key[("efficiency", "hf_ring", "t_sdpa_step/t_ring_step", p, n)]["median"] > 0
+        for metric in ("live_tensor_bytes", "rss_growth_step", "model_state"):
+            assert by_key[("peak_memory", "hf_ring", metric, p, n)]["median"] > 0, (metric, p)
+            assert by_key[("peak_memory", "hf_ring", metric, p, n)]["unit"] == "MiB"
+        assert "checkpointing on" in by_key[("train_step", "hf_ring", "time", p, n)]["note"]
+        assert "chunked loss on" in by_key[("train_step", "hf_ring", "time", p, n)]["note"]
+    assert by_key[("peak_memory", "sdpa", "live_tensor_bytes", 1, n)]["median"] > 0
+    t = by_key[("train_step", "hf_ring", "time", 2, n)]["median"]
+    tps = by_key[("train_step", "hf_ring", "tokens_per_s", 2, n)]["median"]
+    assert tps == pytest.approx(n / t, rel=1e-9)  # one iteration in quick mode
+    assert by_key[("speedup_vs_cp1", "hf_ring", "t_cp1/t_cpP", 2, n)]["median"] > 0
+    # the step's memory per rank shrinks with CP (the gradients, a full copy per rank, do not)
+    peak = {p: by_key[("peak_memory", "hf_ring", "live_tensor_bytes", p, n)]["median"] for p in (1, 2)}
+    assert peak[2] < peak[1], peak
+    scaling = by_key[("memory_scaling", "hf_ring", "P*peak_P/peak_1", 2, n)]["median"]
+    assert scaling == pytest.approx(2 * peak[2] / peak[1])
+    assert by_key[("peak_memory", "hf_ring", "model_state", 2, n)]["median"] == pytest.approx(
+        by_key[("peak_memory", "hf_ring", "model_state", 1, n)]["median"]
+    )
+    assert (tmp_path / "model_raw.json").exists()
+
+    from benchmarks.plot import plot_model
+
+    assert plot_model([r for r in rows if r["name"] not in ("train_step", "peak_memory")], tmp_path / "none") == []
+    pngs = plot_model(rows, tmp_path / "png")
+    assert [p.name for p in pngs] == ["model_throughput.png", "model_memory.png"]
+    for png in pngs:
+        assert png.exists() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+# ============================================================================ GPU benchmark (bench_gpu.py), CPU mode
+GPU_NAMES = {"gpu_fwd_bwd", "gpu_fwd", "gpu_bwd", "gpu_tflops", "gpu_fraction_of_theoretical", "gpu_load_balance",
+             "gpu_overlap_threshold", "gpu_overlap_hidden", "gpu_emulation_check"}  # fmt: skip
+
+
+@pytest.mark.timeout(120)
+def test_gpu_benchmark_cpu_mode(tmp_path):
+    out = tmp_path / "gpu.jsonl"
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.bench_gpu", "--quick", "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=110,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
+    assert rows and all(set(r) == FIELDS for r in rows)
+    assert GPU_NAMES <= {r["name"] for r in rows}
+    assert rows[0]["machine"]["gpu"] and rows[0]["versions"]["torch"]
+    keys = {(r["name"], r["provider"], r["metric"], r["P"], r["N"]) for r in rows}
+    for n in (1024, 2048):
+        assert ("gpu_fwd_bwd", "sdpa_full", "time", 1, n) in keys
+        assert ("gpu_tflops", "sdpa_full", "fwd_bwd", 1, n) in keys
+        for p in (2, 4):
+            assert ("gpu_fwd_bwd", "hf_ring_emulated", "time", p, n) in keys
+            assert ("gpu_fraction_of_theoretical", "hf_ring_emulated", "max_rank.vs_sdpa_full", p, n) in keys
+            for link in ("nvlink_450GBps", "ib_50GBps"):
+                for metric in ("tokens_per_rank", "tokens_per_rank.planner_default_flops"):
+                    assert ("gpu_overlap_threshold", link, metric, p, n) in keys
+                assert ("gpu_overlap_hidden", link, "T>=threshold", p, n) in keys
+    for r in rows:
+        assert r["p20"] <= r["median"] + 1e-12 <= r["p80"] + 2e-12, r
+    assert all(r["median"] > 0 for r in rows if r["unit"] in ("s", "TFLOP/s"))
+    frac = [r for r in rows if r["name"] == "gpu_fraction_of_theoretical"]
+    assert frac and all(0 < r["median"] < 3 for r in frac)
+    assert all(r["median"] > 0 for r in rows if r["name"] == "gpu_overlap_threshold")
+    assert all(r["median"] in (0.0, 1.0) for r in rows if r["name"] == "gpu_overlap_hidden")
+    assert all(r["median"] < 1e-4 for r in rows if r["name"] == "gpu_emulation_check")  # fp32 on CPU
+
+    from benchmarks.plot import plot_gpu
+
+    assert plot_gpu([r for r in rows if not r["name"].startswith("gpu_")], tmp_path / "none") == []
+    pngs = plot_gpu(rows, tmp_path / "png")
+    assert [p.name for p in pngs] == ["gpu_fraction.png", "gpu_overlap.png"]
+    for png in pngs:
+        assert png.exists() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+@pytest.mark.timeout(60)
+def test_gpu_benchmark_emulated_rank_runs_the_schedule(monkeypatch):
+    """An emulated rank makes exactly its schedule's kernel calls (zigzag: one per step, forward and
+    backward), leaves hf_ring.ring as it found it, and, fed the right K/V blocks, is exact."""
+    import torch
+
+    import hf_ring.comm as hcomm
+    import hf_ring.ring as hring
+    from benchmarks import bench_gpu as G
+    from benchmarks.workloads import zigzag
+    from hf_ring.schedule import make_schedule
+
+    calls = {"forward": 0, "backward": 0}
+    real = hring.get_kernel
+
+    class Counting:
+        def __init__(self, inner):
+            self.inner, self.name, self.heads_major = inner, inner.name, inner.heads_major
+
+        def forward(self, *a, **kw):
+            calls["forward"] += 1
+            return self.inner.forward(*a, **kw)
+
+        def backward(self, *a, **kw):
+            calls["backward"] += 1
+            return self.inner.backward(*a, **kw)
+
+    monkeypatch.setattr(hring, "get_kernel", lambda *a, **kw: Counting(real(*a, **kw)))
+    g = torch.Generator().manual_seed(0)
+    for p in (2, 3, 4):
+        q, k, v, do = (torch.randn(1, 16 * p, h, 8, generator=g) for h in (4, 2, 2, 4))
+        for r in range(p):
+            calls.update(forward=0, backward=0)
+            sh = [zigzag(t, r, p) for t in (q, k, v, do)]
+            with G.emulated_rank(r, p):
+                t = G.fwd_bwd(G.ring_call("auto"), sh[:3], sh[3], G.Clock(False))
+            expected = sum(len(step) for step in make_schedule("zigzag", True, r, p))
+            assert expected == p
+            assert calls == {"forward": expected, "backward": expected}, (p, r)
+            assert t["total"] >= t["fwd"] > 0
+    assert hring.group_size_rank is hcomm.group_size_rank and hring.RingComm is hcomm.RingComm
+    err = G.emulation_error(q, k, v, do, 4)
+    assert err["out"] < 1e-5 and err["dq"] < 1e-5, err

@@ -123,3 +123,32 @@ def test_single_process_without_distributed() -> None:
     want = torch.autograd.grad(ref, (q, k, v), dout.double())
     for n, x, r in zip(NAMES[1:], got, want):
         assert rel_err(x, r) <= 1e-5, n
+
+
+def ring_peak_bytes(n: int, hq: int, hkv: int, d: int) -> dict:
+    """Peak bytes of the tensors one fwd+bwd of the ring creates on this rank (inputs and ``dout``
+    excluded), with the sizes of q and of k on this rank."""
+    from hf_ring.memory import LiveTensorBytes
+
+    size = torch.distributed.get_world_size()
+    g = torch.Generator().manual_seed(3)
+    q, k, v, dout = (hf_ring.shard(torch.randn(1, n, h, d, generator=g)) for h in (hq, hkv, hkv, hq))
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    with LiveTensorBytes() as mem:
+        out = hf_ring.ring_attention(q, k, v)
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+        del out, grads
+    return {"P": size, "peak": mem.peak, "q": q.numel() * 4, "kv": k.numel() * 4}
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_ring_memory_per_rank(world: int) -> None:
+    """The tensors a fwd+bwd creates on a rank, counted in bytes of its q shard (q) and k shard (kv):
+    one rank makes a single kernel call (out, dq, dk, dv: 2 q + 2 kv); a ring rank adds the K/V
+    message and its receive buffer (4 kv), the travelling float32 dK/dV pair (4 kv) and one kernel
+    call's block gradients (q + 2 kv) -- nothing that outlives its step."""
+    (r, *_) = run_ranks(world, ring_peak_bytes, 6 * 160, 8, 2, 80)
+    q, kv = r["q"], r["kv"]
+    budget = 2 * q + 2 * kv if world == 1 else 3 * q + 10 * kv
+    lse = r["q"] // 80 * 2  # the float32 log-sum-exp and its merge temporaries
+    assert r["peak"] <= budget + lse, f"P={world}: peak {r['peak']} B > budget {budget} + {lse} B"

@@ -1,0 +1,188 @@
+#!/usr/bin/env bash
+# One-shot check for a lent GPU machine; run it in the repository root (< 9 minutes in all, ~3 expected):
+#
+#   OUT=/some/dir bash scripts/gpu_check.sh       # OUT: the device tool's output folder (default benchmarks/results)
+#
+#   0. environment: GPU, torch, CUDA, flash-attn
+#   1. CUDA exactness: the tests skipped without CUDA (tests/test_errors.py; tests/test_kernels.py has none, and
+#      no test is parametrised over devices), then hf_ring's CUDA block kernels and its single-process ring against
+#      a float64 oracle (tests/oracle.py), and emulated ring ranks fed the right K/V blocks (out and dQ) on CUDA
+#   2. python -m benchmarks.bench_gpu --out $OUT/gpu.jsonl (its own budget: --max-seconds 190)
+#   3. its plots, gpu_fraction.png and gpu_overlap.png, into $OUT
+#
+# The device image has torch/transformers/accelerate/peft installed system-wide and may have no virtualenv: this
+# uses `python` from PATH (or $PYTHON) with PYTHONPATH=. instead of installing hf_ring. Every step has its own
+# timeout; a failing step does not stop the later ones; the exit status is the first failure's. Everything
+# printed also goes to $OUT/gpu_check.log. CHECK_DEVICE=cpu runs step 1's exactness part on CPU (to try it out).
+set -u
+cd "$(dirname "$0")/.."
+OUT="${OUT:-benchmarks/results}"
+mkdir -p "$OUT"
+PY="${PYTHON:-python}"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+exec > >(tee -a "$OUT/gpu_check.log") 2>&1
+status=0
+T0=$SECONDS
+
+step() {  # step NAME TIMEOUT_SECONDS COMMAND...
+    local name=$1 limit=$2 rc t0=$SECONDS
+    shift 2
+    echo "=== [$((SECONDS - T0)) s] $name (timeout ${limit} s)"
+    timeout --kill-after=10 "$limit" "$@"
+    rc=$?
+    echo "=== $name: rc=$rc in $((SECONDS - t0)) s"
+    if [ "$rc" -ne 0 ] && [ "$status" -eq 0 ]; then status=$rc; fi
+    return 0
+}
+
+# ------------------------------------------------------------------------------------------- 0. environment
+command -v nvidia-smi >/dev/null && timeout 20 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+step environment 45 "$PY" - <<'EOF'
+import importlib.util, platform, torch
+print("python", platform.python_version(), "| torch", torch.__version__, "| CUDA", torch.version.cuda,
+      "| available", torch.cuda.is_available())
+if torch.cuda.is_available():
+    p = torch.cuda.get_device_properties(0)
+    print("device", p.name, f"{p.total_memory / 2**30:.0f} GiB", f"sm_{p.major}{p.minor}")
+for mod in ("flash_attn", "transformers", "numpy", "matplotlib", "pytest", "pytest_timeout"):
+    print(f"{mod}: {'yes' if importlib.util.find_spec(mod) else 'NOT installed'}")
+import hf_ring
+from hf_ring.kernels import available_backends
+print("hf_ring", hf_ring.__version__, "| block kernels on cuda:", available_backends("cuda"))
+EOF
+
+# ------------------------------------------------------------------------------------------- 1. exactness
+if "$PY" -c "import pytest" 2>/dev/null; then
+    step "pytest: CUDA-only tests" 90 "$PY" -m pytest -q -x -rs -p no:cacheprovider tests/test_errors.py \
+        -k "test_device_mismatch or test_torch_backend_cuda_fp32"
+else
+    echo "=== pytest is not installed: the CUDA-only tests of tests/test_errors.py are skipped"
+fi
+
+step "CUDA kernels, ring, emulated ranks vs oracle" 120 "$PY" - <<'EOF'
+import math, os, time, traceback
+
+import torch
+
+import hf_ring
+from benchmarks import bench_gpu as G
+from hf_ring.kernels import available_backends, get_kernel
+from tests.oracle import attention, rel_err
+
+dev = torch.device(os.environ.get("CHECK_DEVICE", "cuda"))
+if dev.type == "cuda" and not torch.cuda.is_available():
+    raise SystemExit("no CUDA device")
+TOL = 2e-2  # relative (Frobenius) error of 16-bit results against float64 of the same rounded inputs
+DTYPES = [torch.bfloat16, torch.float16] if dev.type == "cuda" else [torch.float32, torch.bfloat16]
+# (B, Sq, Sk, Hq, Hkv, D, causal); causal only on square blocks, the only ones the ring asks for
+SHAPES = [(2, 13, 29, 8, 2, 80, False), (1, 29, 13, 8, 2, 80, False), (2, 19, 19, 8, 2, 80, True),
+          (1, 17, 17, 4, 4, 64, True), (1, 11, 23, 6, 3, 36, False), (1, 11, 11, 6, 3, 36, True),
+          (1, 1024, 1024, 32, 8, 128, True), (1, 512, 1024, 32, 8, 128, False), (1, 1024, 512, 32, 8, 128, False)]
+failures = []
+
+
+def oracle(q, k, v, do, causal, scale):
+    """out, lse [B, Sq, H], (dq, dk, dv) in float64 on CPU."""
+    xs = [t.detach().double().cpu().requires_grad_() for t in (q, k, v)]
+    out = attention(*xs, causal, scale)
+    grads = torch.autograd.grad(out, xs, do.double().cpu())
+    rep = q.shape[2] // k.shape[2]
+    s = torch.einsum("bqhd,bkhd->bhqk", xs[0].detach(), xs[1].detach().repeat_interleave(rep, 2)) * scale
+    if causal:
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).triu(1), float("-inf"))
+    return out.detach(), torch.logsumexp(s, -1).transpose(1, 2), grads
+
+
+def report(what, errs):
+    bad = {k: e for k, e in errs.items() if not e <= (1e-2 if k == "lse" else TOL)}
+    print(f"{'FAIL' if bad else 'ok  '} {what}: " + ", ".join(f"{k} {e:.1e}" for k, e in errs.items()))
+    if bad:
+        failures.append(what)
+
+
+def check(what, fn):
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 -- report and go on
+        traceback.print_exc(limit=3)
+        print(f"FAIL {what}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+        failures.append(what)
+
+
+def inputs(b, sq, sk, hq, hkv, d, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    shapes = ((b, sq, hq, d), (b, sk, hkv, d), (b, sk, hkv, d), (b, sq, hq, d))
+    return [torch.randn(s, generator=g).to(dev, dtype) for s in shapes]
+
+
+t0 = time.perf_counter()
+for backend in [n for n in available_backends(dev) if n != "reference"]:
+    for dtype in DTYPES:
+        kernel = get_kernel(backend, dev, dtype)
+        for shape in SHAPES:
+            b, sq, sk, hq, hkv, d, causal = shape
+            what = f"kernel {backend} {str(dtype)[6:]} B{b} Sq{sq} Sk{sk} H{hq}/{hkv} D{d}{' causal' if causal else ''}"
+
+            def one():
+                scale = 0.9 / math.sqrt(d)
+                q, k, v, do = inputs(*shape[:6], dtype)
+                ref_out, ref_lse, ref_g = oracle(q, k, v, do, causal, scale)
+                out, lse = kernel.forward(q, k, v, causal=causal, scale=scale)
+                assert out.shape == q.shape and out.dtype == dtype and lse.shape == q.shape[:3]
+                errs = {"out": rel_err(out.cpu(), ref_out), "lse": float((lse.cpu().double() - ref_lse).abs().max())}
+                grads = kernel.backward(do, q, k, v, out, lse, causal=causal, scale=scale)
+                for name, g, x, r in zip(("dq", "dk", "dv"), grads, (q, k, v), ref_g):
+                    assert g.shape == x.shape and g.dtype == dtype, name
+                    errs[name] = rel_err(g.cpu(), r)
+                report(what, errs)
+
+            check(what, one)
+
+# the public API in one process (no torch.distributed: plain attention through the auto kernel)
+for dtype in DTYPES:
+    what = f"ring_attention single process {str(dtype)[6:]} B1 N2048 H32/8 D128 causal"
+
+    def one():
+        q, k, v, do = inputs(1, 2048, 2048, 32, 8, 128, dtype, seed=1)
+        xs = [t.requires_grad_() for t in (q, k, v)]
+        out = hf_ring.ring_attention(*xs)
+        grads = torch.autograd.grad(out, xs, do)
+        ref_out, _, ref_g = oracle(q, k, v, do, True, 128**-0.5)
+        errs = {"out": rel_err(out.cpu(), ref_out)}
+        errs.update({n: rel_err(g.cpu(), r) for n, g, r in zip(("dq", "dk", "dv"), grads, ref_g)})
+        report(what, errs)
+
+    check(what, one)
+
+# emulated ring ranks fed the right K/V blocks: the whole zigzag schedule's forward and dQ
+for p in (2, 4, 8):
+    what = f"emulated zigzag ranks P={p} {str(DTYPES[0])[6:]} N4096 H32/8 D128 (out, dQ)"
+
+    def one():
+        q, k, v, do = inputs(1, 4096, 4096, 32, 8, 128, DTYPES[0], seed=2)
+        report(what, G.emulation_error(q, k, v, do, p))
+
+    check(what, one)
+
+print(f"{len(failures)} failure(s) in {time.perf_counter() - t0:.1f} s" + ("" if not failures else ": " + "; ".join(failures)))
+raise SystemExit(1 if failures else 0)
+EOF
+
+# ------------------------------------------------------------------------------------------- 2. benchmark
+step "bench_gpu" 240 "$PY" -m benchmarks.bench_gpu --out "$OUT/gpu.jsonl" --max-seconds 190
+
+# ------------------------------------------------------------------------------------------- 3. plots
+if [ -s "$OUT/gpu.jsonl" ] && "$PY" -c "import matplotlib" 2>/dev/null; then
+    step plots 45 "$PY" -c "
+import sys
+from benchmarks.plot import load, plot_gpu
+for p in plot_gpu(load(sys.argv[1]), sys.argv[2]):
+    print(p)
+" "$OUT/gpu.jsonl" "$OUT"
+else
+    echo "=== plots skipped (no $OUT/gpu.jsonl or no matplotlib): python -m benchmarks.plot can draw them elsewhere"
+fi
+
+echo "=== done in $((SECONDS - T0)) s, exit status $status; results in $OUT"
+exit "$status"
