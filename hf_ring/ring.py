@@ -4,7 +4,8 @@ Each rank of a context-parallel group of ``P`` ranks holds ``1/P`` of the sequen
 travel around the ring (sent on while the current one is computed); partial outputs merge exactly
 through their log-sum-exp in float32. In backward, the same ring turns again: dQ stays local and
 the dK/dV accumulators (float32) travel with the blocks and arrive back at their owners after
-``P`` hops. This module imports only torch.
+``P`` hops. Each step's block results are freed before the next kernel call. One rank makes a
+single kernel call: no accumulators, no merge. This module imports only torch.
 """
 
 from __future__ import annotations
