@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.bench_attention import _cpu_busy_s, _reset_hwm, _status_kib
+from benchmarks.bench_attention import GroupLoad, _reset_hwm, _status_kib
 
 
 def _import_variant(name: str, root: str):
@@ -88,32 +88,27 @@ def _worker(rank: int, size: int, init_file: str, cfg: dict, out_path: str) -> N
         libc.mallopt(-3, 32 * 1024 * 1024)
         libc.mallopt(-1, 64 * 1024 * 1024)
         libc.malloc_trim(0)
-        cores = len(os.sched_getaffinity(0))
+        meter = GroupLoad(None, rank, len(os.sched_getaffinity(0)))
         for n in cfg["Ns"]:
             inp = W.local_inputs(n, rank, size)
             samples: dict = {name: [] for name in mods}
             loads, kept, redone = [], 0, 0
             while kept < cfg["iters"] + 1:
                 dist.barrier()
-                b0, c0, t0 = _cpu_busy_s(), time.process_time(), time.monotonic()
+                meter.start()
                 rec = {}
                 for name, m in mods.items():
                     dist.barrier()
                     rec[name] = _fwd_bwd(m, *inp)
                 dist.barrier()
-                own = torch.tensor([time.process_time() - c0], dtype=torch.float64)
-                dist.all_reduce(own)
-                load = torch.tensor([0.0], dtype=torch.float64)
-                if rank == 0:
-                    load[0] = max(0.0, _cpu_busy_s() - b0 - own.item()) / ((time.monotonic() - t0) * cores)
-                dist.all_reduce(load)
-                if kept > 0 and load.item() > cfg["max_foreign"] and redone < cfg["iters"]:
+                load = meter.stop()
+                if kept > 0 and load > cfg["max_foreign"] and redone < cfg["iters"]:
                     redone += 1
                     continue
                 if kept > 0:
                     for name, r in rec.items():
                         samples[name].append(r)
-                    loads.append(load.item())
+                    loads.append(load)
                 kept += 1
             res["timing"][str(n)] = {"samples": samples, "foreign": loads, "redone": redone}
         parts = [None] * size

@@ -123,13 +123,12 @@ def _timing(rank: int, size: int, group, cfg: dict) -> dict:
     at most ``cfg["max_redo"]`` times per iteration count; the kept iterations' foreign load is
     recorded with the samples.
     """
-    import torch
     import torch.distributed as dist
 
     from benchmarks import workloads as W
 
     W.install_probes()
-    cores = len(os.sched_getaffinity(0))
+    meter = GroupLoad(group, rank, len(os.sched_getaffinity(0)))
     res: dict = {}
     for n in cfg["Ns"]:
         iters = cfg["iters"][str(n)]
@@ -139,7 +138,7 @@ def _timing(rank: int, size: int, group, cfg: dict) -> dict:
         kept = redone = 0
         while kept < cfg["warmup"] + iters:
             dist.barrier(group=group)
-            b0, c0, t0 = _cpu_busy_s(), time.process_time(), time.monotonic()
+            meter.start()
             rec: dict = {k: [] for k in work}
             for name, fn in work.items():
                 reps = cfg["comm_repeats"] if name == "comm_alone" else 1
@@ -147,22 +146,16 @@ def _timing(rank: int, size: int, group, cfg: dict) -> dict:
                     dist.barrier(group=group)
                     rec[name].append(fn())
             dist.barrier(group=group)
-            own = torch.tensor([time.process_time() - c0], dtype=torch.float64)
-            dist.all_reduce(own, group=group)
-            load = torch.tensor([0.0], dtype=torch.float64)
-            if rank == 0:
-                busy = _cpu_busy_s() - b0
-                load[0] = max(0.0, busy - own.item()) / ((time.monotonic() - t0) * cores)
-            dist.all_reduce(load, group=group)  # rank 0's value on every rank
+            load = meter.stop()
             warm = kept < cfg["warmup"]
-            if not warm and load.item() > cfg["max_foreign"] and redone < cfg["max_redo"] * iters:
+            if not warm and load > cfg["max_foreign"] and redone < cfg["max_redo"] * iters:
                 redone += 1
                 continue
             kept += 1
             if not warm:
                 for k, v in rec.items():
                     samples[k].extend(v)
-                foreign_kept.append(load.item())
+                foreign_kept.append(load)
             gc.collect()
         samples["_foreign"] = foreign_kept
         samples["_redone"] = redone
@@ -317,6 +310,31 @@ def _own_cpu_s() -> float:
 
     a, b = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
     return a.ru_utime + a.ru_stime + b.ru_utime + b.ru_stime
+
+
+class GroupLoad:
+    """The share of the machine that processes outside a group of gloo ranks used during an iteration:
+    ``start()`` on every rank, then ``stop()`` on every rank (two all-reduces over ``group``) gives
+    rank 0's measurement (/proc/stat busy time minus the group's own CPU time) on every rank."""
+
+    def __init__(self, group, rank: int, cores: int) -> None:
+        self.group, self.rank, self.cores = group, rank, cores
+
+    def start(self) -> None:
+        self.b0, self.c0, self.t0 = _cpu_busy_s(), time.process_time(), time.monotonic()
+
+    def stop(self) -> float:
+        import torch
+        import torch.distributed as dist
+
+        own = torch.tensor([time.process_time() - self.c0], dtype=torch.float64)
+        dist.all_reduce(own, group=self.group)
+        load = torch.tensor([0.0], dtype=torch.float64)
+        if self.rank == 0:
+            busy = _cpu_busy_s() - self.b0
+            load[0] = max(0.0, busy - own.item()) / ((time.monotonic() - self.t0) * self.cores)
+        dist.all_reduce(load, group=self.group)  # rank 0's value on every rank
+        return load.item()
 
 
 def wait_idle(max_wait: float, threshold: float = 0.15, cores: int = 1) -> float:

@@ -211,7 +211,7 @@ def _run_n(n: int, rank: int, size: int, group, solo, cfg: dict) -> dict:
     import torch
     import torch.distributed as dist
 
-    cores = ba.machine_info()["cores"]
+    meter = ba.GroupLoad(group, rank, ba.machine_info()["cores"])
     ring = _Trainee("ring", n, cfg, group, ddp=size > 1)
     sdpa = _Trainee("sdpa", n, cfg, solo, ddp=False) if rank == 0 and cfg["sdpa"] else None
 
@@ -227,7 +227,7 @@ def _run_n(n: int, rank: int, size: int, group, solo, cfg: dict) -> dict:
     kept = redone = 0
     while kept < cfg["warmup"] + iters:
         dist.barrier(group=group)
-        b0, c0, t0 = ba._cpu_busy_s(), time.process_time(), time.monotonic()
+        meter.start()
         rec: dict = {}
         if cfg["sdpa"]:
             dist.barrier(group=group)
@@ -235,21 +235,16 @@ def _run_n(n: int, rank: int, size: int, group, solo, cfg: dict) -> dict:
         dist.barrier(group=group)
         rec["hf_ring"] = ring.step()
         dist.barrier(group=group)
-        own = torch.tensor([time.process_time() - c0], dtype=torch.float64)
-        dist.all_reduce(own, group=group)
-        load = torch.tensor([0.0], dtype=torch.float64)
-        if rank == 0:
-            load[0] = max(0.0, ba._cpu_busy_s() - b0 - own.item()) / ((time.monotonic() - t0) * cores)
-        dist.all_reduce(load, group=group)  # rank 0's value on every rank
+        load = meter.stop()
         warm = kept < cfg["warmup"]
-        if not warm and load.item() > cfg["max_foreign"] and redone < cfg["max_redo"] * iters:
+        if not warm and load > cfg["max_foreign"] and redone < cfg["max_redo"] * iters:
             redone += 1
             continue
         kept += 1
         if not warm:
             for k, v in rec.items():
                 samples[k].append(v)
-            samples["_foreign"].append(load.item())
+            samples["_foreign"].append(load)
         gc.collect()
     samples["_redone"] = redone
     # the memory step, after the timings: the optimizer state exists, the gradients do not

@@ -78,6 +78,33 @@ def _reset_hwm() -> bool:
         return False
 
 
+def prepare_step_model(model, case: dict, lora_rank: int):
+    """``model`` with the options of ``case`` (LoRA on ``LORA_TARGETS``, checkpointing with or without
+    offload, chunked loss, tiled MLP), in training mode, with zero gradients already allocated as in
+    gradient accumulation. Returns the model (a PEFT wrapper with LoRA)."""
+    import torch
+
+    import hf_ring
+    from hf_ring.memory import LORA_TARGETS
+
+    if case["lora"]:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=lora_rank, target_modules=list(LORA_TARGETS)))
+        model.enable_input_require_grads()
+    if case["ckpt"]:
+        hf_ring.enable_activation_checkpointing(model, offload=case["offload"])
+    if case["chunked"]:
+        hf_ring.enable_chunked_loss(model)
+    if case["tiled"]:
+        hf_ring.enable_tiled_mlp(model, case["tiled"])
+    model.train()
+    for p in model.parameters():
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
+    return model
+
+
 def _worker(rank: int, size: int, init_file: str, cases: list[dict], q) -> None:
     import torch
     import torch.distributed as dist
@@ -88,28 +115,14 @@ def _worker(rank: int, size: int, init_file: str, cases: list[dict], q) -> None:
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     import hf_ring
-    from hf_ring.memory import LORA_TARGETS, LiveTensorBytes
+    from hf_ring.memory import LiveTensorBytes
 
     out = []
     for c in cases:
         conf = LlamaConfig(**SHAPE, vocab_size=c["vocab"], max_position_embeddings=1 << 20, tie_word_embeddings=False)
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(conf, attn_implementation="ring").to(getattr(torch, c["dtype"]))
-        if c["lora"]:
-            from peft import LoraConfig, get_peft_model
-
-            model = get_peft_model(model, LoraConfig(r=16, target_modules=list(LORA_TARGETS)))
-            model.enable_input_require_grads()
-        if c["ckpt"]:
-            hf_ring.enable_activation_checkpointing(model, offload=c["offload"])
-        if c["chunked"]:
-            hf_ring.enable_chunked_loss(model)
-        if c["tiled"]:
-            hf_ring.enable_tiled_mlp(model, c["tiled"])
-        model.train()
-        for p in model.parameters():  # as in gradient accumulation: the gradients exist already
-            if p.requires_grad:
-                p.grad = torch.zeros_like(p)
+        model = prepare_step_model(model, c, lora_rank=16)
         g = torch.Generator().manual_seed(1)
         ids = torch.randint(0, c["vocab"], (1, c["N"]), generator=g)
         kwargs = hf_ring.shard_batch({"input_ids": ids, "labels": ids})

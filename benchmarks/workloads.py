@@ -57,21 +57,19 @@ class _TimedKernel:
     def __getattr__(self, name):  # any other attribute of the wrapped kernel
         return getattr(self.inner, name)
 
-    def forward(self, *a, **kw):
+    def _timed(self, which: str, *a, **kw):
         t0 = time.perf_counter()
-        with torch.profiler.record_function("hf_ring.kernel.forward"):
-            r = self.inner.forward(*a, **kw)
+        with torch.profiler.record_function(f"hf_ring.kernel.{which}"):
+            r = getattr(self.inner, which)(*a, **kw)
         PROBE.kernel += time.perf_counter() - t0
         PROBE.kernel_calls += 1
         return r
 
+    def forward(self, *a, **kw):
+        return self._timed("forward", *a, **kw)
+
     def backward(self, *a, **kw):
-        t0 = time.perf_counter()
-        with torch.profiler.record_function("hf_ring.kernel.backward"):
-            r = self.inner.backward(*a, **kw)
-        PROBE.kernel += time.perf_counter() - t0
-        PROBE.kernel_calls += 1
-        return r
+        return self._timed("backward", *a, **kw)
 
 
 def install_probes() -> None:

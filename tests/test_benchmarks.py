@@ -14,16 +14,22 @@ FIELDS = {"name", "provider", "metric", "x", "P", "N", "median", "p20", "p80", "
           "threads", "note"}  # fmt: skip
 
 
-@pytest.mark.timeout(120)
-def test_quick_benchmark_table_and_plots(tmp_path):
-    out = tmp_path / "attention.jsonl"
+def run_quick(module: str, out: Path, timeout: float) -> list[dict]:
+    """``python -m benchmarks.<module> --quick --out <out>``: its rows, each with exactly ``FIELDS``."""
     proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.bench_attention", "--quick", "--out", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=110,
+        [sys.executable, "-m", f"benchmarks.{module}", "--quick", "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=timeout,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
     assert rows and all(set(r) == FIELDS for r in rows)
+    return rows
+
+
+@pytest.mark.timeout(120)
+def test_quick_benchmark_table_and_plots(tmp_path):
+    out = tmp_path / "attention.jsonl"
+    rows = run_quick("bench_attention", out, timeout=110)
     for r in rows:
         assert r["p20"] <= r["median"] + 1e-12 <= r["p80"] + 2e-12 or r["unit"] == "fraction", r
         assert r["machine"]["cores"] >= 1 and r["versions"]["torch"]
@@ -63,13 +69,7 @@ def test_quick_benchmark_table_and_plots(tmp_path):
 def test_quick_model_benchmark(tmp_path):
     """A tiny Llama training step, CP=2 against CP=1 and single-process SDPA: the long table and its plots."""
     out = tmp_path / "model.jsonl"
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.bench_model", "--quick", "--out", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=140,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
-    assert rows and all(set(r) == FIELDS for r in rows)
+    rows = run_quick("bench_model", out, timeout=140)
     for r in rows:
         assert r["p20"] <= r["median"] + 1e-12 <= r["p80"] + 2e-12, r
         assert r["machine"]["cores"] >= 1 and r["versions"]["torch"] and r["versions"]["transformers"]
@@ -117,13 +117,7 @@ GPU_NAMES = {"gpu_fwd_bwd", "gpu_fwd", "gpu_bwd", "gpu_tflops", "gpu_fraction_of
 @pytest.mark.timeout(120)
 def test_gpu_benchmark_cpu_mode(tmp_path):
     out = tmp_path / "gpu.jsonl"
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.bench_gpu", "--quick", "--out", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=110,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
-    assert rows and all(set(r) == FIELDS for r in rows)
+    rows = run_quick("bench_gpu", out, timeout=110)
     assert GPU_NAMES <= {r["name"] for r in rows}
     assert rows[0]["machine"]["gpu"] and rows[0]["versions"]["torch"]
     keys = {(r["name"], r["provider"], r["metric"], r["P"], r["N"]) for r in rows}

@@ -12,10 +12,10 @@ import torch
 import torch.distributed as dist
 
 import hf_ring
+from benchmarks.memory import prepare_step_model
 from hf_ring.cli import main as cli_main
 from hf_ring.cli import tokens
 from hf_ring.memory import (
-    LORA_TARGETS,
     GiB,
     LiveTensorBytes,
     max_seq_len,
@@ -61,21 +61,7 @@ def measure_step(cases: list[dict]) -> list[dict]:
     for c in cases:
         shape = {**SHAPE, "vocab_size": c.get("vocab", SHAPE["vocab_size"])}
         model = tiny_model("llama", "ring", getattr(torch, c["dtype"]), max_position_embeddings=1 << 16, **shape)
-        if c["lora"]:
-            from peft import LoraConfig, get_peft_model
-
-            model = get_peft_model(model, LoraConfig(r=8, target_modules=list(LORA_TARGETS)))
-            model.enable_input_require_grads()
-        if c["ckpt"]:
-            hf_ring.enable_activation_checkpointing(model, offload=c["offload"])
-        if c["chunked"]:
-            hf_ring.enable_chunked_loss(model)
-        if c["tiled"]:
-            hf_ring.enable_tiled_mlp(model, c["tiled"])
-        model.train()
-        for p in model.parameters():  # as in gradient accumulation: the gradients exist already
-            if p.requires_grad:
-                p.grad = torch.zeros_like(p)
+        model = prepare_step_model(model, c, lora_rank=8)
         batch = tiny_batch(1, c["N"], vocab=shape["vocab_size"], seed=2)
         kwargs = hf_ring.shard_batch(batch)
         with LiveTensorBytes() as mem:
