@@ -64,9 +64,9 @@ def _worker(rank: int, size: int, init_file: str, cfg: dict, out_path: str) -> N
     torch.set_num_threads(cfg["threads"])
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=size)
     try:
-        import hf_ring.ring
+        import hf_ring.ops.ring
 
-        mods = {"main": hf_ring.ring}
+        mods = {"main": hf_ring.ops.ring}
         for name, root in cfg["variants"].items():
             mods[name] = _import_variant(f"hf_ring_ab_{name}", root)
         res: dict = {"memory": {}, "timing": {}}

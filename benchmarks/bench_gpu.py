@@ -92,7 +92,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-import hf_ring.ring as hring
+import hf_ring.ops.ring as hring
 from benchmarks.bench_attention import FIELDS, _stats, machine_info, versions
 from benchmarks.workloads import _NoComm, zigzag
 

@@ -120,7 +120,7 @@ class _Trainee:
         import torch
 
         import hf_ring
-        from tests.models import tiny_batch, tiny_model
+        from testkit.models import tiny_batch, tiny_model
 
         self.model = tiny_model("llama", attn, seed=cfg["seed"], **cfg["model"])
         hf_ring.enable_activation_checkpointing(self.model)

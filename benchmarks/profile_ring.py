@@ -38,8 +38,8 @@ ACCUM = {"aten::add_", "aten::add"}
 def _install_labels() -> None:
     import torch
 
-    import hf_ring.comm as hcomm
-    import hf_ring.ring as hring
+    import hf_ring.ops.comm as hcomm
+    import hf_ring.ops.ring as hring
     from benchmarks import workloads as W
 
     W.install_probes()  # kernel + wait ranges

@@ -25,8 +25,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import hf_ring
-import hf_ring.comm as hcomm
-import hf_ring.ring as hring
+import hf_ring.ops.comm as hcomm
+import hf_ring.ops.ring as hring
 
 B, HQ, HKV, D = 1, 8, 2, 64
 SEED = 1234

@@ -3,15 +3,15 @@
 ``import hf_ring`` registers ``attn_implementation="ring"`` with transformers.
 """
 
-from .batch import shard_batch
-from .checkpointing import enable_activation_checkpointing
-from .chunked_loss import chunked_causal_lm_loss, disable_chunked_loss, enable_chunked_loss, full_logits
-from .data import count_targets, dp_sampler, prepare_dataloader
-from .integration import register
+from .data.loader import count_targets, dp_sampler, prepare_dataloader
+from .ops.cross_entropy import chunked_causal_lm_loss, disable_chunked_loss, enable_chunked_loss, full_logits
+from .ops.offload import enable_activation_checkpointing
+from .ops.ring import ring_attention
+from .ops.tiled_mlp import disable_tiled_mlp, enable_tiled_mlp
+from .ops.zigzag import shard, unshard
 from .parallel import ContextParallel, setup_context_parallel
-from .ring import ring_attention
-from .sharding import shard, unshard
-from .tiled_mlp import disable_tiled_mlp, enable_tiled_mlp
+from .transformers.attention import register
+from .transformers.batch import shard_batch
 
 __version__ = "0.1.0"
 
@@ -43,7 +43,7 @@ def __getattr__(name: str):
     # RingTrainer imports transformers.Trainer and accelerate: load it on first use, so that
     # `import hf_ring` stays light.
     if name in ("RingTrainer", "RingTrainingArguments"):
-        from . import hf_trainer
+        from . import trainer as hf_trainer
 
         return getattr(hf_trainer, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

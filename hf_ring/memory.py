@@ -382,7 +382,7 @@ def plan(
         flops, intra_GBps, inter_GBps: achieved attention FLOP/s and per-direction link bandwidth
             between ring neighbours inside a node and across nodes, for the overlap condition.
     """
-    from .chunked_loss import default_chunk_size
+    from .ops.cross_entropy import default_chunk_size
 
     m = model_shape(model)
     if cp is None:

@@ -23,14 +23,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .batch import shard_batch
-from .checkpointing import enable_activation_checkpointing
-from .chunked_loss import enable_chunked_loss
-from .data import count_targets
+from .data.loader import count_targets
+from .data.passkey import PasskeyDataset, retrieved
+from .ops.cross_entropy import enable_chunked_loss
+from .ops.offload import enable_activation_checkpointing
+from .ops.tiled_mlp import enable_tiled_mlp
+from .ops.zigzag import unshard
 from .parallel import ContextParallel, setup_context_parallel
-from .passkey import PasskeyDataset, retrieved
-from .sharding import unshard
-from .tiled_mlp import enable_tiled_mlp
+from .transformers.batch import shard_batch
 
 STATE_FILE = "trainer_state.pt"
 
@@ -117,7 +117,7 @@ def dataset(cfg: TrainConfig, seq_len: int, stage: int, split: str = "train") ->
     if task == "passkey":
         return PasskeyDataset(seq_len=seq_len, seed=cfg.seed * 100 + stage + (50 if split == "eval" else 0))
     if task == "tokens":
-        from .text import PackedTokens
+        from .data.text import PackedTokens
 
         return PackedTokens(cfg.data["path"], seq_len=seq_len, seed=cfg.seed)
     raise ValueError(f"unknown data task {task!r}; use 'passkey' or 'tokens'")

@@ -48,7 +48,7 @@ if torch.cuda.is_available():
 for mod in ("flash_attn", "transformers", "numpy", "matplotlib", "pytest", "pytest_timeout"):
     print(f"{mod}: {'yes' if importlib.util.find_spec(mod) else 'NOT installed'}")
 import hf_ring
-from hf_ring.kernels import available_backends
+from hf_ring.ops.kernels import available_backends
 print("hf_ring", hf_ring.__version__, "| block kernels on cuda:", available_backends("cuda"))
 EOF
 
@@ -67,8 +67,8 @@ import torch
 
 import hf_ring
 from benchmarks import bench_gpu as G
-from hf_ring.kernels import available_backends, get_kernel
-from tests.oracle import attention, rel_err
+from hf_ring.ops.kernels import available_backends, get_kernel
+from testkit.oracle import attention, rel_err
 
 dev = torch.device(os.environ.get("CHECK_DEVICE", "cuda"))
 if dev.type == "cuda" and not torch.cuda.is_available():

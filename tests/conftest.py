@@ -1,6 +1,6 @@
 import pytest
 
-from tests.pool import close_all
+from testkit.spawn import close_all
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import hf_ring  # noqa: E402,F401  (registers attn_implementation="ring")
 
 TRAINER_LOADED_BY_IMPORT = "transformers.trainer" in sys.modules  # `import hf_ring` must stay light
-from tests.models import tiny_model  # noqa: E402
+from testkit.models import tiny_model  # noqa: E402
 
 N = 37  # padded length: not a multiple of 2 * CP
 B = 2  # per-replica batch
@@ -138,7 +138,7 @@ def run_ref(out: Path, dps: list[int]) -> None:
 def run_ring(out: Path, cp: int) -> None:
     import torch.distributed as dist
 
-    from hf_ring.hf_trainer import RingTrainer, RingTrainingArguments
+    from hf_ring.trainer import RingTrainer, RingTrainingArguments
 
     world = int(os.environ["WORLD_SIZE"])
     errors = {}

@@ -155,11 +155,11 @@ def test_gpu_benchmark_emulated_rank_runs_the_schedule(monkeypatch):
     backward), leaves hf_ring.ring as it found it, and, fed the right K/V blocks, is exact."""
     import torch
 
-    import hf_ring.comm as hcomm
-    import hf_ring.ring as hring
+    import hf_ring.ops.comm as hcomm
+    import hf_ring.ops.ring as hring
     from benchmarks import bench_gpu as G
     from benchmarks.workloads import zigzag
-    from hf_ring.schedule import make_schedule
+    from hf_ring.ops.schedule import make_schedule
 
     calls = {"forward": 0, "backward": 0}
     real = hring.get_kernel

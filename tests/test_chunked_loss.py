@@ -11,11 +11,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import hf_ring
-from hf_ring.chunked_loss import chunked_causal_lm_loss
 from hf_ring.memory import LiveTensorBytes
-from tests.models import tiny_batch, tiny_model
-from tests.oracle import rel_err
-from tests.pool import run_ranks
+from hf_ring.ops.cross_entropy import chunked_causal_lm_loss
+from testkit.models import tiny_batch, tiny_model
+from testkit.oracle import rel_err
+from testkit.spawn import run_ranks
 
 # --- the function ---------------------------------------------------------------------------------
 

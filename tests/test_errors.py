@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import hf_ring
-from tests.pool import run_ranks
+from testkit.spawn import run_ranks
 
 CUDA = torch.cuda.is_available()
 
@@ -223,7 +223,7 @@ def test_validate_mismatch_raises_everywhere(world: int, what: str, rank1_row: s
 def test_validate_joins_the_all_gather_before_raising(monkeypatch: pytest.MonkeyPatch, bad: str) -> None:
     """Single process posing as rank 0 of 2: with validate=True the all-gather must happen even
     when this rank's own inputs are bad (here the all-gather is recorded, not run)."""
-    ring_mod = importlib.import_module("hf_ring.ring")
+    ring_mod = importlib.import_module("hf_ring.ops.ring")
     calls: list[list[int]] = []
     monkeypatch.setattr(ring_mod, "group_size_rank", lambda group: (2, 0))
     monkeypatch.setattr(ring_mod, "check_same_across_ranks", lambda values, group, what: calls.append(values))

@@ -130,7 +130,7 @@ def test_import_hf_ring_does_not_load_trainer(runs: Path) -> None:
 
 
 def test_cp_size_without_launcher_raises(monkeypatch) -> None:
-    from hf_ring.hf_trainer import RingTrainer
+    from hf_ring.trainer import RingTrainer
 
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     with pytest.raises(RuntimeError, match="torchrun --nproc_per_node 2"):

@@ -9,10 +9,10 @@ from transformers import AttentionInterface, AutoModelForCausalLM, BloomConfig
 from transformers.loss.loss_utils import LOSS_MAPPING
 
 import hf_ring
-from hf_ring.integration import ring_attention_forward
-from tests.models import tiny_batch, tiny_config, tiny_model
-from tests.oracle import rel_err
-from tests.pool import run_ranks
+from hf_ring.transformers.attention import ring_attention_forward
+from testkit.models import tiny_batch, tiny_config, tiny_model
+from testkit.oracle import rel_err
+from testkit.spawn import run_ranks
 
 
 def test_register_is_idempotent_and_leaves_other_losses_alone() -> None:

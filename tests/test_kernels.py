@@ -29,11 +29,11 @@ import torch
 from torch import Tensor
 
 import hf_ring
-from hf_ring.kernels import FlashAttnKernel, ReferenceKernel, TorchCPUKernel, get_kernel
-from hf_ring.ring import _RingAttention, merge_
-from hf_ring.schedule import make_schedule
-from tests.oracle import attention, rel_err
-from tests.pool import run_ranks
+from hf_ring.ops.kernels import FlashAttnKernel, ReferenceKernel, TorchCPUKernel, get_kernel
+from hf_ring.ops.ring import _RingAttention, merge_
+from hf_ring.ops.schedule import make_schedule
+from testkit.oracle import attention, rel_err
+from testkit.spawn import run_ranks
 
 # --------------------------------------------------------------------------- float64 oracle
 
@@ -345,7 +345,7 @@ def test_kernel_names_and_selection() -> None:
     assert isinstance(get_kernel("reference", cpu, torch.float32), ReferenceKernel)
     assert get_kernel("torch", cpu, torch.float32).name == "torch"
     assert FlashAttnKernel(module=FAKES["2.7-plain"]).name == "flash_attn"
-    assert hf_ring.kernels.available_backends("cpu") == ["torch", "reference"]
+    assert hf_ring.ops.kernels.available_backends("cpu") == ["torch", "reference"]
 
 
 # --------------------------------------------------------------------------- merge_

@@ -24,9 +24,9 @@ from hf_ring.memory import (
     recipe_memory,
     smallest_cp,
 )
-from tests.models import tiny_batch, tiny_model
-from tests.oracle import rel_err
-from tests.pool import run_ranks
+from testkit.models import tiny_batch, tiny_model
+from testkit.oracle import rel_err
+from testkit.spawn import run_ranks
 
 ROOT = Path(__file__).resolve().parent.parent
 SHAPE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4)

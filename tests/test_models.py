@@ -8,9 +8,9 @@ import torch
 import torch.distributed as dist
 
 import hf_ring
-from tests.models import FAMILIES, tiny_batch, tiny_model
-from tests.oracle import rel_err
-from tests.pool import run_ranks
+from testkit.models import FAMILIES, tiny_batch, tiny_model
+from testkit.oracle import rel_err
+from testkit.spawn import run_ranks
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
 N = 37  # not a multiple of 2P for P in {2, 3, 4}

@@ -8,8 +8,8 @@ import torch.distributed as dist
 
 import hf_ring
 from hf_ring.parallel import context_parallel_state, default_group
-from tests.oracle import attention, rel_err
-from tests.pool import run_ranks
+from testkit.oracle import attention, rel_err
+from testkit.spawn import run_ranks
 
 
 def _members(group: dist.ProcessGroup) -> list[int]:

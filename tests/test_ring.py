@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 
 import hf_ring
-from tests.oracle import attention, rel_err
-from tests.pool import run_ranks
+from testkit.oracle import attention, rel_err
+from testkit.spawn import run_ranks
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 NAMES = ("out", "dq", "dk", "dv")

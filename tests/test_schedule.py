@@ -6,7 +6,7 @@ from collections import Counter
 
 import pytest
 
-from hf_ring.schedule import Block, make_schedule
+from hf_ring.ops.schedule import Block, make_schedule
 
 CHUNK = 3  # rows per chunk of the sequence (odd on purpose)
 

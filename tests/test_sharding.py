@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import hf_ring
-from tests.pool import run_ranks
+from testkit.spawn import run_ranks
 
 DIMS = (0, 1, 2, -1)
 CHUNKS = (1, 3, 5)  # rows per chunk of 2P (odd on purpose)

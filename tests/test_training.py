@@ -14,11 +14,11 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 import hf_ring
-from hf_ring.passkey import VOCAB, PasskeyDataset
+from hf_ring.data.passkey import VOCAB, PasskeyDataset
 from hf_ring.train import TrainConfig, Trainer, run
-from tests.models import tiny_model
-from tests.oracle import rel_err
-from tests.pool import run_ranks
+from testkit.models import tiny_model
+from testkit.oracle import rel_err
+from testkit.spawn import run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = {
@@ -251,7 +251,7 @@ def test_tokens_task_packs_documents(tmp_path: Path) -> None:
                   output_dir=str(tmp_path / "out"))  # fmt: skip
     summary = run(cfg)
     assert summary["steps"] == 2 and summary["final_loss"] > 0
-    from hf_ring.text import PackedTokens
+    from hf_ring.data.text import PackedTokens
 
     ds = PackedTokens(data, seq_len=64)
     assert len(ds) == 500 // 64 and ds[0]["input_ids"].shape == (64,)

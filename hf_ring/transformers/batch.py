@@ -12,10 +12,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .comm import check_same_across_ranks, group_size_rank
-from .loss import CPLoss
-from .parallel import default_group
-from .sharding import zigzag
+from ..ops.comm import check_same_across_ranks, group_size_rank
+from ..ops.reduce import CPLoss
+from ..ops.zigzag import zigzag
+from ..parallel import default_group
 
 __all__ = ["shard_batch"]
 

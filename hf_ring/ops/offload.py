@@ -30,13 +30,13 @@ __all__ = ["enable_activation_checkpointing", "OffloadActivations"]
 
 
 def _measuring() -> bool:
-    from .memory import LiveTensorBytes
+    from ..memory import LiveTensorBytes
 
     return bool(LiveTensorBytes.active)
 
 
 def _pack(tensor: torch.Tensor) -> tuple[torch.device, torch.Tensor]:
-    from .memory import host_allocations
+    from ..memory import host_allocations
 
     if tensor.device.type != "cpu":
         pin = torch.cuda.is_available()

@@ -16,9 +16,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..parallel import default_group
 from .comm import RingComm, check_same_across_ranks, group_size_rank
 from .kernels import BlockKernel, get_kernel
-from .parallel import default_group
 from .schedule import Block, make_schedule
 
 __all__ = ["ring_attention"]

@@ -29,10 +29,10 @@ import torch.distributed as dist
 from torch import nn
 from transformers import Trainer, TrainingArguments
 
-from .batch import shard_batch
-from .data import count_targets
+from .data.loader import count_targets
+from .ops.zigzag import unshard
 from .parallel import ContextParallel, context_parallel_state, setup_context_parallel
-from .sharding import unshard
+from .transformers.batch import shard_batch
 
 __all__ = ["RingTrainer", "RingTrainingArguments"]
 

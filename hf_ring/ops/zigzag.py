@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..parallel import default_group
 from .comm import check_same_across_ranks, group_size_rank
-from .parallel import default_group
 
 __all__ = ["shard", "unshard"]
 

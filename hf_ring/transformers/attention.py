@@ -13,11 +13,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .chunked_loss import take_pending
-from .comm import group_size_rank
-from .loss import CPLoss, reduce_loss
-from .parallel import default_group
-from .ring import ring_attention
+from ..ops.comm import group_size_rank
+from ..ops.cross_entropy import take_pending
+from ..ops.reduce import CPLoss, reduce_loss
+from ..ops.ring import ring_attention
+from ..parallel import default_group
 
 NAME = "ring"
 

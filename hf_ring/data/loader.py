@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from .batch import IGNORE_INDEX
-from .parallel import ContextParallel, context_parallel_state
+from ..parallel import ContextParallel, context_parallel_state
+from ..transformers.batch import IGNORE_INDEX
 
 __all__ = ["count_targets", "dp_sampler", "prepare_dataloader"]
 
