@@ -93,7 +93,9 @@ def prepare_step_model(model, case: dict, lora_rank: int):
         model = get_peft_model(model, LoraConfig(r=lora_rank, target_modules=list(LORA_TARGETS)))
         model.enable_input_require_grads()
     if case["ckpt"]:
-        hf_ring.enable_activation_checkpointing(model, offload=case["offload"])
+        from testkit.offload import MeasuredOffload  # the offload, measurable on a CPU-only machine
+
+        hf_ring.enable_activation_checkpointing(model, offload=MeasuredOffload if case["offload"] else False)
     if case["chunked"]:
         hf_ring.enable_chunked_loss(model)
     if case["tiled"]:

@@ -5,19 +5,28 @@ the same piece of the sequence in different CP groups form a DP group::
 
     world 8, cp_size 4:   CP groups [0 1 2 3] [4 5 6 7]     DP groups [0 4] [1 5] [2 6] [3 7]
 
-Consecutive ranks keep a CP group inside one node, where the ring traffic is. This module imports
-only torch.
+Consecutive ranks keep a CP group inside one node, where the ring traffic is.
+
+This is the one place that holds a process-wide default: the CP group of the last
+``setup_context_parallel``. The public ``ring_attention``, ``shard`` and ``unshard`` resolve
+``group=None`` to it and call the ops in ``hf_ring.ops``, which always take their group as an
+argument. This module imports only torch.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import Tensor
 
-__all__ = ["ContextParallel", "setup_context_parallel", "default_group"]
+from .ops import ring as _ring
+from .ops import zigzag as _zigzag
+
+__all__ = ["ContextParallel", "setup_context_parallel", "default_group", "ring_attention", "shard", "unshard"]
 
 _DEFAULT: ContextParallel | None = None
 
@@ -94,3 +103,31 @@ def reset_context_parallel() -> None:
     """Forget the default CP group (tests; after ``destroy_process_group``)."""
     global _DEFAULT
     _DEFAULT = None
+
+
+def ring_attention(
+    q: Tensor, k: Tensor, v: Tensor, *, group: dist.ProcessGroup | None = None, **options: Any
+) -> Tensor:
+    """Exact attention over a sequence sharded across the CP group: ``hf_ring.ops.ring.ring_attention``
+    with ``group=None`` meaning the CP group of ``setup_context_parallel`` (else the world group).
+
+    ``q: [B, S_local, Hq, D]``, ``k, v: [B, S_local, Hkv, D]`` (this rank's zigzag shard) ->
+    ``[B, S_local, Hq, D]``. Options: ``causal``, ``softmax_scale``, ``backend``, ``layout``,
+    ``validate``, ``ring``; see the op's docstring.
+    """
+    if group is None and options.get("ring") is None:
+        group = default_group()
+    return _ring.ring_attention(q, k, v, group=group, **options)
+
+
+def shard(x: Tensor, *, dim: int = 1, group: dist.ProcessGroup | None = None) -> Tensor:
+    """This rank's zigzag shard of the full tensor ``x`` along ``dim`` (``x.shape[dim] / P`` rows):
+    ``hf_ring.ops.zigzag.shard`` with ``group=None`` meaning the CP group of
+    ``setup_context_parallel``. Raises on every rank when the ranks pass different shapes."""
+    return _zigzag.shard(x, dim=dim, group=default_group() if group is None else group)
+
+
+def unshard(x: Tensor, *, dim: int = 1, group: dist.ProcessGroup | None = None) -> Tensor:
+    """Gather the zigzag shards of the CP group and restore global order along ``dim`` (inverse of
+    ``shard``; not differentiable): ``hf_ring.ops.zigzag.unshard`` with the default CP group."""
+    return _zigzag.unshard(x, dim=dim, group=default_group() if group is None else group)

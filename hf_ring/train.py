@@ -25,12 +25,9 @@ import torch.distributed as dist
 
 from .data.loader import count_targets
 from .data.passkey import PasskeyDataset, retrieved
-from .ops.cross_entropy import enable_chunked_loss
-from .ops.offload import enable_activation_checkpointing
-from .ops.tiled_mlp import enable_tiled_mlp
-from .ops.zigzag import unshard
-from .parallel import ContextParallel, setup_context_parallel
+from .parallel import ContextParallel, setup_context_parallel, unshard
 from .transformers.batch import shard_batch
+from .transformers.patches import enable_activation_checkpointing, enable_chunked_loss, enable_tiled_mlp
 
 STATE_FILE = "trainer_state.pt"
 
@@ -49,9 +46,9 @@ class TrainConfig:
     grad_accum: int = 1
     lora: dict[str, Any] | None = None
     gradient_checkpointing: bool = False
-    activation_offload: bool = False  # checkpointed activations in host memory (hf_ring.checkpointing)
-    chunked_loss: bool = True  # loss without full logits (hf_ring.chunked_loss); eval logits unaffected
-    tiled_mlp: int | None = None  # run each MLP over tiles of this many tokens (hf_ring.tiled_mlp)
+    activation_offload: bool = False  # checkpointed activations in host memory (hf_ring.ops.offload)
+    chunked_loss: bool = True  # loss without full logits (hf_ring.ops.cross_entropy); eval logits unaffected
+    tiled_mlp: int | None = None  # run each MLP over tiles of this many tokens (hf_ring.ops.tiled_mlp)
     lr: float = 1e-3
     weight_decay: float = 0.0
     warmup_steps: int = 0

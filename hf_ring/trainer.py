@@ -30,8 +30,7 @@ from torch import nn
 from transformers import Trainer, TrainingArguments
 
 from .data.loader import count_targets
-from .ops.zigzag import unshard
-from .parallel import ContextParallel, context_parallel_state, setup_context_parallel
+from .parallel import ContextParallel, context_parallel_state, setup_context_parallel, unshard
 from .transformers.batch import shard_batch
 
 __all__ = ["RingTrainer", "RingTrainingArguments"]

@@ -126,7 +126,7 @@ def test_frozen_head_and_no_targets():
 
 
 def test_eval_logits_and_full_logits_switch():
-    """Hooked models still return logits when there are no labels, and inside full_logits()."""
+    """Hooked models still return logits when there are no labels, and with shard_batch(full_logits=True)."""
     batch = tiny_batch(2, 21)
     model = tiny_model("llama", "ring")
     hf_ring.enable_chunked_loss(model, chunk_size=5)
@@ -135,8 +135,7 @@ def test_eval_logits_and_full_logits_switch():
     assert out.logits.shape == (2, 0, 97) and out.loss.isfinite()
     no_labels = model(**hf_ring.shard_batch({"input_ids": batch["input_ids"]}))
     assert no_labels.logits.shape == (2, 22, 97)  # padded to a multiple of 2P = 2
-    with hf_ring.full_logits():
-        full = model(**hf_ring.shard_batch(batch))
+    full = model(**hf_ring.shard_batch(batch, full_logits=True))
     assert full.logits.shape == (2, 22, 97)
     assert torch.allclose(full.loss, out.loss, rtol=1e-6)
     hf_ring.disable_chunked_loss(model)

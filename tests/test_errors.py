@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import hf_ring
+from testkit.comm import NoCommRing
 from testkit.spawn import run_ranks
 
 CUDA = torch.cuda.is_available()
@@ -225,13 +226,14 @@ def test_validate_joins_the_all_gather_before_raising(monkeypatch: pytest.Monkey
     when this rank's own inputs are bad (here the all-gather is recorded, not run)."""
     ring_mod = importlib.import_module("hf_ring.ops.ring")
     calls: list[list[int]] = []
-    monkeypatch.setattr(ring_mod, "group_size_rank", lambda group: (2, 0))
     monkeypatch.setattr(ring_mod, "check_same_across_ranks", lambda values, group, what: calls.append(values))
     q, k, v = qkv(s=5 if bad == "odd_length" else 4)
     if bad == "ndim":
         q = q.flatten(2)
     with pytest.raises(ValueError):
-        ring_mod.ring_attention(q, k, v, backend="cudnn" if bad == "backend" else "auto", validate=True)
+        ring_mod.ring_attention(
+            q, k, v, ring=NoCommRing(2, 0), backend="cudnn" if bad == "backend" else "auto", validate=True
+        )
     assert calls, "raised before the all-gather: the other ranks would hang in it"
 
 

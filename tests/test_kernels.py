@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 import hf_ring
+from hf_ring.ops.comm import Ring
 from hf_ring.ops.kernels import FlashAttnKernel, ReferenceKernel, TorchCPUKernel, get_kernel
 from hf_ring.ops.ring import _RingAttention, merge_
 from hf_ring.ops.schedule import make_schedule
@@ -450,7 +451,7 @@ def flash_ring_errors(fake: str, causal: bool, dtype_name: str, d: int) -> list[
     ref_grads = torch.autograd.grad(ref, xs, dout)
     kernel = FlashAttnKernel(module=FAKES[fake])
     loc = [hf_ring.shard(x.detach().to(dtype)).requires_grad_() for x in (q, k, v)]
-    out = _RingAttention.apply(*loc, d**-0.5, make_schedule("zigzag", causal, rank, size), kernel, None)
+    out = _RingAttention.apply(*loc, d**-0.5, make_schedule("zigzag", causal, rank, size), kernel, Ring())
     grads = torch.autograd.grad(out, loc, hf_ring.shard(dout.to(dtype)))
     got = [hf_ring.unshard(t) for t in (out, *grads)]
     if rank:

@@ -25,6 +25,7 @@ from hf_ring.memory import (
     smallest_cp,
 )
 from testkit.models import tiny_batch, tiny_model
+from testkit.offload import MeasuredOffload
 from testkit.oracle import rel_err
 from testkit.spawn import run_ranks
 
@@ -169,7 +170,7 @@ def offload_step_errors(cases: list[dict]) -> list[dict]:
                 lora = LoraConfig(r=4, target_modules=["q_proj", "up_proj"], init_lora_weights=False)
                 model = get_peft_model(model, lora)
             if mode != "plain":
-                hf_ring.enable_activation_checkpointing(model, offload="offload" in mode)
+                hf_ring.enable_activation_checkpointing(model, offload=MeasuredOffload if "offload" in mode else False)
                 if c["lora"]:
                     model.enable_input_require_grads()
             if "tiled" in mode:

@@ -15,8 +15,9 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from ..ops.cross_entropy import IGNORE_INDEX
 from ..parallel import ContextParallel, context_parallel_state
-from ..transformers.batch import IGNORE_INDEX
+from ..transformers.batch import next_token_targets
 
 __all__ = ["count_targets", "dp_sampler", "prepare_dataloader"]
 
@@ -56,10 +57,7 @@ def count_targets(batches: Iterable[dict[str, Any]], dp_group: dist.ProcessGroup
     """
     total = torch.zeros((), dtype=torch.int64)
     for b in batches:
-        labels = b["labels"]
-        if "attention_mask" in b:
-            labels = labels.masked_fill(~b["attention_mask"].bool(), IGNORE_INDEX)
-        total += (labels[:, 1:] != IGNORE_INDEX).sum().cpu()
+        total += (next_token_targets(b["labels"], b.get("attention_mask")) != IGNORE_INDEX).sum().cpu()
     if dp_group is not None and dist.is_initialized() and dist.get_world_size(dp_group) > 1:
         if dist.get_backend(dp_group) == "nccl":
             total = total.cuda()

@@ -1,8 +1,11 @@
 """Ring communication over an explicit process group: queue, commit, wait.
 
-Sends go to the next rank of the group and receives come from the previous one, as one batched
+``Ring(group)`` is this rank's place on a ring over ``group``: its size, its rank, and channels
+(``RingComm``) that send to the next rank and receive from the previous one, as one batched
 point-to-point call, so the transfer runs while the caller computes. Works on gloo (CPU) and NCCL.
-This module imports only torch.
+The ring attention op takes a ``Ring``; a benchmark or test can hand it any object with the same
+``size``, ``rank``, ``group`` and ``channel(tag)`` (one that sends nothing, say). This module
+imports only torch.
 """
 
 from __future__ import annotations
@@ -50,6 +53,19 @@ class RingComm:
         for work in self._works:
             work.wait()
         self._works = []
+
+
+class Ring:
+    """This rank's place on a ring over ``group`` (``None``: the world group; a single rank when
+    torch.distributed is not initialised). ``channel(tag)`` opens a ``RingComm`` on it."""
+
+    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+        self.group = group
+        self.size, self.rank = group_size_rank(group)
+
+    def channel(self, tag: int = 0) -> RingComm:
+        """A communicator for one stream of blocks around this ring (``tag`` keeps streams apart)."""
+        return RingComm(self.group, tag)
 
 
 def group_size_rank(group: dist.ProcessGroup | None) -> tuple[int, int]:

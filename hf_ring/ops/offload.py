@@ -1,22 +1,17 @@
-"""Activation checkpointing for ring models, with checkpointed activations offloaded to host memory.
+"""Activation offload: what a module's forward saves for backward goes to host memory.
 
-``enable_activation_checkpointing(model, offload=True)`` turns on transformers' activation
-checkpointing of every decoder layer (non-reentrant ``torch.utils.checkpoint``) and, with
-``offload``, keeps everything the decoder saves for backward -- above all the checkpointed layer
-inputs, ``layers x tokens x hidden`` -- in host memory instead of on the device.
+``OffloadActivations(module)`` installs forward hooks on ``module`` (the decoder of a model whose
+layers are checkpointed): while it runs in training with gradients enabled, every tensor autograd
+saves -- above all the checkpointed layer inputs, ``layers x tokens x hidden`` -- is packed into
+host memory (pinned when CUDA is available) and unpacked back to its device when backward needs
+it. On a CPU-only machine the activations are in host memory already, and nothing is copied.
 
-The recompute re-runs each layer's forward, ring attention included, in backward. Every rank
-walks the layers in the same (reverse) order and each layer's ring turns the same way it did in
-the forward, so the ranks' point-to-point transfers pair up exactly as they did then.
-
-Why not ``model.activation_checkpointing_enable(offload=True)``: transformers 5 asks
-``save_on_cpu`` for pinned memory, which raises on machines without an accelerator. This module
-pins only when CUDA is there, and works the same on PEFT- and DDP-wrapped models. On a CPU-only
-machine offloading changes nothing (the activations are in host memory already), except under
-``hf_ring.memory.LiveTensorBytes``, where offloaded tensors are copied and counted as host memory
-so that the offload can be measured there too.
-
-This module imports only torch.
+``pack``/``unpack`` are methods so that a measuring tool can count the host side of the offload
+on a CPU-only machine (``testkit.live_tensors.MeasuredOffload``). The recompute of a checkpointed
+layer re-runs its forward, ring attention included; every rank walks the layers in the same order
+and each layer's ring turns as it did in the forward, so the point-to-point transfers pair up.
+``hf_ring.enable_activation_checkpointing(model, offload=True)`` installs it on a transformers
+model. This module imports only torch.
 """
 
 from __future__ import annotations
@@ -26,39 +21,12 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["enable_activation_checkpointing", "OffloadActivations"]
-
-
-def _measuring() -> bool:
-    from ..memory import LiveTensorBytes
-
-    return bool(LiveTensorBytes.active)
-
-
-def _pack(tensor: torch.Tensor) -> tuple[torch.device, torch.Tensor]:
-    from ..memory import host_allocations
-
-    if tensor.device.type != "cpu":
-        pin = torch.cuda.is_available()
-        packed = torch.empty(tensor.size(), dtype=tensor.dtype, layout=tensor.layout, pin_memory=pin)
-        packed.copy_(tensor, non_blocking=pin)
-        return tensor.device, packed
-    if _measuring():  # measuring on a CPU-only machine: move it to "host" memory
-        with host_allocations():
-            return tensor.device, tensor.clone()
-    return tensor.device, tensor
-
-
-def _unpack(packed: tuple[torch.device, torch.Tensor]) -> torch.Tensor:
-    device, tensor = packed
-    if device.type == "cpu":
-        return tensor.clone() if _measuring() else tensor  # the copy back to the "device"
-    return tensor.to(device, non_blocking=tensor.is_pinned())
+__all__ = ["OffloadActivations"]
 
 
 class OffloadActivations:
-    """Forward hooks on a module (the decoder): what its forward saves for backward goes to host
-    memory and comes back when backward needs it. Only while training with gradients enabled."""
+    """Forward hooks on ``module``: what its forward saves for backward lives in host memory until
+    backward needs it. Only while ``module.training`` and gradients are enabled."""
 
     def __init__(self, module: nn.Module) -> None:
         self._stack: list[Any] = []
@@ -67,9 +35,25 @@ class OffloadActivations:
             module.register_forward_hook(self._exit, always_call=True),
         ]
 
+    def pack(self, tensor: torch.Tensor) -> tuple[torch.device, torch.Tensor]:
+        """A saved tensor -> ``(its device, a host copy)`` (itself when it is in host memory already)."""
+        if tensor.device.type == "cpu":
+            return tensor.device, tensor
+        pin = torch.cuda.is_available()
+        packed = torch.empty(tensor.size(), dtype=tensor.dtype, layout=tensor.layout, pin_memory=pin)
+        packed.copy_(tensor, non_blocking=pin)
+        return tensor.device, packed
+
+    def unpack(self, packed: tuple[torch.device, torch.Tensor]) -> torch.Tensor:
+        """The inverse of ``pack``: the tensor back on its device."""
+        device, tensor = packed
+        if device.type == "cpu":
+            return tensor
+        return tensor.to(device, non_blocking=tensor.is_pinned())
+
     def _enter(self, module: nn.Module, args: Any) -> None:
         if module.training and torch.is_grad_enabled():
-            hooks = torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)
+            hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
             hooks.__enter__()
             self._stack.append(hooks)
         else:
@@ -83,28 +67,3 @@ class OffloadActivations:
     def remove(self) -> None:
         for h in self.handles:
             h.remove()
-
-
-def _causal_lm(model: nn.Module) -> nn.Module:
-    for m in model.modules():
-        if type(m).__module__.startswith("transformers.") and hasattr(m, "activation_checkpointing_enable"):
-            return m
-    raise TypeError(f"enable_activation_checkpointing: no transformers model inside {type(model).__name__}")
-
-
-def enable_activation_checkpointing(model: nn.Module, *, offload: bool = False, every_n_layers: int = 1) -> nn.Module:
-    """Checkpoint every ``every_n_layers``-th decoder layer of a transformers model (plain, PEFT- or
-    DDP-wrapped); with ``offload``, keep what the decoder saves for backward in host memory
-    (pinned when CUDA is available). Idempotent; returns ``model``."""
-    lm = _causal_lm(model)
-    lm.activation_checkpointing_enable(
-        activation_checkpointing_kwargs={"use_reentrant": False}, every_n_layers=every_n_layers
-    )
-    old = getattr(lm, "_hf_ring_offload", None)
-    if old is not None:
-        old.remove()
-        del lm._hf_ring_offload
-    if offload:
-        decoder = lm.get_decoder() if hasattr(lm, "get_decoder") else getattr(lm, lm.base_model_prefix)
-        lm._hf_ring_offload = OffloadActivations(decoder)
-    return model

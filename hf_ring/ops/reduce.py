@@ -1,31 +1,20 @@
-"""Loss reduction over the context-parallel group.
+"""Sum a scalar over a process group, with a chosen backward scale.
 
-Each rank computes the cross-entropy of its own tokens, summed and divided by the number of valid
-targets of the *whole* sequence (``num_items_in_batch``), so the rank losses add up to the loss of
-the whole sequence. ``reduce_loss`` sums them across the CP group, so every rank reports that loss,
-and scales the backward by ``grad_scale`` (default: the CP size), so that gradients *averaged* over
-the group, as DDP/FSDP do over a DP x CP world, equal those of one process running the sequence.
+Each rank of a CP group computes the cross-entropy of its own tokens, summed and divided by the
+number of valid targets of the *whole* sequence, so the rank losses add up to the loss of the whole
+sequence. ``sum_over_group`` adds them up, so every rank reports that loss, and scales the backward
+by ``grad_scale`` (the CP size, times the DP size when the target count spans DP replicas), so that
+gradients *averaged* over the group, as DDP/FSDP do over a DP x CP world, equal those of one
+process running the sequence. This module imports only torch.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-
-@dataclass(frozen=True)
-class CPLoss:
-    """Handed to the model by ``shard_batch`` (keyword ``hf_ring_cp``): how to reduce the loss.
-
-    ``group``: the CP group; ``grad_scale``: the backward factor of each rank's share
-    (the CP size, times the DP size when ``num_items_in_batch`` counts targets over DP replicas).
-    """
-
-    group: dist.ProcessGroup | None
-    grad_scale: float
+__all__ = ["sum_over_group"]
 
 
 class _SumAcrossRanks(torch.autograd.Function):
@@ -42,6 +31,6 @@ class _SumAcrossRanks(torch.autograd.Function):
         return grad * ctx.grad_scale, None, None
 
 
-def reduce_loss(local: Tensor, cp: CPLoss) -> Tensor:
-    """Sum this rank's share of the loss over the CP group; backward scales by ``cp.grad_scale``."""
-    return _SumAcrossRanks.apply(local, cp.group, cp.grad_scale)
+def sum_over_group(local: Tensor, group: dist.ProcessGroup | None, grad_scale: float) -> Tensor:
+    """``local`` (a scalar) summed over ``group``; its backward multiplies the gradient by ``grad_scale``."""
+    return _SumAcrossRanks.apply(local, group, grad_scale)

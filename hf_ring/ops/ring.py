@@ -5,7 +5,12 @@ travel around the ring (sent on while the current one is computed); partial outp
 through their log-sum-exp in float32. In backward, the same ring turns again: dQ stays local and
 the dK/dV accumulators (float32) travel with the blocks and arrive back at their owners after
 ``P`` hops. Each step's block results are freed before the next kernel call. One rank makes a
-single kernel call: no accumulators, no merge. This module imports only torch.
+single kernel call: no accumulators, no merge.
+
+The op is a pure function of its arguments: the ring it runs on (``Ring``, or a process group) and
+the block kernel (an object, or a backend name) are passed in; ``group=None`` is the world group.
+Defaults such as "the CP group of ``setup_context_parallel``" are resolved by the layers above
+(``hf_ring.ring_attention``, the transformers glue). This module imports only torch.
 """
 
 from __future__ import annotations
@@ -16,8 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..parallel import default_group
-from .comm import RingComm, check_same_across_ranks, group_size_rank
+from .comm import Ring, check_same_across_ranks
 from .kernels import BlockKernel, get_kernel
 from .schedule import Block, make_schedule
 
@@ -64,13 +68,13 @@ def _single_block(steps: list[tuple[Block, ...]]) -> bool:
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, scale, schedule, kernel, group):  # type: ignore[override]
+    def forward(ctx, q, k, v, scale, schedule, kernel, ring):  # type: ignore[override]
         # q: (B, S, Hq, D); k, v: (B, S, Hkv, D) -- this rank's shard
         steps: list[tuple[Block, ...]] = schedule
         n_steps = len(steps)
         s_loc = q.shape[1]
         acc = _acc_dtype(q.dtype)
-        ctx.scale, ctx.schedule, ctx.kernel, ctx.group = scale, steps, kernel, group
+        ctx.scale, ctx.schedule, ctx.kernel, ctx.ring = scale, steps, kernel, ring
         if _single_block(steps):  # one rank: one kernel call, nothing to merge
             b = steps[0][0]
             out, lse = kernel.forward(q, k, v, causal=b.causal, scale=scale)
@@ -83,7 +87,7 @@ class _RingAttention(torch.autograd.Function):
         hm = kernel.heads_major
         kv = _kv_message(k, v, hm)  # one message per hop
         bufs = (kv, torch.empty_like(kv) if n_steps > 1 else kv)
-        comm = RingComm(group) if n_steps > 1 else None
+        comm = ring.channel(0) if n_steps > 1 else None
         for step, blocks in enumerate(steps):
             cur = bufs[step % 2]
             if comm is not None and step + 1 < n_steps:
@@ -120,8 +124,8 @@ class _RingAttention(torch.autograd.Function):
         dkv_bufs = [torch.zeros(kv.shape, dtype=acc_dtype, device=q.device)]
         if n_steps > 1:  # the first receive overwrites it whole: no need to zero it
             dkv_bufs.append(torch.empty(kv.shape, dtype=acc_dtype, device=q.device))
-        kv_comm = RingComm(ctx.group, tag=0) if n_steps > 1 else None
-        dkv_comm = RingComm(ctx.group, tag=1) if n_steps > 1 else None
+        kv_comm = ctx.ring.channel(0) if n_steps > 1 else None
+        dkv_comm = ctx.ring.channel(1) if n_steps > 1 else None
         for step, blocks in enumerate(steps):
             cur = kv_bufs[step % 2]
             if kv_comm is not None and step + 1 < n_steps:
@@ -212,9 +216,10 @@ def ring_attention(
     v: Tensor,
     *,
     group: dist.ProcessGroup | None = None,
+    ring: Ring | None = None,
     causal: bool = True,
     softmax_scale: float | None = None,
-    backend: str = "auto",
+    backend: str | BlockKernel = "auto",
     layout: str = "zigzag",
     validate: bool = False,
     dropout_p: float = 0.0,
@@ -226,12 +231,15 @@ def ring_attention(
         q: ``[B, S_local, Hq, D]``, this rank's shard (see ``hf_ring.shard``).
         k, v: ``[B, S_local, Hkv, D]`` with ``Hq % Hkv == 0`` (grouped-query attention; K/V travel
             with their own ``Hkv`` heads).
-        group: the context-parallel group; ``None`` means the group of
-            ``setup_context_parallel``, else the world group. Without torch.distributed, or with
-            a group of one rank, this is plain attention.
+        group: the context-parallel group (``None``: the world group). Without torch.distributed,
+            or with a group of one rank, this is plain attention.
+        ring: the ring to run on, instead of ``group``: a ``Ring``, or any object with its
+            ``size``, ``rank``, ``group`` and ``channel(tag)`` (benchmarks pass one that sends
+            nothing). Give ``group`` or ``ring``, not both.
         causal: causal mask over *global* positions.
         softmax_scale: defaults to ``1 / sqrt(D)``.
-        backend: block kernel, ``"auto"``, ``"torch"``, ``"flash_attn"`` or ``"reference"``.
+        backend: block kernel: ``"auto"``, ``"torch"``, ``"flash_attn"``, ``"reference"``, or a
+            ``BlockKernel`` object.
         layout: ``"zigzag"`` (rank ``r`` holds chunks ``r`` and ``2P-1-r`` of ``2P``; balanced) or
             ``"contiguous"`` (rank ``r`` holds chunk ``r`` of ``P``; for comparison).
         validate: check that every rank passes the same shapes and options before the ring turns
@@ -246,23 +254,25 @@ def ring_attention(
     Zigzag picture, ``P = 2``, sequence cut into chunks ``c0 c1 c2 c3``: rank 0 holds
     ``[c0 | c3]``, rank 1 holds ``[c1 | c2]``.
     """
-    if group is None:
-        group = default_group()
-    size, rank = group_size_rank(group)
+    if ring is None:
+        ring = Ring(group)
+    elif group is not None:
+        raise ValueError("ring_attention: pass group or ring, not both")
+    size, rank = ring.size, ring.rank
     try:
         _check_inputs(q, k, v, size, layout, dropout_p, attn_mask)
-        kernel = get_kernel(backend, q.device, q.dtype)
+        kernel = get_kernel(backend, q.device, q.dtype) if isinstance(backend, str) else backend
     except ValueError:
         if validate and size > 1:
             # Join the all-gather anyway: ranks whose inputs are fine wait in it. Every rank then
             # raises the mismatch, or (all ranks failing alike) its own error, re-raised below.
-            _validate(q, k, causal, group, bad=True)
+            _validate(q, k, causal, ring.group, bad=True)
         raise
     if validate:
-        _validate(q, k, causal, group, bad=False)
+        _validate(q, k, causal, ring.group, bad=False)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[3])
     schedule = make_schedule(layout, causal, rank, size)
-    return _RingAttention.apply(q, k, v, scale, schedule, kernel, group)
+    return _RingAttention.apply(q, k, v, scale, schedule, kernel, ring)
 
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)

@@ -12,17 +12,18 @@ Parameter gradients are summed over the tiles (float32) and handed to autograd o
 gradients of the Function's inputs, so DDP's per-parameter hooks fire once per step as usual.
 LoRA adapters inside the MLP (PEFT) are parameters of the MLP like any other.
 
-This module imports only torch.
+``tiled_forward(module, forward, x, tile)`` is the op; ``hf_ring.enable_tiled_mlp(model)``
+(``hf_ring.transformers.patches``) installs it on a model's MLPs. This module imports only torch.
 """
 
 from __future__ import annotations
 
-import types
+from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
 
-__all__ = ["enable_tiled_mlp", "disable_tiled_mlp"]
+__all__ = ["tiled_forward"]
 
 
 class _TiledMLP(torch.autograd.Function):
@@ -67,43 +68,10 @@ class _TiledMLP(torch.autograd.Function):
         return (dx.reshape(x.shape) if dx is not None else None, None, None, *out)
 
 
-def _tiled_forward(self: nn.Module, x: Tensor) -> Tensor:
-    forward, tile = self._hf_ring_tiled
+def tiled_forward(module: nn.Module, forward: Callable[[Tensor], Tensor], x: Tensor, tile: int) -> Tensor:
+    """``forward(x)`` (a token-wise module's forward, ``x: [..., H]``) over tiles of ``tile`` tokens,
+    saving only ``x`` for backward; gradients reach ``x`` and ``module``'s trainable parameters."""
     if x.shape[:-1].numel() <= tile or not torch.is_grad_enabled():
         return forward(x)
-    params = [p for p in self.parameters() if p.requires_grad]
+    params = [p for p in module.parameters() if p.requires_grad]
     return _TiledMLP.apply(x, forward, tile, *params)
-
-
-def _mlps(model: nn.Module) -> list[nn.Module]:
-    return [
-        m
-        for m in model.modules()
-        if all(isinstance(getattr(m, n, None), nn.Module) for n in ("gate_proj", "up_proj", "down_proj"))
-        and type(m).__name__.endswith("MLP")
-    ]
-
-
-def enable_tiled_mlp(model: nn.Module, tile_tokens: int = 8192) -> nn.Module:
-    """Run every gated MLP (``...MLP`` modules with ``gate_proj``/``up_proj``/``down_proj``: Llama,
-    Qwen2/3, Mistral) of ``model`` over tiles of ``tile_tokens`` tokens (see the module docstring).
-    Works on plain, PEFT- and DDP-wrapped models, with activation checkpointing; idempotent (a
-    second call changes the tile size). Returns ``model``."""
-    if tile_tokens < 1:
-        raise ValueError(f"tile_tokens must be positive, not {tile_tokens}")
-    mlps = _mlps(model)
-    if not mlps:
-        raise TypeError(f"enable_tiled_mlp: no gated MLP (gate_proj, up_proj, down_proj) in {type(model).__name__}")
-    for m in mlps:
-        forward = m._hf_ring_tiled[0] if hasattr(m, "_hf_ring_tiled") else m.forward
-        m._hf_ring_tiled = (forward, int(tile_tokens))
-        m.forward = types.MethodType(_tiled_forward, m)
-    return model
-
-
-def disable_tiled_mlp(model: nn.Module) -> nn.Module:
-    """Undo ``enable_tiled_mlp``."""
-    for m in _mlps(model):
-        if hasattr(m, "_hf_ring_tiled"):
-            del m.forward, m._hf_ring_tiled
-    return model

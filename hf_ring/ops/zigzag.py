@@ -14,7 +14,6 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..parallel import default_group
 from .comm import check_same_across_ranks, group_size_rank
 
 __all__ = ["shard", "unshard"]
@@ -23,13 +22,11 @@ __all__ = ["shard", "unshard"]
 def shard(x: Tensor, *, dim: int = 1, group: dist.ProcessGroup | None = None) -> Tensor:
     """This rank's zigzag shard of the full tensor ``x`` along ``dim``.
 
-    ``x`` must be the same full tensor on every rank of ``group`` (default: the CP group), with
+    ``x`` must be the same full tensor on every rank of ``group`` (``None``: the world group), with
     ``x.shape[dim]`` a multiple of ``2P``. Returns a tensor with ``x.shape[dim] / P`` rows along
     ``dim``. Checks once per call, with one all-gather of 16 integers, that every rank passes the
     same shape, and raises ``ValueError`` otherwise (instead of a later deadlock in the ring).
     """
-    if group is None:
-        group = default_group()
     size, rank = group_size_rank(group)
     dim = dim % x.dim()
     check_same_across_ranks([dim, *x.shape], group, "the shape of the tensor to shard [dim, *shape]")
@@ -56,8 +53,6 @@ def unshard(x: Tensor, *, dim: int = 1, group: dist.ProcessGroup | None = None) 
     Inverse of ``shard``: ``unshard(shard(x)) == x`` on every rank. The result is not
     differentiable (the gather is a plain collective); use it for logits, outputs and checks.
     """
-    if group is None:
-        group = default_group()
     size, _ = group_size_rank(group)
     if size == 1:
         return x

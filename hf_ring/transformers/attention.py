@@ -1,9 +1,11 @@
-"""``attn_implementation="ring"`` for transformers: the attention function, its mask function,
-and the loss hook that sums each rank's share of the loss over the CP group.
+"""``attn_implementation="ring"`` for transformers: the attention function and its mask function.
 
 The attention function follows transformers' ``AttentionInterface`` contract: it receives
 ``query [B, Hq, S, D]`` and ``key``/``value [B, Hkv, S, D]`` (RoPE applied, K/V heads not expanded)
-and returns ``(out [B, S, Hq, D], None)``. Everything it cannot compute exactly raises.
+and returns ``(out [B, S, Hq, D], None)``. It is a function of its arguments: the batch's
+``RingContext`` (keyword ``ring_context``, from ``hf_ring.shard_batch``) says which CP group to
+run on, and the call is counted on it for the loss's "ring attention never ran" guard. Everything
+it cannot compute exactly raises.
 """
 
 from __future__ import annotations
@@ -13,13 +15,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..ops.comm import group_size_rank
-from ..ops.cross_entropy import take_pending
-from ..ops.reduce import CPLoss, reduce_loss
 from ..ops.ring import ring_attention
 from ..parallel import default_group
-
-NAME = "ring"
+from .context import RingContext
 
 
 class RingMask:
@@ -87,13 +85,14 @@ def ring_attention_forward(
     dropout: float = 0.0,
     sliding_window: int | None = None,
     is_causal: bool | None = None,
-    hf_ring_cp: CPLoss | None = None,
+    ring_context: RingContext | None = None,
     **kwargs: Any,
 ) -> tuple[Tensor, None]:
     """transformers attention function for ``attn_implementation="ring"``.
 
     ``query: [B, Hq, S_local, D]``, ``key``/``value: [B, Hkv, S_local, D]``, this rank's zigzag
-    shard (see ``hf_ring.shard_batch``). Returns ``([B, S_local, Hq, D], None)``.
+    shard (see ``hf_ring.shard_batch``). Returns ``([B, S_local, Hq, D], None)``. The CP group is
+    the batch's (``ring_context``); without one (a shard made by hand), the default CP group.
     """
     for name, what in _UNSUPPORTED.items():
         if kwargs.get(name) is not None:
@@ -115,8 +114,11 @@ def ring_attention_forward(
             f"{key.shape[2]} keys): decoding with a KV cache is not supported. Pass use_cache=False "
             "(shard_batch does) and generate with another attn_implementation."
         )
-    group = hf_ring_cp.group if hf_ring_cp is not None else default_group()
-    size, _ = group_size_rank(group)
+    if ring_context is not None:
+        group, size = ring_context.group, ring_context.size
+    else:
+        group = default_group()
+        size = torch.distributed.get_world_size(group) if torch.distributed.is_initialized() else 1
     n_global = query.shape[2] * size
     if sliding_window is not None and sliding_window < n_global:
         raise ValueError(
@@ -132,7 +134,8 @@ def ring_attention_forward(
             "position each rank sees, which differs between ranks; use 'default', 'linear', 'llama3' or 'yarn'."
         )
     causal = module.is_causal if is_causal is None else is_causal
-    _calls[0] += 1
+    if ring_context is not None:
+        ring_context.attention_calls += 1
     out = ring_attention(
         query.transpose(1, 2),  # (B, S, Hq, D)
         key.transpose(1, 2),  # (B, S, Hkv, D)
@@ -142,43 +145,3 @@ def ring_attention_forward(
         softmax_scale=scaling,
     )
     return out, None
-
-
-_calls = [0]  # ring attention calls since the last loss of a sharded batch
-
-
-def _ring_causal_lm_loss(original: Any) -> Any:
-    def loss(*args: Any, hf_ring_cp: CPLoss | None = None, **kwargs: Any) -> Tensor:
-        pending = take_pending(hf_ring_cp)  # set aside by enable_chunked_loss's LM-head hook
-        local = original(*args, **kwargs) if pending is None else pending.loss(**kwargs)
-        if hf_ring_cp is None:
-            return local
-        if _calls[0] == 0 and group_size_rank(hf_ring_cp.group)[0] > 1:
-            raise RuntimeError(
-                "a batch sharded by hf_ring.shard_batch went through a model that never called ring "
-                'attention, so its tokens attended only their own shard. Load the model with '
-                'attn_implementation="ring" (or call model.set_attn_implementation("ring")); models '
-                "that do not use transformers' attention registry are not supported."
-            )
-        _calls[0] = 0
-        return reduce_loss(local, hf_ring_cp)
-
-    loss.hf_ring_original = original  # type: ignore[attr-defined]
-    return loss
-
-
-def register() -> None:
-    """Make ``attn_implementation="ring"`` available to transformers (idempotent).
-
-    Registers the attention function and the mask function under "ring", and wraps the causal-LM
-    loss so that batches from ``shard_batch`` (which carry ``hf_ring_cp``) get their loss summed
-    over the CP group; every other call of that loss is unchanged. Runs at ``import hf_ring``.
-    """
-    from transformers import AttentionInterface
-    from transformers.loss.loss_utils import LOSS_MAPPING
-    from transformers.masking_utils import AttentionMaskInterface
-
-    AttentionInterface.register(NAME, ring_attention_forward)
-    AttentionMaskInterface.register(NAME, ring_mask)
-    if not hasattr(LOSS_MAPPING["ForCausalLM"], "hf_ring_original"):
-        LOSS_MAPPING["ForCausalLM"] = _ring_causal_lm_loss(LOSS_MAPPING["ForCausalLM"])

@@ -1,7 +1,9 @@
 """Turn a full batch into this rank's model inputs: pad, shift labels, shard, count targets.
 
 Every rank of a CP group passes the same full batch; each gets back the keyword arguments for its
-zigzag shard. This module imports only torch.
+zigzag shard, with one ``RingContext`` (keyword ``ring_context``) that carries what the attention
+function and the loss need for this batch. This module imports only torch (it follows
+transformers' batch conventions, which is why it lives with the glue).
 """
 
 from __future__ import annotations
@@ -13,13 +15,12 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..ops.comm import check_same_across_ranks, group_size_rank
-from ..ops.reduce import CPLoss
+from ..ops.cross_entropy import IGNORE_INDEX
 from ..ops.zigzag import zigzag
 from ..parallel import default_group
+from .context import KEY, RingContext
 
-__all__ = ["shard_batch"]
-
-IGNORE_INDEX = -100
+__all__ = ["shard_batch", "next_token_targets"]
 _SEQ_KEYS = ("input_ids", "inputs_embeds", "labels", "attention_mask", "position_ids")
 _PASS_KEYS = ("num_items_in_batch", "use_cache", "return_dict", "output_hidden_states", "output_attentions")
 
@@ -41,12 +42,22 @@ def _check_right_padding(mask: Tensor) -> None:
         raise ValueError("shard_batch: a sequence of the batch is empty (its attention_mask is all 0)")
 
 
+def next_token_targets(labels: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+    """``[B, N]`` Hugging Face labels (unshifted, ``-100`` where there is no target) -> the target
+    of each position, ``[B, N]``: ``labels[:, t + 1]``, ``-100`` at the end and wherever the
+    right-padding ``attention_mask`` is 0."""
+    if attention_mask is not None:
+        labels = labels.masked_fill(~attention_mask.bool(), IGNORE_INDEX)
+    return torch.cat((labels[:, 1:], labels.new_full((labels.shape[0], 1), IGNORE_INDEX)), dim=1)
+
+
 def shard_batch(
     batch: dict[str, Any],
     *,
     group: dist.ProcessGroup | None = None,
     pad_token_id: int = 0,
     dp_size: int = 1,
+    full_logits: bool = False,
 ) -> dict[str, Any]:
     """This rank's keyword arguments for ``model(**...)`` from a full batch.
 
@@ -60,13 +71,16 @@ def shard_batch(
         pad_token_id: id used to pad the sequence to a multiple of ``2P`` (its targets are masked).
         dp_size: number of data-parallel replicas that ``num_items_in_batch`` spans (it then
             counts the targets of all of them, and the backward is scaled to match DP averaging).
+        full_logits: return full logits even from a model with ``enable_chunked_loss`` (whose
+            labelled batches otherwise return ``[B, 0, V]`` logits).
 
     Returns:
         ``input_ids`` (or ``inputs_embeds``) and ``position_ids`` of shape ``[B, N_pad / P]``
         (global positions, zigzag order); when labels are given, ``labels`` and ``shift_labels``
         ``[B, N_pad / P]`` (shifted on the full sequence before sharding, so no target is lost at
-        chunk boundaries) and ``num_items_in_batch``; ``use_cache=False``; and ``hf_ring_cp``, which
-        tells the model's loss to sum over the CP group. ``N_pad`` is ``N`` rounded up to a
+        chunk boundaries) and ``num_items_in_batch``; ``use_cache=False``; and ``ring_context``
+        (a ``RingContext``: the CP group and loss policy of this batch, read by the ring attention
+        function and the model's loss, which it sums over the CP group). ``N_pad`` is ``N`` rounded up to a
         multiple of ``2P``. Right padding is handled exactly: causal attention never lets a real
         token see the padding after it, and padded positions have no targets.
     """
@@ -107,8 +121,6 @@ def shard_batch(
     mask = batch.get("attention_mask")
     if mask is not None:
         _check_right_padding(mask)
-        if labels is not None:
-            labels = labels.masked_fill(~mask.bool(), IGNORE_INDEX)
     positions = batch.get("position_ids")
     if positions is None:
         positions = torch.arange(n, device=x.device).expand(b, n)
@@ -121,13 +133,14 @@ def shard_batch(
     out["position_ids"] = _zigzag(positions, size, rank)
     out.setdefault("use_cache", False)
     if labels is not None:
-        labels = padded(labels, IGNORE_INDEX)
-        shifted = torch.cat((labels[:, 1:], labels.new_full((b, 1), IGNORE_INDEX)), dim=1)
+        shifted = padded(next_token_targets(labels.expand(b, n), mask), IGNORE_INDEX)
         if "num_items_in_batch" not in out:
             out["num_items_in_batch"] = (shifted != IGNORE_INDEX).sum()
         local = _zigzag(shifted, size, rank)
         # ``labels`` only switches the model's loss on; ``shift_labels`` are the targets it uses.
         out["labels"] = local
         out["shift_labels"] = local
-        out["hf_ring_cp"] = CPLoss(group, float(size * dp_size))
+    out[KEY] = RingContext(
+        group, size, rank, grad_scale=float(size * dp_size), labelled=labels is not None, full_logits=full_logits
+    )
     return out

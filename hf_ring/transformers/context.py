@@ -1,0 +1,74 @@
+"""The per-batch context: everything the ring attention function and the loss need for one batch.
+
+``shard_batch`` makes one ``RingContext`` per batch and hands it to the model as the keyword
+argument ``ring_context``. transformers passes model keyword arguments down to every attention
+call and to the loss function, so both read it from their kwargs: no thread-locals, no module
+globals, nothing keyed by identity. The walk of one batch is in ``docs/architecture.md``.
+
+What travels in it:
+
+- the CP group (size and rank read once);
+- the loss policy: the backward scale of each rank's share of the loss, and whether this batch
+  has labels (``num_items_in_batch`` is the global target count the model's loss divides by);
+- ``full_logits``: the chunked loss (``enable_chunked_loss``) leaves this batch alone;
+- filled while the batch runs: how many times ring attention ran on it (the guard against a model
+  that never called the ring), and the last hidden states that the chunked-loss hook sets aside
+  for the loss (taken, and so freed, by the loss).
+
+This module imports only torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+from torch import Tensor, nn
+
+__all__ = ["RingContext", "KEY"]
+
+KEY = "ring_context"  # the model keyword argument that carries it
+
+
+@dataclass(eq=False)
+class ChunkedLossInput:
+    """What the chunked-loss hook set aside for the loss of one batch."""
+
+    hidden: Tensor  # [B, S_local, H], the decoder's last hidden states
+    head: nn.Module  # the LM head
+    chunk_size: int | None
+
+
+@dataclass(eq=False)
+class RingContext:
+    """One batch's context (made by ``hf_ring.shard_batch``; passed as ``model(..., ring_context=...)``).
+
+    Attributes:
+        group: the CP group (``None``: the world group, or no torch.distributed).
+        size, rank: the group's size and this rank's place in it.
+        grad_scale: backward factor of this rank's share of the loss (CP size x DP replicas that
+            the target count spans).
+        labelled: the batch has labels, so the model computes a loss that ``hf_ring`` sums over
+            the CP group.
+        full_logits: compute full logits even on a model with ``enable_chunked_loss``.
+        attention_calls: ring attention calls made with this context (forward and recompute).
+    """
+
+    group: dist.ProcessGroup | None
+    size: int
+    rank: int
+    grad_scale: float = 1.0
+    labelled: bool = False
+    full_logits: bool = False
+    attention_calls: int = 0
+    _chunked: ChunkedLossInput | None = field(default=None, repr=False)
+
+    def set_aside(self, hidden: Tensor, head: nn.Module, chunk_size: int | None) -> None:
+        """Keep the last hidden states for the chunked loss of this batch (the hook's side)."""
+        self._chunked = ChunkedLossInput(hidden, head, chunk_size)
+
+    def take_chunked(self) -> ChunkedLossInput | None:
+        """The hidden states set aside for the loss, once (the loss's side); ``None`` when the model
+        computed full logits for this batch."""
+        taken, self._chunked = self._chunked, None
+        return taken

@@ -1,0 +1,66 @@
+"""The causal-LM loss of a sharded batch: this rank's share, summed over the CP group.
+
+``register()`` wraps transformers' ``ForCausalLM`` loss once. Calls that carry a labelled
+``RingContext`` (keyword ``ring_context``, from ``hf_ring.shard_batch``) compute this rank's share
+of the loss -- from the hidden states the chunked-loss hook set aside on the context, or from the
+logits as usual -- and sum it over the CP group (``hf_ring.ops.reduce.sum_over_group``); every
+other call of the loss is unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..ops.cross_entropy import IGNORE_INDEX, chunked_causal_lm_loss
+from ..ops.reduce import sum_over_group
+from .context import ChunkedLossInput, RingContext
+
+__all__ = ["wrap_causal_lm_loss"]
+
+_NEVER_RAN = (
+    "a batch sharded by hf_ring.shard_batch went through a model that never called ring "
+    'attention, so its tokens attended only their own shard. Load the model with '
+    'attn_implementation="ring" (or call model.set_attn_implementation("ring")); models '
+    "that do not use transformers' attention registry are not supported."
+)
+
+
+def _chunked_loss(
+    chunked: ChunkedLossInput,
+    labels: Tensor | None = None,
+    shift_labels: Tensor | None = None,
+    num_items_in_batch: Tensor | int | None = None,
+    ignore_index: int = IGNORE_INDEX,
+    **_: Any,
+) -> Tensor:
+    if shift_labels is None:
+        if labels is None:
+            raise ValueError("chunked loss: the model was called without labels")
+        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    return chunked_causal_lm_loss(
+        chunked.hidden,
+        chunked.head,
+        shift_labels,
+        num_items_in_batch=num_items_in_batch,
+        ignore_index=ignore_index,
+        chunk_size=chunked.chunk_size,
+    )
+
+
+def wrap_causal_lm_loss(original: Any) -> Any:
+    """The ``ForCausalLM`` loss ``original``, made aware of ``ring_context`` (see the module docstring)."""
+
+    def loss(*args: Any, ring_context: RingContext | None = None, **kwargs: Any) -> Tensor:
+        chunked = ring_context.take_chunked() if ring_context is not None else None
+        local = original(*args, **kwargs) if chunked is None else _chunked_loss(chunked, **kwargs)
+        if ring_context is None or not ring_context.labelled:
+            return local
+        if ring_context.size > 1 and ring_context.attention_calls == 0:
+            raise RuntimeError(_NEVER_RAN)
+        return sum_over_group(local, ring_context.group, ring_context.grad_scale)
+
+    loss.hf_ring_original = original  # type: ignore[attr-defined]
+    return loss
