@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import nn
 from transformers import Trainer, TrainingArguments
 
-from .data.loader import count_targets
+from .data.loader import count_targets, prepare_dataloader
 from .parallel import ContextParallel, context_parallel_state, setup_context_parallel, unshard
 from .transformers.batch import shard_batch
 
@@ -174,8 +174,6 @@ class RingTrainer(Trainer):
         if cp is None or cp.cp_size == 1:
             yield
             return
-        from accelerate.data_loader import prepare_data_loader
-
         acc = self.accelerator
         if acc.dispatch_batches:
             raise ValueError(
@@ -188,11 +186,10 @@ class RingTrainer(Trainer):
         def prepare(data_loader: Any, device_placement: bool | None = None, slice_fn_for_dispatch: Any = None) -> Any:
             if getattr(data_loader, "_is_accelerate_prepared", False):
                 return data_loader
-            prepared = prepare_data_loader(
+            prepared = prepare_dataloader(
                 data_loader,
-                acc.device,
-                num_processes=cp.dp_size,
-                process_index=cp.dp_rank,
+                cp,
+                device=acc.device,
                 split_batches=acc.split_batches,
                 put_on_device=acc.device_placement if device_placement is None else device_placement,
                 rng_types=acc.rng_types.copy(),

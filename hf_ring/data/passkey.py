@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 from torch.utils.data import Dataset
 
+from ..ops.cross_entropy import IGNORE_INDEX
+
 DIGITS = 5
 HAY = 32  # haystack tokens 0..31
 KEY, ASK = HAY, HAY + 1
@@ -46,7 +48,7 @@ class PasskeyDataset(Dataset):
         at = int(torch.randint(0, room + 1, (1,), generator=g))
         ids[at : at + DIGITS + 1] = key
         ids[-(DIGITS + 1) :] = answer
-        labels = torch.full_like(ids, -100)
+        labels = torch.full_like(ids, IGNORE_INDEX)
         labels[-DIGITS:] = ids[-DIGITS:]
         return {"input_ids": ids, "labels": labels}
 
@@ -56,5 +58,5 @@ def retrieved(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     global order (``hf_ring.unshard`` the logits of a context-parallel prefill)."""
     pred = logits[:, :-1].argmax(-1)
     target = labels[:, 1:]
-    ok = (pred == target) | (target == -100)
+    ok = (pred == target) | (target == IGNORE_INDEX)
     return ok.all(-1)

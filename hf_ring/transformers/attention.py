@@ -134,8 +134,8 @@ def ring_attention_forward(
             "position each rank sees, which differs between ranks; use 'default', 'linear', 'llama3' or 'yarn'."
         )
     causal = module.is_causal if is_causal is None else is_causal
-    if ring_context is not None:
-        ring_context.attention_calls += 1
+    if ring_context is not None and not _in_backward():
+        ring_context.attention_calls += 1  # forward calls only: a checkpoint recompute does not count
     out = ring_attention(
         query.transpose(1, 2),  # (B, S, Hq, D)
         key.transpose(1, 2),  # (B, S, Hkv, D)
@@ -145,3 +145,9 @@ def ring_attention_forward(
         softmax_scale=scaling,
     )
     return out, None
+
+
+def _in_backward() -> bool:
+    """True while autograd runs a backward pass (where activation checkpointing recomputes)."""
+    task = getattr(torch._C, "_current_graph_task_id", None)
+    return task is not None and task() != -1

@@ -51,7 +51,8 @@ class RingContext:
         labelled: the batch has labels, so the model computes a loss that ``hf_ring`` sums over
             the CP group.
         full_logits: compute full logits even on a model with ``enable_chunked_loss``.
-        attention_calls: ring attention calls made with this context (forward and recompute).
+        attention_calls: ring attention calls made with this context since its last loss (forward
+            calls only; the recompute of activation checkpointing in backward does not count).
     """
 
     group: dist.ProcessGroup | None

@@ -58,7 +58,8 @@ def wrap_causal_lm_loss(original: Any) -> Any:
         local = original(*args, **kwargs) if chunked is None else _chunked_loss(chunked, **kwargs)
         if ring_context is None or not ring_context.labelled:
             return local
-        if ring_context.size > 1 and ring_context.attention_calls == 0:
+        calls, ring_context.attention_calls = ring_context.attention_calls, 0  # per forward
+        if ring_context.size > 1 and calls == 0:
             raise RuntimeError(_NEVER_RAN)
         return sum_over_group(local, ring_context.group, ring_context.grad_scale)
 
