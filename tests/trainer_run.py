@@ -1,8 +1,8 @@
 """Train a tiny Llama for a few steps with transformers' Trainer or hf_ring's RingTrainer.
 
-    python tests/hf_trainer_run.py ref OUT_DIR DP [DP ...]        plain Trainer, one process, sdpa:
+    python tests/trainer_run.py ref OUT_DIR DP [DP ...]        plain Trainer, one process, sdpa:
                                                                    one run per DP (batch DP * B)
-    torchrun --nproc_per_node K tests/hf_trainer_run.py ring OUT_DIR CP
+    torchrun --nproc_per_node K tests/trainer_run.py ring OUT_DIR CP
                                                                    RingTrainer, K / CP replicas of batch B
 
 Each run writes ``<name>.json`` (per-step loss and grad norm, eval loss, error messages checked on

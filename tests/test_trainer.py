@@ -3,7 +3,7 @@ padding, masked prompt spans) of a tiny Llama at CP=2 (2 processes) and DP=2 x C
 against one process of plain Trainer with sdpa attention on the same data in the same order: the
 logged losses, gradient norms and eval loss, and the final parameters, agree in float32.
 
-The runs are tests/hf_trainer_run.py under torchrun (Trainer needs the launcher's environment),
+The runs are tests/trainer_run.py under torchrun (Trainer needs the launcher's environment),
 started together once per session; each writes JSON and parameters that the tests read.
 """
 
@@ -20,7 +20,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "tests" / "hf_trainer_run.py"
+SCRIPT = ROOT / "tests" / "trainer_run.py"
 TIMEOUT = 240
 TOL = 1e-5
 
