@@ -6,19 +6,35 @@ Layout everywhere is ``[B, S, H, D]``; keys and values may have fewer heads than
 (grouped-query attention: query head ``h`` reads key head ``h // (Hq // Hkv)``).
 
 ``causal=True`` masks key ``j`` from query ``i`` when ``j > i`` (top-left aligned); the ring only asks
-for it on square blocks. This module imports only torch.
+for it on square blocks. The CUDA kernels live in ``kernels_cuda`` and are re-exported here. ``get_kernel``
+hands out one cached kernel object per (backend, device type, dtype). This module imports only torch.
 """
 
 from __future__ import annotations
 
-import importlib
+import functools
 import importlib.util
+import warnings
 from typing import Protocol
 
 import torch
 from torch import Tensor
 
-__all__ = ["BlockKernel", "available_backends", "get_kernel"]
+from .kernels_cuda import FlashAttnKernel, TorchCUDAKernel, TorchEfficientKernel
+
+__all__ = [
+    "BACKENDS",
+    "BlockKernel",
+    "FlashAttnKernel",
+    "ReferenceKernel",
+    "TorchCPUKernel",
+    "TorchCUDAKernel",
+    "TorchEfficientKernel",
+    "available_backends",
+    "get_kernel",
+]
+
+BACKENDS = ("auto", "torch", "flash_attn", "torch_efficient", "reference")
 
 
 class BlockKernel(Protocol):
@@ -38,9 +54,7 @@ class BlockKernel(Protocol):
     name: str
     heads_major: bool
 
-    def forward(
-        self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float
-    ) -> tuple[Tensor, Tensor]: ...
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float) -> tuple[Tensor, Tensor]: ...
 
     def backward(
         self,
@@ -74,7 +88,7 @@ class ReferenceKernel:
             s = s.masked_fill(mask, float("-inf"))
         return s
 
-    def forward(self, q, k, v, *, causal, scale):
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
         s = self._scores(q, k, causal, scale)
         lse = torch.logsumexp(s, dim=-1)  # (B, H, Sq)
         p = torch.exp(s - lse[..., None]).nan_to_num_(0.0)  # rows with no key: all zero
@@ -83,7 +97,9 @@ class ReferenceKernel:
         out = torch.einsum("bhqk,bkhd->bqhd", p, vx)
         return out.to(q.dtype), lse.transpose(1, 2)
 
-    def backward(self, dout, q, k, v, out, lse, *, causal, scale):
+    def backward(
+        self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *, causal: bool, scale: float
+    ) -> tuple[Tensor, Tensor, Tensor]:
         s = self._scores(q, k, causal, scale)
         ct = s.dtype
         lse_t = lse.to(ct).transpose(1, 2)[..., None]  # (B, H, Sq, 1)
@@ -114,13 +130,15 @@ class TorchCPUKernel:
     name = "torch"
     heads_major = True  # its backward reads K/V 3-5% faster from [B, H, S, D] memory (benchmarks/NOTES.md)
 
-    def forward(self, q, k, v, *, causal, scale):
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, causal, scale=scale
         )
         return out.transpose(1, 2), lse.transpose(1, 2)
 
-    def backward(self, dout, q, k, v, out, lse, *, causal, scale):
+    def backward(
+        self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *, causal: bool, scale: float
+    ) -> tuple[Tensor, Tensor, Tensor]:
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout.transpose(1, 2),
             q.transpose(1, 2),
@@ -135,185 +153,95 @@ class TorchCPUKernel:
         return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
 
 
-class TorchCUDAKernel:
-    """torch's CUDA flash attention op (fp16/bf16). Its aten op wants equal head counts, so K/V
-    heads are expanded here, after communication, and their gradients summed back."""
-
-    name = "torch"
-    heads_major = False
-
-    def forward(self, q, k, v, *, causal, scale):
-        rep = q.shape[2] // k.shape[2]
-        k, v = (t.repeat_interleave(rep, dim=2) if rep > 1 else t for t in (k, v))
-        res = torch.ops.aten._scaled_dot_product_flash_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, causal, False, scale=scale
-        )
-        return res[0].transpose(1, 2), res[1].transpose(1, 2)
-
-    def backward(self, dout, q, k, v, out, lse, *, causal, scale):
-        rep = q.shape[2] // k.shape[2]
-        kx, vx = (t.repeat_interleave(rep, dim=2) if rep > 1 else t for t in (k, v))
-        sq, sk = q.shape[1], k.shape[1]
-        empty = torch.empty(0, device=q.device, dtype=torch.int64)
-        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            dout.transpose(1, 2),
-            q.transpose(1, 2),
-            kx.transpose(1, 2),
-            vx.transpose(1, 2),
-            out.transpose(1, 2),
-            lse.transpose(1, 2).contiguous(),
-            empty,
-            empty,
-            sq,
-            sk,
-            0.0,
-            causal,
-            empty,
-            empty,
-            scale=scale,
-        )
-        dq, dk, dv = dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
-        if rep > 1:
-            b, _, hkv, d = k.shape
-            dk = dk.reshape(b, sk, hkv, rep, d).sum(3)
-            dv = dv.reshape(b, sk, hkv, rep, d).sum(3)
-        return dq, dk, dv
-
-
-class FlashAttnKernel:
-    """flash-attn 2 (CUDA, fp16/bf16), through its private forward/backward entry points.
-
-    Call contract of ``flash_attn.flash_attn_interface`` from 2.7.0 through 2.8.x (checked up to
-    2.8.4, where both names are ``torch.library`` custom ops; the public names
-    ``_wrapped_flash_attn_*`` are ``torch.ops`` handles to the same ops)::
-
-        _flash_attn_forward(q, k, v, dropout_p, softmax_scale, causal, window_size_left,
-                            window_size_right, softcap, alibi_slopes, return_softmax)
-            -> (out, softmax_lse [B, H, Sq] float32, S_dmask, rng_state)
-        _flash_attn_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p,
-                             softmax_scale, causal, window_size_left, window_size_right, softcap,
-                             alibi_slopes, deterministic, rng_state=None)
-            -> softmax_d                      (dq, dk, dv are filled in place)
-
-    2.6.x takes one ``window_size`` tuple instead of the left/right pair; its forward returns
-    ``(out, q, k, v, out_padded, softmax_lse, S_dmask, rng_state)`` and its backward
-    ``(dq, dk, dv, softmax_d)``. Both forms are handled; older releases (no ``softcap``) are not.
-
-    Layout is ``[B, S, H, D]`` natively and fewer K/V heads are accepted. Since 2.7 the CUDA op
-    takes only head dims that are multiples of 8 (``flash_attn_func`` pads in Python), so other
-    head dims are zero-padded here (the scale is passed explicitly, so scores do not change).
-    Two differences from the ``BlockKernel`` wording, harmless for the ring, which asks for
-    ``causal`` only on square blocks where every row sees a key: flash-attn aligns the causal mask
-    bottom-right when ``Sq != Sk``, and it gives rows that see no key ``lse = +inf``.
-    """
-
-    name = "flash_attn"
-    heads_major = False  # flash-attn takes [B, S, H, D] memory
-
-    def __init__(self, module: object | None = None) -> None:
-        import inspect
-
-        self.fa = module if module is not None else importlib.import_module("flash_attn.flash_attn_interface")
-        try:  # 2.7+ custom ops show only (*args, **kwargs): that is the current form
-            params = set(inspect.signature(self.fa._flash_attn_forward).parameters)
-        except (TypeError, ValueError):
-            params = set()
-        self.legacy = "window_size" in params  # 2.6.x
-        if "softmax_scale" in params and "softcap" not in params:
-            raise ImportError(
-                "flash-attn is too old for hf_ring (its _flash_attn_forward has no softcap "
-                "argument); install flash-attn >= 2.6 or use backend='torch'."
-            )
-
-    @staticmethod
-    def _pad(t: Tensor) -> Tensor:
-        d = t.shape[-1]
-        if d % 8:
-            return torch.nn.functional.pad(t, (0, 8 - d % 8))
-        return t if t.stride(-1) == 1 else t.contiguous()
-
-    def forward(self, q, k, v, *, causal, scale):
-        d = q.shape[-1]
-        q, k, v = self._pad(q), self._pad(k), self._pad(v)
-        if self.legacy:
-            res = self.fa._flash_attn_forward(q, k, v, 0.0, scale, causal, (-1, -1), 0.0, None, False)
-            out, lse = res[0], res[5]
-        else:
-            out, lse, _, _ = self.fa._flash_attn_forward(
-                q, k, v, 0.0, scale, causal, -1, -1, 0.0, None, False
-            )
-        return out[..., :d], lse.transpose(1, 2)
-
-    def backward(self, dout, q, k, v, out, lse, *, causal, scale):
-        d = q.shape[-1]
-        dout, q, k, v, out = (self._pad(t) for t in (dout, q, k, v, out))
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        lse = lse.transpose(1, 2).to(torch.float32).contiguous()  # [B, H, Sq]
-        if self.legacy:
-            self.fa._flash_attn_backward(
-                dout, q, k, v, out, lse, dq, dk, dv,
-                0.0, scale, causal, (-1, -1), 0.0, None, False, None,
-            )  # fmt: skip
-        else:
-            self.fa._flash_attn_backward(
-                dout, q, k, v, out, lse, dq, dk, dv,
-                0.0, scale, causal, -1, -1, 0.0, None, False, None,
-            )  # fmt: skip
-        return dq[..., :d], dk[..., :d], dv[..., :d]
-
-
 def _flash_attn_importable() -> bool:
-    return importlib.util.find_spec("flash_attn") is not None
+    try:
+        return importlib.util.find_spec("flash_attn") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+@functools.cache
+def _flash_attn() -> tuple[FlashAttnKernel | None, str]:
+    """``(kernel, "")`` when flash-attn imports and is recent enough, else ``(None, why)``.
+
+    Cached, so the import and the signature inspection happen once per process. An installed package
+    that fails to import (typically a binary built against another torch: ``undefined symbol``) is
+    reported once with a warning; "auto" then uses torch's CUDA flash op instead of failing.
+    """
+    if not _flash_attn_importable():
+        return None, "the flash_attn package is not installed"
+    try:
+        return FlashAttnKernel(), ""
+    except Exception as e:  # ImportError / OSError from the extension, or too old: not usable either way
+        why = f"flash_attn is installed but unusable ({type(e).__name__}: {e})"
+        warnings.warn(f"{why}; hf_ring uses torch's CUDA flash op instead.", RuntimeWarning, stacklevel=2)
+        return None, why
 
 
 def available_backends(device: torch.device | str = "cpu") -> list[str]:
     """Names accepted by ``get_kernel`` on this device, best first."""
-    dev = torch.device(device)
-    if dev.type == "cuda":
-        names = ["flash_attn"] if _flash_attn_importable() else []
-        return [*names, "torch", "reference"]
+    if torch.device(device).type == "cuda":
+        names = ["flash_attn"] if _flash_attn()[0] is not None else []
+        return [*names, "torch", "torch_efficient", "reference"]
     return ["torch", "reference"]
 
 
-def get_kernel(backend: str, device: torch.device, dtype: torch.dtype) -> BlockKernel:
-    """Return the block kernel for ``backend`` ("auto", "torch", "flash_attn" or "reference").
+def get_kernel(backend: str, device: torch.device | str, dtype: torch.dtype) -> BlockKernel:
+    """The block kernel for ``backend`` (one of ``BACKENDS``) on ``device`` for ``dtype`` inputs.
 
-    "auto" picks flash-attn on CUDA for fp16/bf16 when it is installed, then torch's fused op
-    (CPU: any float dtype; CUDA: fp16/bf16), then the reference. An explicit backend that cannot
-    run here raises ``ValueError``.
+    "auto" picks, on CUDA: flash-attn for fp16/bf16 when it imports (else torch's flash op), torch's
+    memory-efficient op for float32 (the reference would materialise float32 ``[B, H, Sq, Sk]`` scores:
+    tens of GiB per block at long context; the efficient op keeps O(S) memory and returns the LSE), and
+    the reference only for float64. On CPU it picks torch's fused CPU op (any float dtype). An explicit
+    backend that cannot run here raises ``ValueError``. Kernel objects are cached per (backend, device
+    type, dtype): they hold no per-call state the ring depends on.
     """
+    return _kernel(backend, torch.device(device).type, dtype)
+
+
+@functools.cache
+def _kernel(backend: str, device_type: str, dtype: torch.dtype) -> BlockKernel:
     half = dtype in (torch.float16, torch.bfloat16)
-    cuda = device.type == "cuda"
+    cuda = device_type == "cuda"
     if backend == "auto":
-        if cuda and half:
-            backend = "flash_attn" if _flash_attn_importable() else "torch"
-        elif cuda:
-            backend = "reference"
-        else:
-            backend = "torch"
+        if not cuda:
+            return _kernel("torch", device_type, dtype)
+        if half:
+            fa = _flash_attn()[0]
+            return fa if fa is not None else _kernel("torch", device_type, dtype)
+        return _kernel("torch_efficient" if dtype == torch.float32 else "reference", device_type, dtype)
     if backend == "reference":
         return ReferenceKernel()
     if backend == "torch":
-        if device.type == "cpu":
+        if device_type == "cpu":
             return TorchCPUKernel()
         if cuda and half:
             return TorchCUDAKernel()
         raise ValueError(
-            f"backend='torch' has no kernel for {dtype} on {device.type}; its CUDA flash op takes "
-            "float16/bfloat16 only. Use backend='reference' or cast the inputs."
+            f"backend='torch' has no kernel for {dtype} on {device_type}; its CUDA flash op takes "
+            "float16/bfloat16 only. Use backend='torch_efficient' (float32 on CUDA), backend='auto', "
+            "or cast the inputs to bfloat16."
         )
+    if backend == "torch_efficient":
+        if not cuda or dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            raise ValueError(
+                f"backend='torch_efficient' needs CUDA tensors in float16/bfloat16/float32, got {dtype} on "
+                f"{device_type}. Use backend='auto'."
+            )
+        return TorchEfficientKernel()
     if backend == "flash_attn":
         if not cuda or not half:
             raise ValueError(
                 f"backend='flash_attn' needs CUDA tensors in float16/bfloat16, got {dtype} on "
-                f"{device.type}. Use backend='auto'."
+                f"{device_type}. Use backend='auto'."
             )
-        if not _flash_attn_importable():
-            raise ValueError(
-                "backend='flash_attn' but the flash_attn package is not installed; "
-                "install it with `pip install hf-ring[flash]` or use backend='auto'."
+        fa, why = _flash_attn()
+        if fa is None:
+            hint = (
+                "install it with `pip install hf-ring[flash]`"
+                if "not installed" in why
+                else "reinstall it for this torch"
             )
-        return FlashAttnKernel()
-    raise ValueError(
-        f"unknown backend {backend!r}; choose one of 'auto', 'torch', 'flash_attn', 'reference'."
-    )
+            raise ValueError(f"backend='flash_attn' but {why}; {hint} or use backend='auto'.")
+        return fa
+    raise ValueError(f"unknown backend {backend!r}; choose one of " + ", ".join(map(repr, BACKENDS)) + ".")
