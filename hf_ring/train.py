@@ -1,6 +1,7 @@
 """Long-context fine-tuning with context parallelism: one entry point, configuration in YAML.
 
-    accelerate launch --config_file recipes/accelerate/cpu-4proc.yaml recipes/train.py recipes/tiny-cpu-demo.yaml
+    accelerate launch --config_file recipes/accelerate/cpu-4proc.yaml recipes/train.py \\
+        hf_ring/recipes/tiny-cpu-demo.yaml
 
 The world is cut into CP groups of ``parallel.cp_size`` ranks (the rest is data parallelism);
 every batch goes through ``shard_batch``; the loss of a step is the mean over all its valid
@@ -30,6 +31,7 @@ from .ops.offload import enable_activation_checkpointing
 from .ops.tiled_mlp import enable_tiled_mlp
 from .ops.zigzag import unshard
 from .parallel import ContextParallel, setup_context_parallel
+from .recipes import read_recipe
 from .transformers.batch import shard_batch
 
 STATE_FILE = "trainer_state.pt"
@@ -67,10 +69,8 @@ class TrainConfig:
 
     @classmethod
     def from_yaml(cls, path: str | os.PathLike, **overrides: Any) -> TrainConfig:
-        import yaml
-
-        with open(path) as f:
-            raw = yaml.safe_load(f)
+        """The run a recipe describes (a path, or a packaged recipe's name: ``hf_ring.recipes``)."""
+        raw = read_recipe(path)
         raw.update(overrides)
         return cls(**raw)
 
@@ -350,7 +350,7 @@ def main(argv: list[str] | None = None) -> None:
     import argparse
 
     p = argparse.ArgumentParser(description="hf_ring long-context fine-tuning")
-    p.add_argument("config", help="a recipe YAML (see recipes/)")
+    p.add_argument("config", help="a recipe YAML, or the name of one in hf_ring/recipes/")
     p.add_argument("--output-dir", default=None)
     p.add_argument("--no-resume", action="store_true")
     args = p.parse_args(argv)

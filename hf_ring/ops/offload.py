@@ -13,7 +13,7 @@ Why not ``model.activation_checkpointing_enable(offload=True)``: transformers 5 
 ``save_on_cpu`` for pinned memory, which raises on machines without an accelerator. This module
 pins only when CUDA is there, and works the same on PEFT- and DDP-wrapped models. On a CPU-only
 machine offloading changes nothing (the activations are in host memory already), except under
-``hf_ring.memory.LiveTensorBytes``, where offloaded tensors are copied and counted as host memory
+``testkit.live_tensors.LiveTensorBytes``, where offloaded tensors are copied and counted as host memory
 so that the offload can be measured there too.
 
 This module imports only torch.
@@ -30,20 +30,23 @@ __all__ = ["enable_activation_checkpointing", "OffloadActivations"]
 
 
 def _measuring() -> bool:
-    from ..memory import LiveTensorBytes
+    try:
+        from testkit.live_tensors import LiveTensorBytes
+    except ImportError:  # installed without the repository's test helpers: nothing measures
+        return False
 
     return bool(LiveTensorBytes.active)
 
 
 def _pack(tensor: torch.Tensor) -> tuple[torch.device, torch.Tensor]:
-    from ..memory import host_allocations
-
     if tensor.device.type != "cpu":
         pin = torch.cuda.is_available()
         packed = torch.empty(tensor.size(), dtype=tensor.dtype, layout=tensor.layout, pin_memory=pin)
         packed.copy_(tensor, non_blocking=pin)
         return tensor.device, packed
     if _measuring():  # measuring on a CPU-only machine: move it to "host" memory
+        from testkit.live_tensors import host_allocations
+
         with host_allocations():
             return tensor.device, tensor.clone()
     return tensor.device, tensor
