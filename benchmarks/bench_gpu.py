@@ -51,7 +51,7 @@ iterations. CUDA: CUDA events around forward and backward; CPU: perf_counter.
     With achieved FLOP/s F and link bandwidth BW (bytes/s, per direction) a hop is hidden when
     compute >= transfer, i.e.  T >= F * b * Hkv / (BW * Hq)            (forward)
                                T >= F * (b + 4) * Hkv / (2.5 * BW * Hq) (backward),
-    which is ``hf_ring.memory.plan``'s "ring overlap" condition. Measured version: the per-step compute
+    which is ``hf_ring.planner.plan``'s "ring overlap" condition. Measured version: the per-step compute
     time is t_step = t_rank / P (forward and backward separately; fastest rank, the one with least
     compute to hide behind) and, compute being quadratic and transfer linear in T,
         T*_fwd = T * t_xfer_fwd(T) / t_step_fwd(T),   T*_bwd = T * t_xfer_bwd(T) / t_step_bwd(T),
@@ -124,7 +124,7 @@ QUICK_CFG = {
 }
 DEFAULT_LINKS = ["nvlink=450", "ib=50"]
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-PLANNER_DEFAULT_FLOPS = 400e12  # hf_ring.memory.plan's default ``flops``
+PLANNER_DEFAULT_FLOPS = 400e12  # hf_ring.planner.PlanSettings's default ``flops``
 
 _EMULATED = object()  # the ``group`` passed to ring_attention while emulating (never used as a group)
 
@@ -363,14 +363,15 @@ def run_n(n: int, cfg: dict, env: dict, deadline: float) -> dict:
 
 
 def planner_threshold(cfg: dict, n: int, p: int, bw_gbps: float, flops: float | None) -> int:
-    """``hf_ring.memory.plan``'s ring-overlap threshold (tokens per rank) for this attention shape."""
-    from hf_ring.memory import KNOWN_MODELS, ModelShape, plan
+    """``hf_ring.planner.plan``'s ring-overlap threshold (tokens per rank) for this attention shape."""
+    from hf_ring.planner import KNOWN_MODELS, ModelShape, PlanSettings, plan
 
     shape = dict(KNOWN_MODELS["Llama-3.1-8B"], num_attention_heads=cfg["Hq"], num_key_value_heads=cfg["Hkv"],
                  head_dim=cfg["D"])  # fmt: skip
     kw = {} if flops is None else {"flops": flops}
-    pl = plan(ModelShape.from_config(shape, name="bench_gpu"), n, p, cp=p, dtype=cfg["dtype"], intra_GBps=bw_gbps,
-              inter_GBps=bw_gbps, gpus_per_node=p, **kw)  # fmt: skip
+    settings = PlanSettings(seq_len=n, gpus=p, cp=p, dtype=cfg["dtype"], intra_GBps=bw_gbps, inter_GBps=bw_gbps,
+                            gpus_per_node=p, **kw)  # fmt: skip
+    pl = plan(ModelShape.from_config(shape, name="bench_gpu"), settings)
     return int(pl.overlap["threshold_tokens"])
 
 
@@ -517,7 +518,7 @@ def build_rows(results: dict, cfg: dict, env: dict, links: dict, meta: dict) -> 
                 pm = planner_threshold(cfg, n, p, bw, f_meas)
                 pdef = planner_threshold(cfg, n, p, bw, None)
                 add("gpu_overlap_threshold", prov, "tokens_per_rank.planner_measured_flops", p, n, one(pm), "tokens",
-                    note=f"hf_ring.memory.plan(flops={f_meas:.4g} = fastest rank's fwd+bwd "
+                    note=f"hf_ring.planner.plan(flops={f_meas:.4g} = fastest rank's fwd+bwd "
                          f"throughput, link {bw:g} GB/s)")  # fmt: skip
                 add(
                     "gpu_overlap_threshold",
@@ -527,7 +528,7 @@ def build_rows(results: dict, cfg: dict, env: dict, links: dict, meta: dict) -> 
                     n,
                     one(pdef),
                     "tokens",
-                    note=f"hf_ring.memory.plan(flops={PLANNER_DEFAULT_FLOPS / 1e12:g}e12 default, link {bw:g} GB/s)",
+                    note=f"hf_ring.planner.plan(flops={PLANNER_DEFAULT_FLOPS / 1e12:g}e12 default, link {bw:g} GB/s)",
                 )
                 add(
                     "gpu_overlap_hidden",
@@ -591,7 +592,7 @@ def print_table(rows: list[dict], cfg: dict, links: dict) -> None:
                   f"{get('gpu_load_balance', 'hf_ring_emulated', 'max/mean rank time', p, n):>5.3f} | "
                   f"{'-' if mem is None else f'{mem:.2f}':>9} | " + " ".join(f"{s:>17}" for s in thr))  # fmt: skip
     print(f"(full = {base}; frac = (t_full/P)/t_rank, slowest rank / mean rank; bal = max/mean rank time; "
-          "mem = P*peak_rank/peak_full; T* = measured overlap threshold, plan = hf_ring.memory.plan's at "
+          "mem = P*peak_rank/peak_full; T* = measured overlap threshold, plan = hf_ring.planner.plan's at "
           f"{PLANNER_DEFAULT_FLOPS / 1e12:g} TFLOP/s, tokens per rank; ok: T >= T*)")  # fmt: skip
     for r in rows:
         if r["name"] == "gpu_emulation_check":

@@ -40,7 +40,7 @@ Measured, per (P, N):
     step time of each iteration.
   * ``peak_memory``/``live_tensor_bytes``: peak of the tensor storage created during one extra step
     (forward + backward + optimizer; activations, gradients, optimizer temporaries) counted by
-    ``hf_ring.memory.LiveTensorBytes``, max over ranks; exact and repeatable. The note says in which
+    ``testkit.live_tensors.LiveTensorBytes``, max over ranks; exact and repeatable. The note says in which
     phase the peak was.
   * ``peak_memory``/``rss_growth_step``: in the same step, growth of the resident set (VmHWM after
     resetting it, minus VmRSS before) while glibc returns every allocation >= 64 KiB to the OS, max
@@ -190,7 +190,7 @@ def _memory_step(t: _Trainee, group) -> dict:
     """One untimed step under ``LiveTensorBytes``, with the resident-set growth across it."""
     import torch.distributed as dist
 
-    from hf_ring.memory import LiveTensorBytes
+    from testkit.live_tensors import LiveTensorBytes
 
     with _allocations_to_os():
         gc.collect()
@@ -363,7 +363,7 @@ def build_rows(raw: dict, cfg: dict, meta: dict) -> list[dict]:
                 mnote = f"one step (fwd+bwd+optimizer) after the timings; {where}; {SETTINGS}"
                 add("peak_memory", prov, "live_tensor_bytes", p, n, (peak, peak, peak), "MiB", threads=thr,
                     note=note_of(p, "peak of the tensor storage created during the step (activations, gradients, "
-                                    f"optimizer temporaries; hf_ring.memory.LiveTensorBytes), in the {phase}; "
+                                    f"optimizer temporaries; testkit.live_tensors.LiveTensorBytes), in the {phase}; "
                                     + mnote))  # fmt: skip
                 ok = all(m["hwm_reset"] for m in ms)
                 add("peak_memory", prov, "rss_growth_step", p, n, (rss, rss, rss), "MiB", threads=thr,

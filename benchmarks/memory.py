@@ -14,14 +14,14 @@ micro-batch), so the figures are the activations and working sets the step adds.
 
 Two measures per rank, the worst rank kept:
   * ``measured``: allocator-style peak of the tensor storage that the step creates
-    (``hf_ring.memory.LiveTensorBytes``, a TorchDispatchMode that counts each storage from creation
+    (``testkit.live_tensors.LiveTensorBytes``, a TorchDispatchMode that counts each storage from creation
     to free; on CPU there are no allocator statistics). Offloaded activations are counted apart
     (``host``). Repeatable to the byte.
   * ``rss``: growth of the process's resident set across the step (VmHWM after resetting it through
     /proc/self/clear_refs, minus VmRSS before), with glibc returning every allocation >= 64 KiB to
     the OS (MALLOC_MMAP_THRESHOLD_=65536): an independent cross-check that includes what the
     tracker cannot see (gloo buffers, allocator overhead). Linux only; null elsewhere.
-``planned``: ``hf_ring.memory.plan(...).activation_peak`` for the same case.
+``planned``: ``hf_ring.planner.plan(...).activation_peak`` for the same case.
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ def prepare_step_model(model, case: dict, lora_rank: int):
     import torch
 
     import hf_ring
-    from hf_ring.memory import LORA_TARGETS
+    from hf_ring.planner import LORA_TARGETS
 
     if case["lora"]:
         from peft import LoraConfig, get_peft_model
@@ -117,7 +117,7 @@ def _worker(rank: int, size: int, init_file: str, cases: list[dict], q) -> None:
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     import hf_ring
-    from hf_ring.memory import LiveTensorBytes
+    from testkit.live_tensors import LiveTensorBytes
 
     out = []
     for c in cases:
@@ -185,7 +185,7 @@ def versions() -> dict:
 
 
 def measure(grid: dict, variant_at: tuple[int, int] | None) -> list[dict]:
-    from hf_ring.memory import plan
+    from hf_ring.planner import PlanSettings, model_shape, plan
 
     rows = []
     meta = {"machine": machine(), "versions": versions()}
@@ -201,8 +201,10 @@ def measure(grid: dict, variant_at: tuple[int, int] | None) -> list[dict]:
             config = dict(model_type="llama", **SHAPE, vocab_size=c["vocab"])
             dtype = "fp32" if c["dtype"] == "float32" else "bf16"
             mode = "lora" if c["lora"] else "full"
-            pl = plan(config, c["N"], p, cp=p, mode=mode, dtype=dtype, checkpointing=c["ckpt"], offload=c["offload"],
-                      chunked_loss=c["chunked"], tiled_mlp=c["tiled"], reserve_gib=0)  # fmt: skip
+            settings = PlanSettings(seq_len=c["N"], gpus=p, cp=p, mode=mode, dtype=dtype, checkpointing=c["ckpt"],
+                                    offload=c["offload"], chunked_loss=c["chunked"], tiled_mlp=c["tiled"],
+                                    reserve_gib=0)  # fmt: skip
+            pl = plan(model_shape(config), settings)
             rows.append({
                 "config": c["name"], "N": c["N"], "P": p, "tokens_per_rank": pl.tokens_per_rank, "dtype": c["dtype"],
                 "vocab": c["vocab"], "measured_mib": peak / 2**20, "planned_mib": pl.activation_peak / 2**20,
@@ -276,7 +278,7 @@ def main(argv: list[str] | None = None) -> None:
 # ============================================================================ planner tables (docs/memory.md)
 def planner_tables() -> str:
     """Markdown: per-GPU peak of Llama-3.1-8B and Qwen2.5-7B at 128K/512K/1M on 8 and 16 x 80 GiB."""
-    from hf_ring.memory import GiB, max_seq_len, plan
+    from hf_ring.planner import GiB, PlanSettings, max_seq_len, model_shape, plan
 
     cols = {
         "LoRA": dict(mode="lora"),
@@ -292,7 +294,7 @@ def planner_tables() -> str:
             for g in (8, 16):
                 cells = []
                 for kw in cols.values():
-                    p = plan(model, n, g, cp=g, sharding="fsdp", **kw)
+                    p = plan(model_shape(model), PlanSettings(seq_len=n, gpus=g, cp=g, sharding="fsdp", **kw))
                     cells.append(f"{p.peak / GiB:.1f}{'' if p.fits else ' ✗'}")
                 lines.append(f"| {model} | {label} | {g} ({g}) | {n // g // 1024}K | " + " | ".join(cells) + " |")
     out = "\n".join(lines)
@@ -307,7 +309,7 @@ def planner_tables() -> str:
         ("Llama-3.1-8B", 32, dict(mode="full", offload=True, tiled_mlp=8192), "full FT + offload + tiled MLP, 32 GPUs"),
         ("Qwen2.5-7B", 8, dict(mode="lora", offload=True, tiled_mlp=8192), "LoRA + offload + tiled MLP, 8 GPUs"),
     ):
-        n = max_seq_len(model, g, sharding="fsdp", **kw)
+        n = max_seq_len(model_shape(model), PlanSettings(seq_len=0, gpus=g, sharding="fsdp", **kw))
         longest.append(f"| {model}, {what} | {n / 2**20:.2f}M ({n:,}) |")
     return out + "\n" + "\n".join(longest)
 

@@ -1,6 +1,7 @@
 """Long-context fine-tuning with context parallelism: one entry point, configuration in YAML.
 
-    accelerate launch --config_file recipes/accelerate/cpu-4proc.yaml recipes/train.py recipes/tiny-cpu-demo.yaml
+    accelerate launch --config_file recipes/accelerate/cpu-4proc.yaml recipes/train.py \\
+        hf_ring/recipes/tiny-cpu-demo.yaml
 
 The world is cut into CP groups of ``parallel.cp_size`` ranks (the rest is data parallelism);
 every batch goes through ``shard_batch``; the loss of a step is the mean over all its valid
@@ -26,6 +27,7 @@ import torch.distributed as dist
 from .data.loader import count_targets
 from .data.passkey import PasskeyDataset, retrieved
 from .parallel import ContextParallel, setup_context_parallel, unshard
+from .recipes import read_recipe
 from .transformers.batch import shard_batch
 from .transformers.patches import enable_activation_checkpointing, enable_chunked_loss, enable_tiled_mlp
 
@@ -64,10 +66,8 @@ class TrainConfig:
 
     @classmethod
     def from_yaml(cls, path: str | os.PathLike, **overrides: Any) -> TrainConfig:
-        import yaml
-
-        with open(path) as f:
-            raw = yaml.safe_load(f)
+        """The run a recipe describes (a path, or a packaged recipe's name: ``hf_ring.recipes``)."""
+        raw = read_recipe(path)
         raw.update(overrides)
         return cls(**raw)
 
@@ -347,7 +347,7 @@ def main(argv: list[str] | None = None) -> None:
     import argparse
 
     p = argparse.ArgumentParser(description="hf_ring long-context fine-tuning")
-    p.add_argument("config", help="a recipe YAML (see recipes/)")
+    p.add_argument("config", help="a recipe YAML, or the name of one in hf_ring/recipes/")
     p.add_argument("--output-dir", default=None)
     p.add_argument("--no-resume", action="store_true")
     args = p.parse_args(argv)

@@ -1,6 +1,6 @@
 """Recipe entry point (configuration in the YAML, logic in hf_ring.train).
 
-    accelerate launch --config_file recipes/accelerate/<launch>.yaml recipes/train.py recipes/<recipe>.yaml
+    accelerate launch --config_file recipes/accelerate/<launch>.yaml recipes/train.py hf_ring/recipes/<recipe>.yaml
 """
 
 from hf_ring.train import main

@@ -6,9 +6,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
 start=$(date +%s)
-.venv/bin/python recipes/train.py recipes/tiny-cpu-demo-pretrain.yaml --no-resume
+.venv/bin/python recipes/train.py hf_ring/recipes/tiny-cpu-demo-pretrain.yaml --no-resume
 .venv/bin/accelerate launch --config_file recipes/accelerate/cpu-4proc.yaml \
-    recipes/train.py recipes/tiny-cpu-demo.yaml --no-resume
+    recipes/train.py hf_ring/recipes/tiny-cpu-demo.yaml --no-resume
 .venv/bin/python - "$start" <<'PY'
 import json, sys, time
 s = json.load(open("runs/tiny-cpu-demo/summary.json"))

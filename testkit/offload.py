@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from hf_ring.memory import host_allocations
 from hf_ring.ops.offload import OffloadActivations
+from testkit.live_tensors import host_allocations
 
 
 class MeasuredOffload(OffloadActivations):

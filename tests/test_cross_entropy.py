@@ -11,8 +11,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import hf_ring
-from hf_ring.memory import LiveTensorBytes
 from hf_ring.ops.cross_entropy import chunked_causal_lm_loss
+from testkit.live_tensors import LiveTensorBytes
 from testkit.models import tiny_batch, tiny_model
 from testkit.oracle import rel_err
 from testkit.spawn import run_ranks

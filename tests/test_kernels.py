@@ -37,8 +37,8 @@ from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import hf_ring
-from hf_ring.ops.comm import Ring
 from hf_ring.ops import kernels as kernels_mod
+from hf_ring.ops.comm import Ring
 from hf_ring.ops.kernels import (
     BlockKernel,
     FlashAttnKernel,

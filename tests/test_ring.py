@@ -128,7 +128,7 @@ def test_single_process_without_distributed() -> None:
 def ring_peak_bytes(n: int, hq: int, hkv: int, d: int) -> dict:
     """Peak bytes of the tensors one fwd+bwd of the ring creates on this rank (inputs and ``dout``
     excluded), with the sizes of q and of k on this rank."""
-    from hf_ring.memory import LiveTensorBytes
+    from testkit.live_tensors import LiveTensorBytes
 
     size = torch.distributed.get_world_size()
     g = torch.Generator().manual_seed(3)

@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader
 
 import hf_ring
 from hf_ring.data.passkey import VOCAB, PasskeyDataset
+from hf_ring.recipes import packaged_recipes
 from hf_ring.train import TrainConfig, Trainer, run
 from testkit.models import tiny_model
 from testkit.oracle import rel_err
@@ -234,7 +235,7 @@ def test_two_node_launch_on_loopback(tmp_path: Path) -> None:
     assert '"dp_size": 2' in (tmp_path / "out" / "summary.json").read_text()
 
 
-@pytest.mark.parametrize("path", sorted((ROOT / "recipes").glob("*.yaml")), ids=lambda p: p.name)
+@pytest.mark.parametrize("path", packaged_recipes(), ids=lambda p: p.name)
 def test_recipe_config_loads(path: Path) -> None:
     cfg = TrainConfig.from_yaml(path)
     assert cfg.total_steps > 0 and cfg.cp_size >= 1

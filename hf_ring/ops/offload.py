@@ -7,7 +7,7 @@ host memory (pinned when CUDA is available) and unpacked back to its device when
 it. On a CPU-only machine the activations are in host memory already, and nothing is copied.
 
 ``pack``/``unpack`` are methods so that a measuring tool can count the host side of the offload
-on a CPU-only machine (``testkit.live_tensors.MeasuredOffload``). The recompute of a checkpointed
+on a CPU-only machine (``testkit.offload.MeasuredOffload``). The recompute of a checkpointed
 layer re-runs its forward, ring attention included; every rank walks the layers in the same order
 and each layer's ring turns as it did in the forward, so the point-to-point transfers pair up.
 ``hf_ring.enable_activation_checkpointing(model, offload=True)`` installs it on a transformers

@@ -1,10 +1,13 @@
 """Per-rank memory: measured peaks of small ring models grow as N / P and match the planner within
 20%; checkpointing with offload gives the same step; the planner's model figures, its CLI and the
-recipes' stated memory."""
+recipes' stated memory (``hf_ring.planner``, ``hf_ring.cli``, ``testkit.live_tensors``)."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
@@ -14,24 +17,17 @@ import torch.distributed as dist
 import hf_ring
 from benchmarks.memory import prepare_step_model
 from hf_ring.cli import main as cli_main
-from hf_ring.cli import tokens
-from hf_ring.memory import (
-    GiB,
-    LiveTensorBytes,
-    max_seq_len,
-    model_shape,
-    plan,
-    recipe_memory,
-    smallest_cp,
-)
+from hf_ring.planner import GiB, PlanSettings, max_seq_len, model_shape, plan, smallest_cp, tokens
+from hf_ring.recipes import packaged_recipes, recipe_memory, recipe_model
+from testkit.live_tensors import LiveTensorBytes
 from testkit.models import tiny_batch, tiny_model
 from testkit.offload import MeasuredOffload
 from testkit.oracle import rel_err
 from testkit.spawn import run_ranks
 
-ROOT = Path(__file__).resolve().parent.parent
 SHAPE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4)
 PLAN_CONFIG = dict(model_type="llama", num_attention_heads=4, num_key_value_heads=2, **SHAPE)
+L8 = model_shape("Llama-3.1-8B")
 
 # --- the tracker ----------------------------------------------------------------------------------
 
@@ -93,9 +89,10 @@ VARIANTS = [  # CP = 2, 2048 tokens
 def _planned(c: dict, p: int):
     cfg = {**PLAN_CONFIG, "vocab_size": c["vocab"]}
     dtype = "fp32" if c["dtype"] == "float32" else "bf16"
-    return plan(cfg, c["N"], p, cp=p, mode="lora" if c["lora"] else "full", lora_rank=8, dtype=dtype,
-                checkpointing=c["ckpt"], offload=c["offload"], chunked_loss=c["chunked"], tiled_mlp=c["tiled"],
-                reserve_gib=0)  # fmt: skip
+    return plan(model_shape(cfg), PlanSettings(
+        seq_len=c["N"], gpus=p, cp=p, mode="lora" if c["lora"] else "full", lora_rank=8, dtype=dtype,
+        checkpointing=c["ckpt"], offload=c["offload"], chunked_loss=c["chunked"], tiled_mlp=c["tiled"],
+        reserve_gib=0))  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -217,7 +214,7 @@ def test_checkpointing_offload_and_tiled_mlp_give_the_same_step_cp2():
 
 def test_offload_needs_checkpointing():
     with pytest.raises(ValueError, match="checkpointing"):
-        plan("Llama-3.1-8B", 2**20, 8, checkpointing=False, offload=True)
+        plan(L8, PlanSettings(seq_len=2**20, gpus=8, checkpointing=False, offload=True))
 
 
 # --- the planner ------------------------------------------------------------------------------------
@@ -230,52 +227,54 @@ def test_known_models_and_config_sources(tmp_path):
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps(PLAN_CONFIG))
     assert model_shape(str(tmp_path)) == model_shape(str(cfg)) == model_shape(PLAN_CONFIG)
-    assert model_shape("tiny-cpu-demo").hidden == 128  # a recipe whose init_from run does not exist yet
+    assert recipe_model("tiny-cpu-demo").hidden == 128  # a recipe whose init_from run does not exist yet
     with pytest.raises(ValueError, match="unknown model"):
         model_shape("no-such-model")
 
 
 def test_planner_terms_for_llama_8b_at_1m_tokens():
-    p = plan("Llama-3.1-8B", 2**20, 8, cp=8)
+    p = plan(L8, PlanSettings(seq_len=2**20, gpus=8, cp=8))
     t = 2**17
     assert p.tokens_per_rank == t
     # checkpointed layer inputs: 32 layers x 4096 x bf16 = 256 KiB per token, plus the final norm (its fp32
     # input and bf16 output; its weight is frozen) and RoPE
     assert p.rows["checkpointed activations"] == t * (32 * 4096 * 2 + (4 + 2) * 4096 + 4 + 2 * 128 * 2)
     assert p.rows["weights"] / 1e9 == pytest.approx(8.03 * 2 + model_shape("Llama-3.1-8B").lora_params(16) * 4e-9, 1e-2)
-    off = plan("Llama-3.1-8B", 2**20, 8, cp=8, offload=True)
+    off = plan(L8, PlanSettings(seq_len=2**20, gpus=8, cp=8, offload=True))
     assert off.host["checkpointed activations"] > 35 * GiB and off.peak < p.peak - 30 * GiB
-    full = plan("Llama-3.1-8B", 2**20, 8, cp=8, chunked_loss=False)
+    full = plan(L8, PlanSettings(seq_len=2**20, gpus=8, cp=8, chunked_loss=False))
     assert full.activation_peak - p.activation_peak > t * 128256 * 8  # full logits: >= 2 float32 copies
     # activations scale as 1 / CP
-    assert plan("Llama-3.1-8B", 2**20, 16, cp=16).activation_peak == pytest.approx(p.activation_peak / 2, rel=0.02)
+    cp16 = plan(L8, PlanSettings(seq_len=2**20, gpus=16, cp=16))
+    assert cp16.activation_peak == pytest.approx(p.activation_peak / 2, rel=0.02)
     # FSDP / ZeRO-3 over 8 GPUs: full fine-tuning model states shrink to ~16 bytes x params / 8
     m = model_shape("Llama-3.1-8B")
-    z3 = plan(m, 2**17, 8, cp=8, mode="full", sharding="zero3")
+    z3 = plan(m, PlanSettings(seq_len=2**17, gpus=8, cp=8, mode="full", sharding="zero3"))
     gathered = 2 * (2 * m.layer_params + 2 * m.vocab * m.hidden)  # two layers, embedding and head, in bf16
     assert z3.model_states == pytest.approx(16 * m.params / 8 + gathered, rel=1e-9)
 
 
 def test_ring_overlap_threshold_with_gqa():
-    p = plan("Llama-3.1-8B", 2**17, 8, cp=8, flops=400e12, intra_GBps=300)
+    p = plan(L8, PlanSettings(seq_len=2**17, gpus=8, cp=8, flops=400e12, intra_GBps=300))
     # forward: T >= F * bytes * Hkv / (BW * Hq) = 400e12 * 2 * (8/32) / 300e9
     assert p.overlap["forward_threshold"] == 667
     assert p.overlap["hidden"] and p.tokens_per_rank > p.overlap["threshold_tokens"]
     mha = dict(PLAN_CONFIG, num_key_value_heads=4)
-    gqa, no_gqa = (plan(c, 2**15, 8, cp=8).overlap["threshold_tokens"] for c in (PLAN_CONFIG, mha))
+    s15 = PlanSettings(seq_len=2**15, gpus=8, cp=8)
+    gqa, no_gqa = (plan(model_shape(c), s15).overlap["threshold_tokens"] for c in (PLAN_CONFIG, mha))
     assert no_gqa == pytest.approx(2 * gqa, abs=2)  # K/V with half as many heads: half the tokens
-    two_nodes = plan("Llama-3.1-8B", 2**16, 16, cp=16, flops=400e12, inter_GBps=45)
+    two_nodes = plan(L8, PlanSettings(seq_len=2**16, gpus=16, cp=16, flops=400e12, inter_GBps=45))
     assert two_nodes.overlap["link"] == "inter-node" and two_nodes.overlap["forward_threshold"] == 4445
     assert not two_nodes.overlap["hidden"]  # 4K tokens per rank are too few across nodes
 
 
 def test_smallest_cp_and_longest_sequence():
-    assert smallest_cp("Llama-3.1-8B", 2**17, 8) == 2
-    assert smallest_cp("Llama-3.1-8B", 2**20, 8) is None  # 1M on 8 GPUs needs offload
-    assert smallest_cp("Llama-3.1-8B", 2**20, 8, offload=True) == 8
-    longest = max_seq_len("Llama-3.1-8B", 8, offload=True)
-    assert plan("Llama-3.1-8B", longest, 8, offload=True, cp=8).fits
-    assert not plan("Llama-3.1-8B", longest + 1024, 8, offload=True, cp=8).fits
+    assert smallest_cp(L8, PlanSettings(seq_len=2**17, gpus=8)) == 2
+    assert smallest_cp(L8, PlanSettings(seq_len=2**20, gpus=8)) is None  # 1M on 8 GPUs needs offload
+    assert smallest_cp(L8, PlanSettings(seq_len=2**20, gpus=8, offload=True)) == 8
+    longest = max_seq_len(L8, PlanSettings(seq_len=0, gpus=8, offload=True))
+    assert plan(L8, PlanSettings(seq_len=longest, gpus=8, offload=True, cp=8)).fits
+    assert not plan(L8, PlanSettings(seq_len=longest + 1024, gpus=8, offload=True, cp=8)).fits
 
 
 def test_cli_plan(capsys):
@@ -292,7 +291,7 @@ def test_cli_plan(capsys):
 
 
 def test_every_recipe_states_the_planners_memory():
-    recipes = sorted((ROOT / "recipes").glob("*.yaml"))
+    recipes = packaged_recipes()
     assert recipes
     import yaml
 
@@ -302,3 +301,50 @@ def test_every_recipe_states_the_planners_memory():
         want = recipe_memory(path)
         for k, v in want.items():
             assert stated.get(k) == pytest.approx(v, abs=0.002), f"{path.name}: memory_gb.{k} {stated.get(k)} != {v}"
+
+
+def test_plan_settings_are_keyword_only_and_the_cli_options():
+    with pytest.raises(TypeError):
+        PlanSettings(2**17, 8)  # type: ignore[misc]
+    import argparse
+
+    from hf_ring.cli import add_plan_options
+
+    parser = argparse.ArgumentParser()
+    add_plan_options(parser)
+    dests = {a.dest for a in parser._actions} - {"help"}
+    assert dests == {f.name for f in fields(PlanSettings)} - {"lora_targets"}  # every setting but a tuple
+    args = ["--seq-len", "1M", "--tflops", "300", "--no-checkpointing", "--lora-bf16-adapters"]
+    given = vars(parser.parse_args(args))
+    assert given == {"seq_len": 2**20, "flops": 300e12, "checkpointing": False, "lora_fp32": False}
+
+
+def test_cli_options_override_a_recipe(capsys):
+    assert cli_main(["plan", "llama-3.1-8b-128k", "--json"]) == 0
+    base = json.loads(capsys.readouterr().out)
+    assert cli_main(["plan", "llama-3.1-8b-128k", "--offload", "--gpus", "16", "--json"]) == 0
+    over = json.loads(capsys.readouterr().out)
+    assert (base["gpus"], base["cp"], base["settings"]["offload"]) == (8, 8, False)
+    assert (over["gpus"], over["cp"], over["settings"]["offload"]) == (16, 8, True)
+    assert over["peak_gib"] < base["peak_gib"] and over["host_gib"]["checkpointed activations"] > 0
+    with pytest.raises(SystemExit, match="must divide"):
+        cli_main(["plan", "llama-3.1-8b-128k", "--gpus", "12"])
+
+
+def test_planner_imports_neither_torch_nor_transformers():
+    """The planner and the recipe reader run with torch and transformers unimportable (the package
+    ``hf_ring`` itself imports torch, so it is stood in for by an empty package of the same path)."""
+    code = f"""
+import sys, types
+sys.modules["torch"] = sys.modules["transformers"] = None
+pkg = types.ModuleType("hf_ring")
+pkg.__path__ = [{str(Path(hf_ring.__file__).parent)!r}]
+sys.modules["hf_ring"] = pkg
+from hf_ring.planner import PlanSettings, model_shape, plan
+from hf_ring.recipes import recipe_plan
+p = plan(model_shape("Llama-3.1-8B"), PlanSettings(seq_len=2**17, gpus=8, loss_chunk=4096))
+print(p.cp, recipe_plan("llama-3.1-8b-128k", loss_chunk=1024).fits)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["2", "True"]

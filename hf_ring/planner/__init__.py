@@ -1,0 +1,32 @@
+"""The memory planner: per-rank memory of long-context fine-tuning, without torch or a GPU.
+
+    from hf_ring.planner import PlanSettings, model_shape, plan
+    p = plan(model_shape("Llama-3.1-8B"), PlanSettings(seq_len=2**20, gpus=8, offload=True))
+    print(p.table(), p.fits)
+
+``models``: model shapes and a catalogue of published configs; ``settings``: ``PlanSettings``, every
+input of a plan besides the model; ``terms``: the per-token activation terms; ``plan``: the planner
+(``plan``, ``smallest_cp``, ``max_seq_len``). Recipes: ``hf_ring.recipes``. ``hf-ring plan`` is the
+command line (``hf_ring.cli``). Background and measurements: docs/memory.md.
+"""
+
+from .models import KNOWN_MODELS, LORA_TARGETS, ModelShape, model_shape
+from .plan import GiB, Plan, max_seq_len, plan, smallest_cp
+from .settings import PlanSettings, tokens
+from .terms import activation_terms, ring_buffer_bytes
+
+__all__ = [
+    "GiB",
+    "KNOWN_MODELS",
+    "LORA_TARGETS",
+    "ModelShape",
+    "Plan",
+    "PlanSettings",
+    "activation_terms",
+    "max_seq_len",
+    "model_shape",
+    "plan",
+    "ring_buffer_bytes",
+    "smallest_cp",
+    "tokens",
+]

@@ -1,0 +1,305 @@
+"""Per-rank memory of long-context fine-tuning: ``plan(model, settings) -> Plan``, a pure function.
+
+A plan is the memory of one rank of a context-parallel (CP) group: model states (weights,
+gradients, optimizer state, after FSDP/ZeRO sharding), the activations kept through the step
+(checkpointed layer inputs, possibly offloaded to host memory), the working sets of the backward
+pass (the recompute of one layer, the ring's buffers, the chunked loss), and whether the ring's
+transfers hide behind attention compute. ``smallest_cp`` and ``max_seq_len`` search over plans.
+``hf-ring plan`` prints the same (``hf_ring.cli``).
+
+    from hf_ring.planner import PlanSettings, model_shape, plan
+    p = plan(model_shape("Llama-3.1-8B"), PlanSettings(seq_len=2**20, gpus=8, offload=True))
+    print(p.table())
+
+Everything is per token of the rank's shard (``T = micro_batch * seq_len / cp``, ``terms.py``)
+except the chunked loss's per-chunk buffers and the model states. Imports neither torch nor
+transformers (the chunked loss's default chunk size comes from ``hf_ring.ops.cross_entropy``, on
+first use).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+from .models import ModelShape
+from .settings import PlanSettings
+from .terms import DTYPE_BYTES, activation_terms, ring_buffer_bytes
+
+__all__ = ["GiB", "Plan", "max_seq_len", "plan", "smallest_cp"]
+
+GiB = 2**30
+
+# the settings a plan's table and JSON name next to its model and sizes
+SHOWN_SETTINGS = ("mode", "dtype", "checkpointing", "offload", "sharding", "chunked_loss", "tiled_mlp")
+
+
+@dataclass
+class Plan:
+    """Memory of one rank (bytes). ``rows``: model states and activation components; ``phases``:
+    the activation bytes live at each candidate peak of a step; ``peak``: the largest total.
+    ``settings``: those planned for, with ``cp`` resolved."""
+
+    model: ModelShape
+    settings: PlanSettings
+    tokens_per_rank: int
+    rows: dict[str, float]
+    phases: dict[str, float]
+    host: dict[str, float]
+    overlap: dict[str, Any]
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def seq_len(self) -> int:
+        return self.settings.seq_len
+
+    @property
+    def gpus(self) -> int:
+        return self.settings.gpus
+
+    @property
+    def cp(self) -> int:
+        assert self.settings.cp is not None
+        return self.settings.cp
+
+    @property
+    def gpu_bytes(self) -> float:
+        return self.settings.gpu_gib * GiB
+
+    @property
+    def model_states(self) -> float:
+        return self.rows["weights"] + self.rows["gradients"] + self.rows["optimizer state"]
+
+    @property
+    def activation_peak(self) -> float:
+        return max(self.phases.values())
+
+    @property
+    def peak_phase(self) -> str:
+        return max(self.phases, key=self.phases.get)  # type: ignore[arg-type]
+
+    @property
+    def peak(self) -> float:
+        return self.model_states + self.activation_peak + self.rows["runtime reserve"]
+
+    @property
+    def fits(self) -> bool:
+        return self.peak <= self.gpu_bytes
+
+    def shown_settings(self) -> dict[str, Any]:
+        """The settings that the table's and JSON's headline names (mode, dtype, memory tools)."""
+        return {k: getattr(self.settings, k) for k in SHOWN_SETTINGS}
+
+    def summary_gib(self) -> dict[str, float]:
+        """The figures a recipe states (GiB): model states, activation peak, total."""
+        return {
+            "model_states": round(self.model_states / GiB, 3),
+            "activations": round(self.activation_peak / GiB, 3),
+            "total": round((self.model_states + self.activation_peak) / GiB, 3),
+        }
+
+    def as_dict(self) -> dict[str, Any]:
+        """The plan as JSON-ready values (``hf-ring plan --json``), sizes in GiB."""
+        return {
+            "model": asdict(self.model),
+            "seq_len": self.seq_len,
+            "gpus": self.gpus,
+            "cp": self.cp,
+            "tokens_per_rank": self.tokens_per_rank,
+            "settings": self.shown_settings(),
+            "rows_gib": {k: v / GiB for k, v in self.rows.items()},
+            "phases_gib": {k: v / GiB for k, v in self.phases.items()},
+            "host_gib": {k: v / GiB for k, v in self.host.items()},
+            "peak_gib": self.peak / GiB,
+            "gpu_gib": self.gpu_bytes / GiB,
+            "fits": self.fits,
+            "overlap": self.overlap,
+        }
+
+    def table(self) -> str:
+        """The per-rank memory table that ``hf-ring plan`` prints."""
+        lines = [
+            f"{self.model.name}: {self.seq_len:,} tokens on {self.gpus} GPUs, CP={self.cp} "
+            f"(DP={self.gpus // self.cp}), {self.tokens_per_rank:,} tokens per rank; "
+            + ", ".join(f"{k}={v}" for k, v in self.shown_settings().items()),
+            f"{'per rank':<44}{'GiB':>10}",
+        ]
+        for k, v in self.rows.items():
+            lines.append(f"  {k:<42}{v / GiB:>10.2f}")
+        lines.append("  activation peak, by phase of the step:")
+        for k, v in self.phases.items():
+            mark = "  <- peak" if k == self.peak_phase else ""
+            lines.append(f"    {k:<40}{v / GiB:>10.2f}{mark}")
+        lines.append(f"  {'peak (model states + activation peak + reserve)':<42}{self.peak / GiB:>10.2f}")
+        lines.append(f"  {'fits in':<42}{self.gpu_bytes / GiB:>10.2f}  {'yes' if self.fits else 'NO'}")
+        if any(self.host.values()):
+            lines.append(f"  host memory per rank (offloaded): {sum(self.host.values()) / GiB:.2f} GiB")
+        o = self.overlap
+        lines.append(
+            f"  ring overlap: {self.tokens_per_rank:,} tokens per rank vs threshold {o['threshold_tokens']:,} "
+            f"(forward {o['forward_threshold']:,}, backward {o['backward_threshold']:,}; "
+            f"{o['link']} {o['link_GBps']:g} GB/s, {o['flops'] / 1e12:g} TFLOP/s, GQA {self.model.heads}/"
+            f"{self.model.kv_heads}): {'hidden' if o['hidden'] else 'NOT hidden'}"
+        )
+        lines.extend(f"  note: {n}" for n in self.notes)
+        return "\n".join(lines)
+
+
+def _default_chunk_size(vocab: int) -> int:
+    from ..ops.cross_entropy import default_chunk_size  # imports torch: only when a plan needs it
+
+    return default_chunk_size(vocab)
+
+
+def plan(model: ModelShape, settings: PlanSettings) -> Plan:
+    """Per-rank memory of fine-tuning ``model`` with ``settings`` (``PlanSettings``: sequence length,
+    GPUs, CP size, LoRA or full, dtype, checkpointing, offload, sharding, chunked loss, tiled MLP,
+    reserve, and the FLOP/s and link bandwidths of the overlap check).
+
+    ``settings.cp=None`` plans the smallest CP size that fits (``smallest_cp``), or all GPUs if none
+    does. Raises ``ValueError`` for a CP size that does not divide the GPUs, an unknown sharding or
+    mode, or offload without checkpointing.
+    """
+    s = settings
+    m = model
+    cp = s.cp
+    if cp is None:
+        cp = smallest_cp(m, s) or s.gpus
+    gpus = s.gpus
+    if gpus % cp:
+        raise ValueError(f"cp={cp} must divide the number of GPUs ({gpus})")
+    levels = {"none": 0, "zero1": 1, "zero2": 2, "zero3": 3, "fsdp": 3}
+    if s.sharding not in levels:
+        raise ValueError(f"sharding must be none, zero1, zero2, zero3 or fsdp, not {s.sharding!r}")
+    level = levels[s.sharding]
+    if s.mode not in ("lora", "full"):
+        raise ValueError(f"mode must be 'lora' or 'full', not {s.mode!r}")
+    b = DTYPE_BYTES[s.dtype]
+    f32 = b == 4
+    t = s.micro_batch * -(-s.seq_len // (2 * cp)) * 2  # tokens per rank after padding to a multiple of 2P
+    shard_opt, shard_grad, shard_w = (gpus if level >= k else 1 for k in (1, 2, 3))
+    notes: list[str] = []
+
+    # model states
+    n_all = m.params
+    if s.mode == "full":
+        weights = n_all * b / shard_w
+        grads = n_all * b / shard_grad
+        optim = n_all * (12 if not f32 else 8) / shard_opt
+        head_trainable = True
+    else:
+        n_lora = m.lora_params(s.lora_rank, s.lora_targets)
+        weights = n_all * b / shard_w + n_lora * 4
+        grads = n_lora * 4
+        optim = n_lora * 8
+        head_trainable = False
+    if level == 3:
+        # gathered while in use: two decoder layers, and the root unit (embedding, head)
+        weights += 2 * m.layer_params * b + (1 if m.tied else 2) * m.vocab * m.hidden * b
+    rows: dict[str, float] = {"weights": weights, "gradients": grads, "optimizer state": optim}
+
+    # activations kept through the step
+    tile = min(s.tiled_mlp, t) if s.tiled_mlp else 0
+    lora = (s.lora_rank, tuple(s.lora_targets)) if s.mode == "lora" else None
+    a = activation_terms(m, b, tiled_mlp=bool(tile), lora=lora, lora_fp32=s.lora_fp32)
+    checkpointing = s.checkpointing
+    per_layer_kept = a["layer_input"] if checkpointing else (a["layer_input"] if f32 else 0) + a["layer_saved"]
+    decoder_kept = t * (m.layers * per_layer_kept + a["rope"] + a["final_norm"])
+    vocab_row = m.vocab  # the loss's per-token bytes are per vocabulary entry
+    if s.chunked_loss:
+        chunk = min(t, s.loss_chunk or _default_chunk_size(m.vocab))
+        loss_kept = t * (m.hidden * b + 20)  # rows with a target, their targets, index, float32 LSE
+        loss_bwd = t * 2 * m.hidden * b + chunk * vocab_row * (4 + (0 if f32 else b))
+        if head_trainable:
+            loss_bwd += m.vocab * m.hidden * 4  # float32 sum of the head's gradient over the chunks
+    else:
+        loss_kept = t * vocab_row * (b + 4)  # returned logits, float32 log-softmax
+        loss_bwd = t * vocab_row * 8  # float32 gradients of the log-softmax and of the logits
+    offload = s.offload
+    if offload and not checkpointing:
+        raise ValueError("offload moves checkpointed activations to host memory: it needs checkpointing=True")
+    # offloaded: the layer inputs and the final norm's tensors (RoPE's cos/sin stay, held by the layers' calls)
+    offloaded = t * (m.layers * per_layer_kept + a["final_norm"]) if offload else 0.0
+    host = {"checkpointed activations": offloaded}
+    kept = decoder_kept - offloaded + loss_kept
+    rows["checkpointed activations" if checkpointing else "saved activations"] = decoder_kept - offloaded
+    rows["loss (kept for backward)"] = loss_kept
+
+    # working sets, each at its own time in the backward pass
+    unpacked = t * a["layer_input"] if offload else 0.0  # the input of the layer being recomputed, back
+    ring = ring_buffer_bytes(m, b, cp)
+    dx = t * m.hidden * b
+    # decoder state once the loss's backward is done (and the full logits, which the output holds)
+    base = t * a["rope"] + (unpacked if offload else t * m.layers * per_layer_kept)
+    if not s.chunked_loss:
+        base += t * vocab_row * b
+    # one MLP tile recomputed in backward: what it saves, two gradients; the tile's weight gradients
+    # and their float32 sums
+    tile_ws = tile * (a["mlp_saved"] + 2 * m.intermediate * b)
+    if tile and s.mode == "full":
+        tile_ws += 3 * m.hidden * m.intermediate * (4 + b)
+    if checkpointing:
+        mlp_ws = t * (a["layer_saved"] + a["mlp_backward"]) + dx + tile_ws
+        attn_ws = t * (a["layer_saved_attn"] + ring) + dx
+    else:
+        mlp_ws = t * a["mlp_backward"] + dx + tile_ws
+        attn_ws = t * ring + dx
+    rows["recompute working set (one layer)" if checkpointing else "backward working set (one layer)"] = mlp_ws
+    rows["ring buffers (attention backward)"] = t * ring
+    rows["loss working set (backward)"] = loss_bwd
+    rows["runtime reserve"] = s.reserve_gib * GiB
+    phases = {
+        "loss backward": kept + loss_bwd,
+        "layer backward, MLP": base + mlp_ws,
+        "layer backward, attention + ring": base + attn_ws,
+    }
+
+    # ring overlap: per hop, 2 T^2 Hq d FLOPs forward (half a block, zigzag) vs K/V of T tokens
+    link, bw = ("NVLink", s.intra_GBps) if cp <= s.gpus_per_node else ("inter-node", s.inter_GBps)
+    gqa = m.kv_heads / m.heads
+    fwd_thr = s.flops / (bw * 1e9) * b * gqa  # T >= F * b * Hkv / (BW * Hq)
+    bwd_thr = s.flops / (bw * 1e9) * (b + 4) / 2.5 * gqa  # 2.5x compute; K/V plus fp32 dK/dV travel
+    thr = math.ceil(max(fwd_thr, bwd_thr))
+    tpr = t // s.micro_batch
+    overlap = {
+        "threshold_tokens": thr,
+        "forward_threshold": math.ceil(fwd_thr),
+        "backward_threshold": math.ceil(bwd_thr),
+        "hidden": cp == 1 or tpr >= thr,
+        "link": link if cp > 1 else "none",
+        "link_GBps": bw,
+        "flops": s.flops,
+    }
+    if s.mode == "lora" and level in (1, 2):
+        notes.append("ZeRO-1/2 shard only trainable state; with LoRA that is the adapters")
+    return Plan(m, replace(s, cp=cp), t, rows, phases, host, overlap, notes)
+
+
+def smallest_cp(model: ModelShape, settings: PlanSettings) -> int | None:
+    """The smallest CP size (a divisor of ``settings.gpus``) whose plan fits; ``None`` if none does.
+    ``settings.cp`` is ignored."""
+    for cp in range(1, settings.gpus + 1):
+        if settings.gpus % cp == 0 and plan(model, replace(settings, cp=cp)).fits:
+            return cp
+    return None
+
+
+def max_seq_len(model: ModelShape, settings: PlanSettings) -> int:
+    """The longest sequence (a multiple of 1024 tokens) whose plan fits on ``settings.gpus`` GPUs with
+    CP size ``settings.cp`` (``None``: all GPUs in one CP group); 0 if not even 1024 tokens fit.
+    ``settings.seq_len`` is ignored."""
+    s = replace(settings, cp=settings.cp or settings.gpus)
+
+    def fits(k: int) -> bool:
+        return plan(model, replace(s, seq_len=k * 1024)).fits
+
+    lo, hi = 0, 1024
+    while fits(hi):
+        lo, hi = hi, hi * 2
+        if hi > 2**20:
+            break
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo * 1024

@@ -1,0 +1,90 @@
+"""The settings of a long-context fine-tuning run that decide its memory: one keyword-only dataclass.
+
+``PlanSettings`` holds every input of ``hf_ring.planner.plan`` besides the model's shape. Each
+field's ``metadata`` documents it (``help``) and says how ``hf-ring plan`` takes it on the command
+line (``flag``, ``parse``, ``unit``, ``choices``, ``metavar``, ``cli_default`` for a required field;
+``cli=False``: not an option), so the CLI derives
+its options from this one table (``hf_ring.cli``).
+
+Imports neither torch nor transformers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from .models import LORA_TARGETS
+
+__all__ = ["PlanSettings", "tokens"]
+
+
+def tokens(text: str) -> int:
+    """A token count: ``131072``, ``128K`` (x1024), ``1M`` (x1024^2), ``1.5M``."""
+    t = text.strip().upper()
+    mult = {"K": 2**10, "M": 2**20, "G": 2**30}.get(t[-1:], 1)
+    return int(float(t[:-1] if mult > 1 else t) * mult)
+
+
+def _setting(default: Any, help: str, **cli: Any) -> Any:
+    """A field with its documentation and command-line spelling in its metadata."""
+    return field(default=default, metadata={"help": help, **cli})
+
+
+def _required(help: str, parse: Callable[[str], Any] = int, **cli: Any) -> Any:
+    return field(metadata={"help": help, "parse": parse, **cli})
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanSettings:
+    """Everything a plan depends on besides the model: length, GPUs, parallelism, training mode,
+    memory tools, and the hardware figures of the overlap check. ``seq_len`` and ``gpus`` are
+    required; every other field has a default. ``dataclasses.replace(settings, cp=4)`` varies one."""
+
+    seq_len: int = _required("tokens per sequence: 131072, 128K, 1M", parse=tokens)
+    gpus: int = _required("number of GPUs (a recipe states its own)", cli_default=8)
+    cp: int | None = _setting(None, "CP group size (default: the smallest divisor of gpus that fits)", parse=int)
+    gpu_gib: float = _setting(80.0, "GiB per GPU", flag="--gpu-mem")
+    mode: str = _setting(
+        "lora",
+        "lora: frozen base weights, float32 adapters with AdamW; full: AdamW on every weight (for bf16, "
+        "float32 master weights and moments in the optimizer: 2 + 2 + 12 bytes per parameter)",
+        choices=("lora", "full"),
+    )
+    lora_rank: int = _setting(16, "LoRA rank")
+    lora_targets: tuple[str, ...] = _setting(LORA_TARGETS, "linear layers with LoRA adapters", cli=False)
+    lora_fp32: bool = _setting(
+        True,
+        "LoRA adapters in float32 on a 16-bit model (PEFT's default autocast_adapter_dtype=True): each saves a "
+        "float32 copy of its input for backward",
+        flag="--lora-bf16-adapters",
+    )
+    dtype: str = _setting("bf16", "dtype of weights and activations", choices=("bf16", "fp16", "fp32"))
+    checkpointing: bool = _setting(True, "activation checkpointing of every decoder layer (off: every layer keeps "
+                                   "its activations)")  # fmt: skip
+    offload: bool = _setting(
+        False,
+        "checkpointed activations (everything the decoder saves for backward) in host memory "
+        "(hf_ring.enable_activation_checkpointing(model, offload=True)); needs checkpointing",
+    )
+    sharding: str = _setting(
+        "none",
+        "zero1: optimizer state, zero2: + gradients, zero3/fsdp: + weights sharded over all GPUs (CP ranks hold "
+        "the same weights, so they shard them too)",
+        choices=("none", "zero1", "zero2", "zero3", "fsdp"),
+    )
+    chunked_loss: bool = _setting(True, "the chunked loss (hf_ring.enable_chunked_loss): no full logits")
+    loss_chunk: int | None = _setting(None, "tokens per chunk of the chunked loss (default: from the vocabulary)",
+                                      parse=int)  # fmt: skip
+    micro_batch: int = _setting(1, "sequences per micro-batch")
+    tiled_mlp: int | None = _setting(
+        None, "hf_ring.enable_tiled_mlp(model, TOKENS): the MLP over tiles of TOKENS", parse=tokens, metavar="TOKENS"
+    )
+    reserve_gib: float = _setting(
+        2.0, "GiB for CUDA context, NCCL buffers, allocator slack (a recipe: 0)", flag="--reserve"
+    )
+    flops: float = _setting(400e12, "achieved attention FLOP/s per GPU (option: TFLOP/s)", flag="--tflops", unit=1e12)
+    intra_GBps: float = _setting(300.0, "GB/s per direction between ring neighbours in a node", flag="--link-gbs")
+    inter_GBps: float = _setting(45.0, "GB/s per direction between ring neighbours across nodes", flag="--inter-gbs")
+    gpus_per_node: int = _setting(8, "GPUs per node (a CP group larger than this crosses nodes)")

@@ -1,0 +1,86 @@
+"""What one decoder layer keeps per token: the activation terms the planner adds up.
+
+Per token of a rank's shard (``T = micro_batch * seq_len / cp``), in bytes: what transformers'
+Llama/Qwen/Mistral layers save for backward (RMSNorm in float32, the ring attention Function, a
+gated MLP, LoRA adapters) and the ring's working set in attention backward. Checked with
+``testkit.live_tensors.LiveTensorBytes`` on small models (``tests/test_planner.py``,
+``benchmarks/memory.py``).
+
+Imports neither torch nor transformers.
+"""
+
+from __future__ import annotations
+
+from .models import ModelShape
+
+__all__ = ["DTYPE_BYTES", "activation_terms", "ring_buffer_bytes"]
+
+DTYPE_BYTES = {"bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "fp32": 4, "float32": 4}
+
+
+def activation_terms(
+    m: ModelShape,
+    b: int,
+    tiled_mlp: bool = False,
+    lora: tuple[int, tuple[str, ...]] | None = None,
+    lora_fp32: bool = True,
+) -> dict[str, float]:
+    """Bytes per token of the rank's shard saved for backward, by part (``b``: activation dtype bytes).
+
+    RMSNorm (transformers): upcasts its input to float32 (the input itself when it is float32),
+    saves that, ``rsqrt`` (4 B) and, when its weight is trained, the normalised value in the model
+    dtype; its output is saved by the next linear layer. Attention: RoPE saves only ``cos``/``sin``;
+    the ring Function saves q, k, v, its output and a float32 log-sum-exp. MLP: gate, silu(gate), up
+    and their product. LoRA (``lora = (rank, targets)``, frozen base weights and norms): the
+    normalised values are not saved, each adapter saves its ``rank``-wide intermediate, and the
+    MLP's product is saved only if ``down_proj`` has an adapter. With float32 adapters on a 16-bit
+    model (``lora_fp32``: PEFT's default ``autocast_adapter_dtype=True``) every adapter also saves a
+    float32 copy of its input.
+    """
+    h, i, d = m.hidden, m.intermediate, m.head_dim
+    f32 = b == 4
+    normed = 0 if lora else b * h  # saved for the norm weight's gradient
+    norm_io = 4 * h + b * h + normed + 4  # a norm whose input nothing else saves
+    norm1 = (0 if f32 else 4 * h) + b * h + normed + 4  # input = the layer input (kept anyway in float32)
+    attn = b * (2 * m.heads * d + 2 * m.kv_heads * d) + 4 * m.heads
+    if m.qk_norm:
+        attn += (4 + b) * (m.heads + m.kv_heads) * d + 4 * (m.heads + m.kv_heads)
+    mlp = 4 * i * b
+    adapters = {"attn": 0, "mlp": 0}
+    if lora:
+        rank, targets = lora
+        for t, (fan_in, _) in m.linear_shapes().items():
+            if t in targets:
+                part = "mlp" if t in ("gate_proj", "up_proj", "down_proj") else "attn"
+                adapters[part] += 4 * (fan_in + rank) if lora_fp32 and not f32 else rank * b
+        if "down_proj" not in targets:
+            mlp -= i * b
+    mlp_total = mlp + adapters["mlp"]  # per token of the MLP, saved for its backward
+    return {
+        "layer_input": h * b,
+        # all a layer saves besides its input (tiled MLP: only its input, the norm's output)
+        "layer_saved": norm1 + attn + adapters["attn"] + norm_io + (0 if tiled_mlp else mlp_total),
+        "layer_saved_attn": norm1 + attn + adapters["attn"],
+        "mlp_saved": mlp_total,
+        "rope": 2 * d * b,
+        "final_norm": norm_io,
+        # backward transients of the MLP phase: dL/d(gate), dL/d(up) in flight, and dL/dx
+        # (tiled: the MLP's dL/dx accumulator instead; the tile's own tensors are counted apart)
+        "mlp_backward": (h * b if tiled_mlp else 2 * i * b) + h * b + 24,
+    }
+
+
+def ring_buffer_bytes(m: ModelShape, b: int, cp: int) -> float:
+    """Per-token bytes of the ring's working set in attention backward (``hf_ring.ops.ring``), beyond the
+    tensors the layer saves (``b``: bytes per element of the model's dtype)."""
+    q, kv = m.heads * m.head_dim, m.kv_heads * m.head_dim
+    kernel_grads = b * (q + 2 * kv)  # one kernel call's dq, dk, dv
+    if cp == 1:  # one kernel call over the whole shard
+        return kernel_grads
+    return (
+        4 * q  # dQ accumulator (fp32)
+        + 2 * 2 * kv * b  # the K/V message and its receive buffer
+        + 2 * 2 * kv * 4  # the dK/dV accumulator travelling the ring (fp32) and its receive buffer
+        + kernel_grads  # of the block in flight (each step's are freed before the next kernel call)
+        + b * q  # dOut made contiguous
+    )
