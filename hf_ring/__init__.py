@@ -13,6 +13,7 @@ from .parallel import ContextParallel, ring_attention, setup_context_parallel, s
 from .transformers import register
 from .transformers.batch import shard_batch
 from .transformers.context import RingContext
+from .transformers.support import RingNotSupported
 from .transformers.patches import (
     disable_chunked_loss,
     disable_tiled_mlp,
@@ -26,6 +27,7 @@ __version__ = "0.1.0"
 __all__ = [
     "ContextParallel",
     "RingContext",
+    "RingNotSupported",
     "RingTrainer",
     "RingTrainingArguments",
     "chunked_causal_lm_loss",
