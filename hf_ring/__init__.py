@@ -13,7 +13,6 @@ from .parallel import ContextParallel, ring_attention, setup_context_parallel, s
 from .transformers import register
 from .transformers.batch import shard_batch
 from .transformers.context import RingContext
-from .transformers.support import RingNotSupported
 from .transformers.patches import (
     disable_chunked_loss,
     disable_tiled_mlp,
@@ -21,6 +20,7 @@ from .transformers.patches import (
     enable_chunked_loss,
     enable_tiled_mlp,
 )
+from .transformers.support import RingNotSupported
 
 __version__ = "0.1.0"
 
