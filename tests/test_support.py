@@ -21,22 +21,30 @@ from testkit.spawn import run_ranks
 BASE = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=512)  # fmt: skip
 CONFIGS = {
-    "deepseek_v3": dict(BASE, num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8,
-                        qk_nope_head_dim=16, v_head_dim=12, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                        first_k_dense_replace=1, n_group=1, topk_group=1),
+    "deepseek_v3": dict(
+        BASE, num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16,
+        v_head_dim=12, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        first_k_dense_replace=1, n_group=1, topk_group=1,
+    ),
     "lfm2": dict(BASE),
-    "qwen3_next": dict(BASE, num_hidden_layers=4, head_dim=16, num_experts=4, num_experts_per_tok=2,
-                       moe_intermediate_size=32, shared_expert_intermediate_size=32, linear_num_value_heads=2, linear_num_key_heads=2,
-                       linear_key_head_dim=8, linear_value_head_dim=8),
+    "qwen3_next": dict(
+        BASE, num_hidden_layers=4, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=32, linear_num_value_heads=2, linear_num_key_heads=2,
+        linear_key_head_dim=8, linear_value_head_dim=8,
+    ),
     "mixtral": dict(BASE, num_local_experts=4, num_experts_per_tok=2, output_router_logits=True),
-    "qwen2_moe": dict(BASE, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                      shared_expert_intermediate_size=32, use_sliding_window=True, sliding_window=8),
+    "qwen2_moe": dict(
+        BASE, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=32, use_sliding_window=True, sliding_window=8,
+    ),
     "llama4_text": dict(BASE, head_dim=16, attention_chunk_size=8, num_local_experts=2, intermediate_size_mlp=96),
     "mpt": dict(vocab_size=97, d_model=64, n_heads=4, n_layers=2),
     "xglm": dict(vocab_size=97, d_model=64, attention_heads=4, num_layers=2, ffn_dim=96),
     "falcon": dict(vocab_size=97, hidden_size=64, num_attention_heads=4, num_hidden_layers=2),
-    "gpt_neo": dict(vocab_size=97, hidden_size=64, num_heads=4, num_layers=2, attention_types=[[["global"], 2]],
-                    bos_token_id=0, eos_token_id=0),
+    "gpt_neo": dict(
+        vocab_size=97, hidden_size=64, num_heads=4, num_layers=2, attention_types=[[["global"], 2]],
+        bos_token_id=0, eos_token_id=0,
+    ),
 }  # fmt: skip
 
 
