@@ -64,7 +64,7 @@ def step_errors(model_type: str, n: int = 29, **overrides) -> dict[str, float]:
     want.loss.backward()
     world = torch.distributed.get_world_size()
     worst = 0.0
-    for (name, p), q in zip(ring.named_parameters(), ref.parameters()):
+    for p, q in zip(ring.parameters(), ref.parameters()):
         if p.grad is None:
             continue
         g = p.grad.clone()
