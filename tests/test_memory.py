@@ -12,7 +12,6 @@ import torch
 import torch.distributed as dist
 
 import hf_ring
-from benchmarks.memory import prepare_step_model
 from hf_ring.cli import main as cli_main
 from hf_ring.cli import tokens
 from hf_ring.memory import (
@@ -24,7 +23,7 @@ from hf_ring.memory import (
     recipe_memory,
     smallest_cp,
 )
-from testkit.models import tiny_batch, tiny_model
+from testkit.models import prepare_step_model, tiny_batch, tiny_model
 from testkit.offload import MeasuredOffload
 from testkit.oracle import rel_err
 from testkit.spawn import run_ranks
