@@ -124,10 +124,11 @@ def ring_attention_forward(
             "(shard_batch does) and generate with another attn_implementation."
         )
     if ring_context is not None:
-        group, size = ring_context.group, ring_context.size
+        group, size, schedule = ring_context.group, ring_context.size, ring_context.schedule
     else:
-        group = default_group()
+        group, schedule = default_group(), None
         size = torch.distributed.get_world_size(group) if torch.distributed.is_initialized() else 1
+        _refuse_packed_positions(kwargs.get("position_ids"))
     labelled = ring_context.labelled if ring_context is not None else False
     check_layer(module, kwargs, query.shape[2] * size, labelled, size)
     device = query.device.type
@@ -151,6 +152,7 @@ def ring_attention_forward(
             group=group,
             causal=causal,
             softmax_scale=scaling,
+            schedule=schedule,
         )
     return (out[..., :d_v] if d_v != d_qk else out), None
 
@@ -159,3 +161,14 @@ def _in_backward() -> bool:
     """True while autograd runs a backward pass (where activation checkpointing recomputes)."""
     task = getattr(torch._C, "_current_graph_task_id", None)
     return task is not None and task() != -1
+
+
+def _refuse_packed_positions(position_ids: Tensor | None) -> None:
+    """Without a ``RingContext`` the document boundaries are unknown: refuse positions that go back
+    (packed documents) rather than attend across documents. Zigzag shards only jump forward."""
+    if position_ids is not None and position_ids.shape[-1] > 1 and bool((position_ids.diff(dim=-1) <= 0).any()):
+        raise RingNotSupported(
+            'attn_implementation="ring" got position_ids that restart (packed documents) without the '
+            "document boundaries. Pass the full batch through hf_ring.shard_batch, which computes them "
+            "once per batch; it accepts position_ids that restart at 0 per document, or cu_seq_lens."
+        )

@@ -8,6 +8,7 @@ globals, nothing keyed by identity. The walk of one batch is in ``docs/architect
 What travels in it:
 
 - the CP group (size and rank read once);
+- packed documents: this rank's ring schedule cut along document boundaries (computed once);
 - the loss policy: the backward scale of each rank's share of the loss, and whether this batch
   has labels (``num_items_in_batch`` is the global target count the model's loss divides by);
 - ``full_logits``: the chunked loss (``enable_chunked_loss``) leaves this batch alone;
@@ -24,6 +25,8 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 from torch import Tensor, nn
+
+from ..ops.schedule import Schedule
 
 __all__ = ["RingContext", "KEY"]
 
@@ -51,6 +54,8 @@ class RingContext:
         labelled: the batch has labels, so the model computes a loss that ``hf_ring`` sums over
             the CP group.
         full_logits: compute full logits even on a model with ``enable_chunked_loss``.
+        schedule: for packed documents, this rank's ring schedule cut along the document
+            boundaries (``hf_ring.ops.schedule.document_schedule``); ``None``: one sequence per row.
         attention_calls: ring attention calls made with this context since its last loss (forward
             calls only; the recompute of activation checkpointing in backward does not count).
     """
@@ -61,6 +66,7 @@ class RingContext:
     grad_scale: float = 1.0
     labelled: bool = False
     full_logits: bool = False
+    schedule: Schedule | None = field(default=None, repr=False)
     attention_calls: int = 0
     _chunked: ChunkedLossInput | None = field(default=None, repr=False)
 
