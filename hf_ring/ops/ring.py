@@ -268,7 +268,7 @@ def ring_attention(
         raise ValueError("ring_attention: pass group or ring, not both")
     size, rank = ring.size, ring.rank
     try:
-        _check_inputs(q, k, v, size, layout, dropout_p, attn_mask)
+        _check_inputs(q, k, v, size, layout if schedule is None else "schedule", dropout_p, attn_mask)
         kernel = get_kernel(backend, q.device, q.dtype) if isinstance(backend, str) else backend
     except ValueError:
         if validate and size > 1:
@@ -281,6 +281,8 @@ def ring_attention(
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[3])
     if schedule is None:
         schedule = make_schedule(layout, causal, rank, size)
+    elif max((max(b.q[1], b.kv[1]) for s in schedule for b in s if b.unit == 0), default=0) > q.shape[1]:
+        raise ValueError(f"ring_attention: the schedule addresses rows beyond the local length {q.shape[1]}")
     elif len(schedule) != size or not causal:
         raise ValueError(
             f"ring_attention: a schedule of {len(schedule)} steps for a ring of {size} ranks (causal={causal}); "

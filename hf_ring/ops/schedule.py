@@ -81,55 +81,102 @@ def make_schedule(layout: str, causal: bool, rank: int, size: int) -> list[tuple
 Schedule = list[tuple[Block, ...]]
 
 
-def _segments(starts: list[int], lo: int, hi: int) -> list[tuple[int, int, int]]:
-    """``(document, start, stop)`` of the documents (global ``starts``, sorted) over ``[lo, hi)``."""
-    out = []
-    for d, s in enumerate(starts):
-        e = starts[d + 1] if d + 1 < len(starts) else hi
-        if e > lo and s < hi:
-            out.append((d, max(s, lo), min(e, hi)))
-    return out
+@dataclass(frozen=True)
+class Segment:
+    """A run of one document's tokens held by one rank: global ``[start, stop)`` at local row ``local``."""
+
+    doc: int
+    start: int
+    stop: int
+    local: int
 
 
-def document_schedule(starts: list[list[int]], n: int, rank: int, size: int) -> Schedule:
-    """The zigzag ring schedule of ``rank`` for packed documents, as row ranges (``unit=0``).
+Layout = list[list[Segment]]  # per rank, its segments in local order
 
-    ``starts[b]``: the global start offsets of batch row ``b``'s documents (sorted, beginning with
-    0; padding at the end counts as a document of its own); ``n``: the padded sequence length, a
-    multiple of ``2 * size``. Rank ``r`` holds chunks ``r`` and ``2P-1-r`` (rows ``[0, c)`` and
-    ``[c, 2c)``, ``c = n / 2P``). At step ``s`` the K/V of rank ``src = (r - s) mod P`` are here;
-    every pair (query chunk ``a``, key chunk ``b <= a``) yields one call per shared document: causal
-    when ``a == b``, unmasked otherwise. Rows of the batch with the same documents share their calls.
-    """
+
+def _documents(starts: list[int], n: int) -> list[tuple[int, int]]:
+    return [(s, starts[d + 1] if d + 1 < len(starts) else n) for d, s in enumerate(starts)]
+
+
+def zigzag_layout(starts: list[int], n: int, size: int) -> Layout:
+    """The zigzag layout (rank ``r``: chunks ``r`` and ``2P-1-r`` of ``2P``) cut along the documents
+    that begin at ``starts`` (sorted, from 0) in a sequence of ``n`` tokens (a multiple of ``2P``)."""
     c = n // (2 * size)
-    groups: dict[tuple[int, ...], list[int]] = {}
-    for b, s in enumerate(starts):
-        groups.setdefault(tuple(s), []).append(b)
-    if len(groups) == 1:
-        spans: list[tuple[tuple[int, ...], tuple[int, int] | None]] = [(next(iter(groups)), None)]
-    else:
-        spans = [(key, (b, b + 1)) for key, rows in groups.items() for b in rows]
+    layout: Layout = []
+    for r in range(size):
+        segs = []
+        for local0, chunk in ((0, r), (c, 2 * size - 1 - r)):
+            lo, hi = chunk * c, (chunk + 1) * c
+            for d, (s, e) in enumerate(_documents(starts, n)):
+                if e > lo and s < hi:
+                    segs.append(Segment(d, max(s, lo), min(e, hi), local0 + max(s, lo) - lo))
+        layout.append(segs)
+    return layout
 
-    def chunks(r: int) -> tuple[tuple[int, int], tuple[int, int]]:
-        return (r, 0), (2 * size - 1 - r, c)  # (global chunk, first local row)
 
+def balanced_layout(starts: list[int], n: int, size: int) -> tuple[Layout, int]:
+    """A layout that gives every rank ``1/P`` of every document's causal work: each document is cut
+    into ``2P`` pieces of near-equal length and rank ``r`` holds pieces ``r`` and ``2P-1-r`` (the
+    zigzag applied per document). A document's leftover tokens (length mod ``2P``) go to the ranks
+    with the fewest tokens so far. Returns the layout and the local length (the most tokens any rank
+    holds; the others are padded up to it with rows that belong to no document)."""
+    held = [0] * size
+    layout: Layout = [[] for _ in range(size)]
+    for d, (s, e) in enumerate(_documents(starts, n)):
+        length = e - s
+        sizes = [length // (2 * size)] * (2 * size)
+        for _ in range(length % (2 * size)):  # a leftover token to the emptiest rank's first free piece
+            r = min(range(size), key=lambda x: (held[x] + sizes[x] + sizes[2 * size - 1 - x], x))
+            sizes[r if sizes[r] <= sizes[2 * size - 1 - r] else 2 * size - 1 - r] += 1
+        pos = s
+        for i, k in enumerate(sizes):
+            if k:
+                r = i if i < size else 2 * size - 1 - i
+                layout[r].append(Segment(d, pos, pos + k, held[r]))
+                held[r] += k
+                pos += k
+    return layout, max(held)
+
+
+def layout_schedule(layout: Layout, rank: int, batch: tuple[int, int] | None = None) -> Schedule:
+    """The ring schedule of ``rank`` for ``layout``, as row ranges (``unit=0``).
+
+    At step ``s`` the K/V of rank ``src = (r - s) mod P`` are here. Every pair of segments of the
+    same document makes one call: causal when it is the same segment (the diagonal), unmasked when
+    the keys come entirely before the queries; keys after the queries, and segments of different
+    documents, make no call.
+    """
+    size = len(layout)
     steps: Schedule = []
     for step in range(size):
         src = (rank - step) % size
-        blocks: list[Block] = []
-        for key, batch in spans:
-            doc_starts = list(key)
-            for qa, q0 in chunks(rank):
-                for kb, k0 in chunks(src):
-                    if kb > qa:
-                        continue  # keys in the future
-                    kv = {d: (s, e) for d, s, e in _segments(doc_starts, kb * c, (kb + 1) * c)}
-                    for d, s, e in _segments(doc_starts, qa * c, (qa + 1) * c):
-                        if d not in kv:
-                            continue
-                        ks, ke = kv[d]
-                        q_rows = (q0 + s - qa * c, q0 + e - qa * c)
-                        k_rows = (k0 + ks - kb * c, k0 + ke - kb * c)
-                        blocks.append(Block(q_rows, k_rows, causal=qa == kb, unit=0, batch=batch))
+        blocks = []
+        for qs in layout[rank]:
+            for ks in layout[src]:
+                if ks.doc != qs.doc or ks.start >= qs.stop:
+                    continue
+                q_rows, k_rows = (qs.local, qs.local + qs.stop - qs.start), (ks.local, ks.local + ks.stop - ks.start)
+                if ks == qs:
+                    blocks.append(Block(q_rows, k_rows, causal=True, unit=0, batch=batch))
+                elif ks.stop <= qs.start:
+                    blocks.append(Block(q_rows, k_rows, causal=False, unit=0, batch=batch))
+                else:
+                    raise ValueError(f"layout_schedule: segments {qs} and {ks} overlap")
         steps.append(tuple(blocks))
     return steps
+
+
+def document_schedule(starts: list[list[int]], n: int, rank: int, size: int) -> Schedule:
+    """The zigzag ring schedule of ``rank`` for packed documents (``zigzag_layout`` per batch row).
+
+    ``starts[b]``: the global start offsets of batch row ``b``'s documents (sorted, beginning with
+    0; padding at the end counts as a document of its own); ``n``: the padded sequence length, a
+    multiple of ``2 * size``. Rows of the batch with the same documents share their calls.
+    """
+    rows: dict[tuple[int, ...], list[int]] = {}
+    for b, s in enumerate(starts):
+        rows.setdefault(tuple(s), []).append(b)
+    if len(rows) == 1:
+        return layout_schedule(zigzag_layout(starts[0], n, size), rank)
+    per_row = [layout_schedule(zigzag_layout(starts[b], n, size), rank, (b, b + 1)) for b in range(len(starts))]
+    return [tuple(blk for row in per_row for blk in row[step]) for step in range(size)]

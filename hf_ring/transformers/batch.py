@@ -16,7 +16,7 @@ from torch import Tensor
 
 from ..ops.comm import check_same_across_ranks, group_size_rank
 from ..ops.cross_entropy import IGNORE_INDEX
-from ..ops.schedule import document_schedule
+from ..ops.schedule import balanced_layout, layout_schedule
 from ..ops.zigzag import zigzag
 from ..parallel import default_group
 from .context import KEY, RingContext
@@ -173,10 +173,10 @@ def shard_batch(
         positions = torch.arange(n, device=x.device).expand(b, n)
     positions = positions.expand(b, n)
     starts = document_starts(positions)
-    if starts is not None and pad:  # the padding is a document of its own
-        starts = [[*s, n] for s in starts]
-        positions = torch.cat((positions, torch.arange(pad, device=x.device).expand(b, pad)), dim=1)
-    elif pad:
+    if starts is not None:
+        return _shard_packed(batch, key, x, positions, starts, labels, mask, group, size, rank, dp_size, full_logits,
+                             pad_token_id)  # fmt: skip
+    if pad:
         step = torch.arange(1, pad + 1, device=x.device)
         positions = torch.cat((positions, positions[:, -1:] + step), dim=1)
 
@@ -185,8 +185,7 @@ def shard_batch(
     out["position_ids"] = _zigzag(positions, size, rank)
     out.setdefault("use_cache", False)
     if labels is not None:
-        packed = positions[:, :n] if starts is not None else None
-        shifted = padded(next_token_targets(labels.expand(b, n), mask, packed), IGNORE_INDEX)
+        shifted = padded(next_token_targets(labels.expand(b, n), mask), IGNORE_INDEX)
         if "num_items_in_batch" not in out:
             out["num_items_in_batch"] = (shifted != IGNORE_INDEX).sum()
         local = _zigzag(shifted, size, rank)
@@ -194,7 +193,51 @@ def shard_batch(
         out["labels"] = local
         out["shift_labels"] = local
     out[KEY] = RingContext(
+        group, size, rank, grad_scale=float(size * dp_size), labelled=labels is not None, full_logits=full_logits
+    )
+    return out
+
+
+def _shard_packed(
+    batch: dict[str, Any], key: str, x: Tensor, positions: Tensor, starts: list[list[int]], labels: Tensor | None,
+    mask: Tensor | None, group: dist.ProcessGroup | None, size: int, rank: int, dp_size: int, full_logits: bool,
+    pad_token_id: int,
+) -> dict[str, Any]:
+    """``shard_batch`` for packed documents: the zigzag applied to every document
+    (``balanced_layout``: each rank holds ``1/P`` of every document's work, no padding but at most
+    ``P - 1`` rows), the ring schedule cut along the documents, computed once for the batch."""
+    b, n = x.shape[:2]
+    layouts = [balanced_layout(s, n, size) for s in starts]
+    local = max(length for _, length in layouts)
+    # global index of every local row of every rank, [P, B, local]; n (a pad slot) where a rank has fewer rows
+    index = torch.full((size, b, local), n, dtype=torch.long)
+    for i, (layout, _) in enumerate(layouts):
+        for r, segs in enumerate(layout):
+            rows = [j for seg in segs for j in range(seg.start, seg.stop)]
+            index[r, i, : len(rows)] = torch.tensor(rows, dtype=torch.long)
+    if len({tuple(s) for s in starts}) == 1:
+        schedule = layout_schedule(layouts[0][0], rank)
+    else:
+        per_row = [layout_schedule(layout, rank, (i, i + 1)) for i, (layout, _) in enumerate(layouts)]
+        schedule = [tuple(blk for row in per_row for blk in row[step]) for step in range(size)]
+    mine = index[rank].to(x.device)
+
+    def take(t: Tensor, fill: float) -> Tensor:
+        full = torch.cat((t, t.new_full((t.shape[0], 1, *t.shape[2:]), fill)), dim=1)  # the pad slot at n
+        idx = mine.view(b, local, *([1] * (t.dim() - 2))).expand(b, local, *t.shape[2:])
+        return full.gather(1, idx)
+
+    out: dict[str, Any] = {k: batch[k] for k in _PASS_KEYS if k in batch}
+    out[key] = take(x.expand(b, *x.shape[1:]), pad_token_id if key == "input_ids" else 0.0)
+    out["position_ids"] = take(positions, 0)
+    out.setdefault("use_cache", False)
+    if labels is not None:
+        shifted = next_token_targets(labels.expand(b, n), mask, positions)
+        if "num_items_in_batch" not in out:
+            out["num_items_in_batch"] = (shifted != IGNORE_INDEX).sum()
+        out["labels"] = out["shift_labels"] = take(shifted, IGNORE_INDEX)
+    out[KEY] = RingContext(
         group, size, rank, grad_scale=float(size * dp_size), labelled=labels is not None, full_logits=full_logits,
-        schedule=document_schedule(starts, n_pad, rank, size) if starts is not None else None,
+        schedule=schedule, index=index, length=n,
     )  # fmt: skip
     return out
