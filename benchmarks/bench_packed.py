@@ -13,8 +13,15 @@ schedule of every rank (``hf_ring.ops.schedule``) for three layouts of the packe
 
 Work of a rank = the score entries of its kernel calls (causal S x S blocks count S(S+1)/2),
 i.e. exactly the query-key pairs its tokens need. Reported per layout (median, p20, p80 over 20
-windows): ``max/mean`` rank work, padding overhead (padded tokens / tokens), and the share of
-(query segment, key segment) pairs that share no document and so make no kernel call.
+windows): ``max/mean`` rank work, padding overhead (padded tokens / tokens), the share of
+(query segment, key segment) pairs that share no document and so make no kernel call, and kernel
+calls per rank per layer.
+
+    python -m benchmarks.bench_packed --throughput --out benchmarks/results/packed_throughput.jsonl
+
+measures tokens/s of attention forward + backward (Hq 8, Hkv 2, D 64, fp32) on P = 2 gloo ranks,
+8K-token windows of the same mixes scaled down 16x, for the packed stream in each layout and for
+the same documents padded into rows of the longest one (what one pays without packing).
 """
 
 from __future__ import annotations
@@ -142,14 +149,77 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def _throughput_worker(rank: int, size: int, cfg: dict) -> dict:
+    import time
+
+    import torch
+
+    from hf_ring.ops.ring import ring_attention
+    from hf_ring.ops.zigzag import zigzag
+
+    hq, hkv, d = 8, 2, 64
+    g = torch.Generator().manual_seed(0)
+    out: dict[str, list[float]] = {}
+
+    def timed(name: str, q, k, v, schedule=None) -> None:
+        for i in range(cfg["iters"] + 1):
+            torch.distributed.barrier()
+            t0 = time.perf_counter()
+            ring_attention(q, k, v, schedule=schedule).sum().backward()
+            torch.distributed.barrier()
+            if i:  # the first is a warm-up
+                out.setdefault(name, []).append(time.perf_counter() - t0)
+
+    for ls in cfg["windows"]:
+        for name, (layout, _) in layouts(ls, size).items():
+            if name == "contiguous":
+                continue
+            local = max(sum(s.stop - s.start for s in segs) for segs in layout)
+            q, k, v = (torch.randn(1, local, h, d, generator=g, requires_grad=True) for h in (hq, hkv, hkv))
+            timed(name, q, k, v, layout_schedule(layout, rank))
+        lmax = -(-max(ls) // (2 * size)) * 2 * size  # each document alone in a row padded to the longest
+        q = zigzag(torch.randn(len(ls), lmax, hq, d, generator=g), 1, size, rank).requires_grad_()
+        k, v = (zigzag(torch.randn(len(ls), lmax, hkv, d, generator=g), 1, size, rank).requires_grad_() for _ in "kv")
+        timed("padded_rows", q, k, v)
+    return out
+
+
+def throughput(quick: bool) -> list[dict]:
+    """Tokens/s of attention fwd+bwd per layout, P = 2, windows of N / 16 tokens."""
+    rng = np.random.default_rng(1)
+    n = N // 16
+    scaled = {m: [max(1, x // 16) for x in lengths(m, N, rng)] for m in MIXES}
+    meta = {"machine": H.machine_info(), "versions": H.versions()}
+    rows = []
+    for mix, ls in scaled.items():
+        ls[-1] += n - sum(ls)
+        cfg = {"windows": [ls], "iters": 1 if quick else 3}
+        per_rank, load = H.launch(_throughput_worker, 2, cfg, threads=1, timeout=1800)
+        for name in per_rank[0]:
+            times = [max(r[name][i] for r in per_rank) for i in range(len(per_rank[0][name]))]
+            med, p20, p80 = H.stats([n / t for t in times])
+            rows.append({"name": "packed_throughput", "provider": name, "metric": "tokens/s", "x": mix, "P": 2,
+                         "N": n, "median": med, "p20": p20, "p80": p80, "unit": "tokens/s", **meta, "threads": 1,
+                         "note": f"attention fwd+bwd, Hq 8 Hkv 2 D 64 fp32; {len(ls)} documents; foreign load "
+                                 f"{100 * load:.0f}%"})  # fmt: skip
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="benchmarks/results/packed.jsonl")
     ap.add_argument("--windows", type=int, default=20)
     ap.add_argument("--quick", action="store_true", help="2 windows, P = 4")
+    ap.add_argument("--throughput", action="store_true", help="time attention on 2 gloo ranks instead")
     args = ap.parse_args()
-    rows = run(2 if args.quick else args.windows, (4,) if args.quick else (4, 8))
     out = Path(args.out)
+    if args.throughput:
+        rows = throughput(args.quick)
+        H.write_rows(out, rows)
+        for r in rows:
+            print(f"{r['provider']:13s} {r['x']:18s} {r['median']:10.0f} tokens/s")
+        return
+    rows = run(2 if args.quick else args.windows, (4,) if args.quick else (4, 8))
     H.write_rows(out, rows)
     for r in rows:
         if r["name"] == "packed_balance" or (r["name"] == "packed_padding" and r["provider"] == "per_document"):
