@@ -2,48 +2,50 @@
 
     python -m benchmarks.ab_ring --variant fix=/path/to/checkout [--variant ...] \\
         [--P 2 4] [--N 8192 16384] [--iters 5] [--out benchmarks/results/ab.json]
+    python -m benchmarks.ab_ring --quick                     # main against itself, P=2, N=512: smoke test
 
 A variant is a directory holding an ``hf_ring`` package (a patched copy of this repository). Each is
 imported under its own name next to this checkout's ``hf_ring`` ("main"), so all of them run in the
 same gloo processes, interleaved within every iteration (main, variant 1, ..., from one barrier
 each): machine noise hits them alike and the per-iteration ratios t_variant / t_main are paired.
 Per variant: fwd+bwd wall time (max over ranks), main-thread CPU time (max over ranks), and the peak
-RSS growth of one fwd+bwd (measured first, as in bench_attention).
+RSS growth of one fwd+bwd (measured first, as in bench_attention). Ranks, load control and the
+resident-set probes come from ``benchmarks.harness``.
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
 import importlib
 import importlib.util
 import json
 import os
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
-from benchmarks.bench_attention import GroupLoad, _reset_hwm, _status_kib
+from benchmarks import harness as H
 
 
 def _import_variant(name: str, root: str):
-    """Import ``root/hf_ring`` as package ``name`` (its __init__ is skipped: only the ring modules)."""
+    """Import ``root/hf_ring`` as package ``name`` (its __init__ is skipped: only the ring modules);
+    returns its ring module (``ops/ring.py``, or ``ring.py`` in checkouts before the ops/ layout)."""
     pkg_dir = os.path.join(root, "hf_ring")
     spec = importlib.util.spec_from_loader(name, loader=None, is_package=True)
     pkg = importlib.util.module_from_spec(spec)
     pkg.__path__ = [pkg_dir]
     sys.modules[name] = pkg
-    return importlib.import_module(f"{name}.ring")
+    sub = "ops.ring" if os.path.exists(os.path.join(pkg_dir, "ops", "ring.py")) else "ring"
+    return importlib.import_module(f"{name}.{sub}")
 
 
 def _fwd_bwd(ring_mod, q, k, v, do) -> dict:
-    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    """One fwd+bwd of ``ring_mod.ring_attention`` on the world group: wall and main-thread CPU seconds."""
     import torch
 
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
     c0, t0 = time.thread_time(), time.perf_counter()
     out = ring_mod.ring_attention(q, k, v, causal=True)
     t1 = time.perf_counter()
@@ -53,26 +55,31 @@ def _fwd_bwd(ring_mod, q, k, v, do) -> dict:
     return {"fwd": t1 - t0, "bwd": t2 - t1, "total": t2 - t0, "cpu": c2 - c0}
 
 
-def _worker(rank: int, size: int, init_file: str, cfg: dict, out_path: str) -> None:
-    import ctypes
-
-    import torch
+def _iteration(mods: dict, inp: tuple) -> dict:
+    """Every module once, in order, each from a barrier."""
     import torch.distributed as dist
 
+    rec = {}
+    for name, m in mods.items():
+        dist.barrier()
+        rec[name] = _fwd_bwd(m, *inp)
+    return rec
+
+
+def _worker(rank: int, size: int, cfg: dict) -> dict:
+    """Memory of one fwd+bwd per (N, module), then the paired timings (``harness.measure``)."""
+    import gc
+
+    import torch.distributed as dist
+
+    import hf_ring.ops.ring
     from benchmarks import workloads as W
 
-    torch.set_num_threads(cfg["threads"])
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=size)
-    try:
-        import hf_ring.ops.ring
-
-        mods = {"main": hf_ring.ops.ring}
-        for name, root in cfg["variants"].items():
-            mods[name] = _import_variant(f"hf_ring_ab_{name}", root)
-        res: dict = {"memory": {}, "timing": {}}
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD: see bench_attention._memory
-        libc.mallopt(-1, 0)  # M_TRIM_THRESHOLD
+    mods = {"main": hf_ring.ops.ring}
+    for name, root in cfg["variants"].items():
+        mods[name] = _import_variant(f"hf_ring_ab_{name}", root)
+    res: dict = {"memory": {}, "timing": {}}
+    with H.allocations_to_os():
         for m in mods.values():  # warm up every module outside the measurement
             _fwd_bwd(m, *W.local_inputs(64 * size, rank, size))
         for n in cfg["Ns"]:
@@ -81,71 +88,42 @@ def _worker(rank: int, size: int, init_file: str, cfg: dict, out_path: str) -> N
             for name, m in mods.items():
                 gc.collect()
                 dist.barrier()
-                rss0 = _status_kib("VmRSS")
-                _reset_hwm()
+                rss0 = H.status_kib("VmRSS")
+                H.reset_hwm()
                 _fwd_bwd(m, *inp)
-                res["memory"][str(n)][name] = (_status_kib("VmHWM") - rss0) / 1024
-        libc.mallopt(-3, 32 * 1024 * 1024)
-        libc.mallopt(-1, 64 * 1024 * 1024)
-        libc.malloc_trim(0)
-        meter = GroupLoad(None, rank, len(os.sched_getaffinity(0)))
-        for n in cfg["Ns"]:
-            inp = W.local_inputs(n, rank, size)
-            samples: dict = {name: [] for name in mods}
-            loads, kept, redone = [], 0, 0
-            while kept < cfg["iters"] + 1:
-                dist.barrier()
-                meter.start()
-                rec = {}
-                for name, m in mods.items():
-                    dist.barrier()
-                    rec[name] = _fwd_bwd(m, *inp)
-                dist.barrier()
-                load = meter.stop()
-                if kept > 0 and load > cfg["max_foreign"] and redone < cfg["iters"]:
-                    redone += 1
-                    continue
-                if kept > 0:
-                    for name, r in rec.items():
-                        samples[name].append(r)
-                    loads.append(load)
-                kept += 1
-            res["timing"][str(n)] = {"samples": samples, "foreign": loads, "redone": redone}
-        parts = [None] * size
-        dist.all_gather_object(parts, res)
-        if rank == 0:
-            with open(out_path, "w") as f:
-                json.dump(parts, f)
-    finally:
-        dist.destroy_process_group()
+                res["memory"][str(n)][name] = (H.status_kib("VmHWM") - rss0) / 1024
+    meter = H.GroupLoad(None, rank, len(os.sched_getaffinity(0)))
+    for n in cfg["Ns"]:
+        inp = W.local_inputs(n, rank, size)
+        kept, loads, redone = H.measure(lambda inp=inp: _iteration(mods, inp), meter, warmup=1, iters=cfg["iters"],
+                                        max_foreign=cfg["max_foreign"], max_redo=1)  # fmt: skip
+        samples = {name: [rec[name] for rec in kept] for name in mods}
+        res["timing"][str(n)] = {"samples": samples, "foreign": loads, "redone": redone}
+    return res
 
 
 def _summarise(parts: list, P: int, names: list[str]) -> dict:
+    """Per N: medians of wall and CPU time (max over ranks per iteration), peak RSS growth, and the
+    paired ratios variant / main as [p20, median, p80]."""
     out: dict = {}
     for n in parts[0]["timing"]:
         t = [p["timing"][n]["samples"] for p in parts]
         row: dict = {"foreign_load_median": float(np.median(parts[0]["timing"][n]["foreign"])),
                      "redone": parts[0]["timing"][n]["redone"]}  # fmt: skip
-        wall = {m: [max(r[m][i]["total"] for r in t) for i in range(len(t[0][m]))] for m in names}
-        cpu = {m: [max(r[m][i]["cpu"] for r in t) for i in range(len(t[0][m]))] for m in names}
+        wall = {m: H.per_iter_max([r[m] for r in t], "total") for m in names}
+        cpu = {m: H.per_iter_max([r[m] for r in t], "cpu") for m in names}
         for m in names:
-            row[m] = {
-                "wall_median_s": float(np.median(wall[m])),
-                "cpu_median_s": float(np.median(cpu[m])),
-                "peak_rss_growth_MiB": max(p["memory"][n][m] for p in parts),
-            }
+            row[m] = {"wall_median_s": float(np.median(wall[m])), "cpu_median_s": float(np.median(cpu[m])),
+                      "peak_rss_growth_MiB": max(p["memory"][n][m] for p in parts)}  # fmt: skip
             if m != "main":
-                row[m]["wall_ratio_vs_main"] = [float(x) for x in np.percentile(
-                    [a / b for a, b in zip(wall[m], wall["main"])], [20, 50, 80])]  # fmt: skip
-                row[m]["cpu_ratio_vs_main"] = [float(x) for x in np.percentile(
-                    [a / b for a, b in zip(cpu[m], cpu["main"])], [20, 50, 80])]  # fmt: skip
+                for key, x in (("wall_ratio_vs_main", wall), ("cpu_ratio_vs_main", cpu)):
+                    med, p20, p80 = H.stats([a / b for a, b in zip(x[m], x["main"])])
+                    row[m][key] = [p20, med, p80]
         out[f"P={P} N={n}"] = row
     return out
 
 
 def main(argv: list[str] | None = None) -> int:
-    import torch.multiprocessing as mp
-
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--variant", action="append", default=[], metavar="NAME=DIR")
     ap.add_argument("--P", type=int, nargs="+", default=[2])
@@ -154,21 +132,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=None, help="total threads (default: all cores)")
     ap.add_argument("--max-foreign", type=float, default=0.10)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--quick", action="store_true", help="P=2, N=512, 1 iteration (smoke test)")
     args = ap.parse_args(argv)
+    if args.quick:
+        args.P, args.N, args.iters = [2], [512], 1
     variants = dict(v.split("=", 1) for v in args.variant)
     total = args.threads or len(os.sched_getaffinity(0))
     summary: dict = {}
     for P in args.P:
-        cfg = {"Ns": args.N, "threads": total if P == 1 else max(1, total // P), "iters": args.iters,
+        cfg = {"Ns": args.N, "threads": H.threads_per_rank(total, P), "iters": args.iters,
                "variants": variants, "max_foreign": args.max_foreign}  # fmt: skip
-        tmp = tempfile.mkdtemp(prefix="hf_ring_ab_")
-        try:
-            path = os.path.join(tmp, "res.json")
-            mp.start_processes(_worker, args=(P, os.path.join(tmp, "rdzv"), cfg, path), nprocs=P, start_method="spawn")
-            with open(path) as f:
-                parts = json.load(f)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+        parts, _ = H.launch(_worker, P, cfg, threads=cfg["threads"], timeout=3600.0)
         summary.update(_summarise(parts, P, ["main", *variants]))
     text = json.dumps(summary, indent=1)
     print(text)

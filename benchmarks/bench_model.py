@@ -6,11 +6,11 @@
 
 The step is what ``hf_ring.train.Trainer`` runs: forward + backward + gradient clipping (max norm 1)
 + AdamW (lr 1e-3) + ``zero_grad(set_to_none=True)``, on one sequence of N tokens (batch 1; labels
-from ``tests.models.tiny_batch``, the first fifth masked), with activation checkpointing of every
+from ``testkit.models.tiny_batch``, the first fifth masked), with activation checkpointing of every
 decoder layer (``hf_ring.enable_activation_checkpointing``) and the chunked loss
 (``hf_ring.enable_chunked_loss``) on. Model: ``transformers.LlamaConfig`` built from ``MODEL`` (hidden
 256, MLP 688, 2 layers, 8 query / 2 K/V heads of dim 32, vocabulary 1024, default rope, untied
-embeddings, float32), random weights from the same seed on every rank (``tests.models.tiny_model``);
+embeddings, float32), random weights from the same seed on every rank (``testkit.models.tiny_model``);
 nothing is downloaded.
 
 Providers (the rows' ``provider``):
@@ -26,7 +26,8 @@ Providers (the rows' ``provider``):
 
 Threads: every configuration uses the same total (``--threads``, default: all cores); P ranks get
 ``max(1, threads // P)`` each; when P exceeds the cores the ranks are oversubscribed and the rows
-say so in ``note`` (as ``benchmarks.bench_attention``, whose launcher and load control this reuses).
+say so in ``note`` (as ``benchmarks.bench_attention``; both use ``benchmarks.harness``'s launcher and
+load control).
 
 Measured, per (P, N):
   * ``train_step``/``time``: wall seconds of one step, each rank timing itself from a barrier, the
@@ -55,19 +56,16 @@ Measured, per (P, N):
     > 10% of the machine is run again (at most ``iters`` times per N). ``--wait-idle S`` waits up to
     S s for a quiet machine before each P.
 
-Output: one JSON object per line with the fields of ``benchmarks.bench_attention.FIELDS`` (name,
+Output: one JSON object per line with the fields of ``benchmarks.harness.FIELDS`` (name,
 provider, metric, x, P, N, median, p20, p80, unit, machine, versions, threads, note), x = N except
 for the per-P machine load (x = P); and ``<out stem>_raw.json`` with every per-rank sample.
 Memory in MiB. The metric names differ from the attention benchmark's wherever its row names recur
 (``efficiency``, ``peak_memory``, ``memory_scaling``), so the two tables can be concatenated.
 ``benchmarks.plot.plot_model`` draws model_throughput.png and model_memory.png.
 """
-
 from __future__ import annotations
 
 import argparse
-import contextlib
-import ctypes
 import gc
 import json
 import sys
@@ -77,9 +75,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks import bench_attention as ba
-
-FIELDS = ba.FIELDS
+from benchmarks import harness as H
 
 MODEL: dict[str, Any] = dict(
     hidden_size=256,
@@ -170,83 +166,65 @@ class _Trainee:
         return n
 
 
-@contextlib.contextmanager
-def _allocations_to_os():
-    """glibc serves every allocation >= 64 KiB with its own mmap and unmaps it on free, so that the
-    resident set follows the live tensors; afterwards, glibc's dynamic maxima (as bench_attention)."""
-    libc = ctypes.CDLL("libc.so.6")
-    libc.mallopt(ba._M_MMAP_THRESHOLD, 64 * 1024)
-    libc.mallopt(ba._M_TRIM_THRESHOLD, 0)
-    libc.malloc_trim(0)
-    try:
-        yield
-    finally:
-        libc.mallopt(ba._M_MMAP_THRESHOLD, 32 * 1024 * 1024)
-        libc.mallopt(ba._M_TRIM_THRESHOLD, 64 * 1024 * 1024)
-        libc.malloc_trim(0)
-
-
 def _memory_step(t: _Trainee, group) -> dict:
-    """One untimed step under ``LiveTensorBytes``, with the resident-set growth across it."""
+    """One untimed step under ``LiveTensorBytes`` (peak of the tensor storage it creates, per phase),
+    with the resident-set growth across it while glibc returns allocations to the OS."""
     import torch.distributed as dist
 
     from testkit.live_tensors import LiveTensorBytes
 
-    with _allocations_to_os():
+    with H.allocations_to_os():
         gc.collect()
         if group is not None:
             dist.barrier(group=group)
-        rss0 = ba._status_kib("VmRSS")
-        ok = ba._reset_hwm()
+        rss0 = H.status_kib("VmRSS")
+        ok = H.reset_hwm()
         with LiveTensorBytes() as mem:
             rec = t.step(mem)
-        hwm = ba._status_kib("VmHWM")
+        hwm = H.status_kib("VmHWM")
     peaks = {k: rec[k] for k in ("peak_fwd", "peak_bwd", "peak_opt")}
     return {"peak": max(peaks.values()), **peaks, "rss_growth_kib": hwm - rss0, "hwm_reset": ok,
             "state_bytes": t.state_bytes()}  # fmt: skip
 
 
-def _run_n(n: int, rank: int, size: int, group, solo, cfg: dict) -> dict:
-    """Timings (sdpa on rank 0 then the ring, per iteration) and the memory step of length ``n``."""
-    import torch
+def _iteration(ring: _Trainee, sdpa_step, group, with_sdpa: bool) -> dict:
+    """One sdpa step on rank 0 (the others wait in the barrier), then one ring step on every rank."""
     import torch.distributed as dist
 
-    meter = ba.GroupLoad(group, rank, ba.machine_info()["cores"])
+    rec: dict = {}
+    if with_sdpa:
+        dist.barrier(group=group)
+        rec["sdpa"] = sdpa_step()
+    dist.barrier(group=group)
+    rec["hf_ring"] = ring.step()
+    return rec
+
+
+def _run_n(n: int, rank: int, size: int, group, solo, cfg: dict) -> dict:
+    """Timings (``harness.measure``: sdpa on rank 0 then the ring, per iteration) and the memory step."""
+    import torch
+
+    meter = H.GroupLoad(group, rank, H.machine_info()["cores"])
     ring = _Trainee("ring", n, cfg, group, ddp=size > 1)
     sdpa = _Trainee("sdpa", n, cfg, solo, ddp=False) if rank == 0 and cfg["sdpa"] else None
 
     def sdpa_step() -> dict:
+        if sdpa is None:
+            return {}
         torch.set_num_threads(cfg["total_threads"])
         try:
             return sdpa.step()
         finally:
             torch.set_num_threads(cfg["threads"])
 
-    iters = cfg["iters"][str(n)]
-    samples: dict = {"hf_ring": [], "sdpa": [], "_foreign": []}
-    kept = redone = 0
-    while kept < cfg["warmup"] + iters:
-        dist.barrier(group=group)
-        meter.start()
-        rec: dict = {}
-        if cfg["sdpa"]:
-            dist.barrier(group=group)
-            rec["sdpa"] = sdpa_step() if sdpa is not None else {}
-        dist.barrier(group=group)
-        rec["hf_ring"] = ring.step()
-        dist.barrier(group=group)
-        load = meter.stop()
-        warm = kept < cfg["warmup"]
-        if not warm and load > cfg["max_foreign"] and redone < cfg["max_redo"] * iters:
-            redone += 1
-            continue
-        kept += 1
-        if not warm:
-            for k, v in rec.items():
-                samples[k].append(v)
-            samples["_foreign"].append(load)
-        gc.collect()
-    samples["_redone"] = redone
+    kept, loads, redone = H.measure(lambda: _iteration(ring, sdpa_step, group, cfg["sdpa"]), meter,
+                                    warmup=cfg["warmup"], iters=cfg["iters"][str(n)],
+                                    max_foreign=cfg["max_foreign"], max_redo=cfg["max_redo"])  # fmt: skip
+    samples: dict = {"hf_ring": [], "sdpa": []}
+    for rec in kept:
+        for k, v in rec.items():
+            samples[k].append(v)
+    samples["_foreign"], samples["_redone"] = loads, redone
     # the memory step, after the timings: the optimizer state exists, the gradients do not
     samples["memory"] = {"hf_ring": _memory_step(ring, group)}
     if sdpa is not None and size == 1:
@@ -255,55 +233,28 @@ def _run_n(n: int, rank: int, size: int, group, solo, cfg: dict) -> dict:
     return samples
 
 
-def _worker(rank: int, size: int, init_file: str, cfg: dict, out_path: str) -> None:
+def _worker(rank: int, size: int, cfg: dict) -> dict:
     """One rank of a P-rank group: every N in turn."""
     import torch.distributed as dist
 
-    group = ba._init(rank, size, init_file, cfg["threads"])
+    group = dist.group.WORLD
     # the sdpa baseline's shard_batch needs a 1-rank group; every rank must create it
     solo = dist.new_group([0]) if size > 1 else group
-    try:
-        res = {}
-        for n in cfg["Ns"]:
-            res[str(n)] = _run_n(n, rank, size, group, solo, cfg)
-            gc.collect()
-        ba._gather_to_file(res, rank, size, out_path)
-    finally:
-        dist.destroy_process_group()
+    res = {}
+    for n in cfg["Ns"]:
+        res[str(n)] = _run_n(n, rank, size, group, solo, cfg)
+        gc.collect()
+    return res
 
 
 # ============================================================================ driver side
-def versions() -> dict:
-    import transformers
-
-    return {**ba.versions(), "transformers": transformers.__version__}
-
-
 def build_rows(raw: dict, cfg: dict, meta: dict) -> list[dict]:
     """``raw[p][rank][n]`` samples -> the long table."""
-    rows: list[dict] = []
-    cores = meta["machine"]["cores"]
     total = cfg["total_threads"]
+    tab = H.Table(meta, lambda p: H.threads_per_rank(total, p))
+    add, note_of, per_iter_max = tab.add, tab.note, H.per_iter_max
     t_cp1: dict[int, float] = {}
     mem_cp1: dict[tuple[str, int], float] = {}
-
-    def threads_of(p: int) -> int:
-        return total if p == 1 else max(1, total // p)
-
-    def note_of(p: int, extra: str = "") -> str:
-        t = threads_of(p)
-        parts = [f"oversubscribed: {p} ranks x {t} thread(s) on {cores} cores"] if p * t > cores else []
-        return "; ".join([*parts, extra] if extra else parts)
-
-    def add(name, provider, metric, p, n, vals, unit, x=None, threads=None, note=""):
-        med, p20, p80 = vals
-        rows.append({"name": name, "provider": provider, "metric": metric, "x": n if x is None else x,
-                     "P": p, "N": n, "median": med, "p20": p20, "p80": p80, "unit": unit,
-                     "machine": meta["machine"], "versions": meta["versions"],
-                     "threads": threads_of(p) if threads is None else threads, "note": note})  # fmt: skip
-
-    def per_iter_max(per_rank: list[list[dict]], key: str) -> list[float]:
-        return [max(r[i][key] for r in per_rank) for i in range(len(per_rank[0]))]
 
     for p in cfg["Ps"]:
         ring_note = f"P={p} ranks, DDP over the CP group" if p > 1 else "1 process, no DDP"
@@ -314,7 +265,7 @@ def build_rows(raw: dict, cfg: dict, meta: dict) -> list[dict]:
             nt = (f"iters={len(r0['hf_ring'])}; foreign CPU load in kept iterations median "
                   f"{100 * float(np.median(fk)):.0f}% max {100 * max(fk):.0f}%, "
                   f"{r0['_redone']} iteration(s) redone")  # fmt: skip
-            add("machine_load", "other_processes", "foreign_cpu_fraction_kept_iters", p, n, ba._stats(fk), "fraction",
+            add("machine_load", "other_processes", "foreign_cpu_fraction_kept_iters", p, n, H.stats(fk), "fraction",
                 note="CPU used by other processes / (wall x cores), per kept iteration; "
                      f"{r0['_redone']} iteration(s) redone")  # fmt: skip
             t: dict[str, list[float]] = {}
@@ -330,21 +281,21 @@ def build_rows(raw: dict, cfg: dict, meta: dict) -> list[dict]:
                     thr = None
                     note = note_of(p, f"attn_implementation='ring', {ring_note}, max over ranks; {SETTINGS}; {nt}")
                 t[prov] = per_iter_max(per_rank, "total")
-                add("train_step", prov, "time", p, n, ba._stats(t[prov]), "s", threads=thr, note=note)
-                add("train_step", prov, "tokens_per_s", p, n, ba._stats([n / s for s in t[prov]]), "tokens/s",
+                add("train_step", prov, "time", p, n, H.stats(t[prov]), "s", threads=thr, note=note)
+                add("train_step", prov, "tokens_per_s", p, n, H.stats([n / s for s in t[prov]]), "tokens/s",
                     threads=thr, note="N / step time, per iteration; " + note)  # fmt: skip
                 for phase, metric in (("fwd", "time_forward"), ("bwd", "time_backward"), ("opt", "time_optimizer")):
-                    add("train_step", prov, metric, p, n, ba._stats(per_iter_max(per_rank, phase)), "s", threads=thr,
+                    add("train_step", prov, metric, p, n, H.stats(per_iter_max(per_rank, phase)), "s", threads=thr,
                         note=note)  # fmt: skip
             if "sdpa" in t:
                 eff = [a / b for a, b in zip(t["sdpa"], t["hf_ring"])]
-                add("efficiency", "hf_ring", "t_sdpa_step/t_ring_step", p, n, ba._stats(eff), "ratio",
+                add("efficiency", "hf_ring", "t_sdpa_step/t_ring_step", p, n, H.stats(eff), "ratio",
                     note=note_of(p, f"t_sdpa: one process, whole sequence, {total} threads; paired per iteration; "
                                     f"{SETTINGS}; {nt}"))  # fmt: skip
             if p == 1:
                 t_cp1[n] = float(np.median(t["hf_ring"]))
             elif n in t_cp1:
-                add("speedup_vs_cp1", "hf_ring", "t_cp1/t_cpP", p, n, ba._stats([t_cp1[n] / s for s in t["hf_ring"]]),
+                add("speedup_vs_cp1", "hf_ring", "t_cp1/t_cpP", p, n, H.stats([t_cp1[n] / s for s in t["hf_ring"]]),
                     "ratio", note=note_of(p, f"median CP=1 step time (its own run) / CP={p} step time per iteration; "
                                              f"{nt}"))  # fmt: skip
             # memory: one extra step per rank after the timings
@@ -369,19 +320,9 @@ def build_rows(raw: dict, cfg: dict, meta: dict) -> list[dict]:
                 add("peak_memory", prov, "rss_growth_step", p, n, (rss, rss, rss), "MiB", threads=thr,
                     note=note_of(p, "peak resident-set growth across the step, glibc mmap threshold 64 KiB; "
                                     + mnote + ("" if ok else "; WARNING: VmHWM reset failed")))  # fmt: skip
-                add(
-                    "peak_memory",
-                    prov,
-                    "model_state",
-                    p,
-                    n,
-                    (state, state, state),
-                    "MiB",
-                    threads=thr,
-                    note=note_of(
-                        p, "parameters + AdamW state, on every rank; not in live_tensor_bytes/rss_growth_step"
-                    ),
-                )
+                add("peak_memory", prov, "model_state", p, n, (state, state, state), "MiB", threads=thr,
+                    note=note_of(p, "parameters + AdamW state, on every rank; not in "
+                                    "live_tensor_bytes/rss_growth_step"))  # fmt: skip
                 if p == 1:
                     mem_cp1[(prov, n)] = peak
                     mem_cp1[(prov + "_rss", n)] = rss
@@ -396,32 +337,17 @@ def build_rows(raw: dict, cfg: dict, meta: dict) -> list[dict]:
         if v is not None:
             add("machine_load", "other_processes", "foreign_cpu_fraction", p, 0, (v, v, v), "fraction", x=p,
                 note="CPU used by processes outside this benchmark during the P run / (wall x cores)")  # fmt: skip
-    return rows
+    return tab.rows
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default="benchmarks/results/model.jsonl")
-    ap.add_argument("--quick", action="store_true", help="N=512, P in {1,2}, 1 iteration (smoke test)")
-    ap.add_argument("--threads", type=int, default=None, help="total threads (default: all cores)")
-    ap.add_argument("--Ns", type=int, nargs="*", default=None)
-    ap.add_argument("--Ps", type=int, nargs="*", default=None, help="P=1 is always run (the reference)")
-    ap.add_argument("--iters", type=int, default=None, help="iterations for every N (default: by N)")
+    H.add_grid_args(ap, "benchmarks/results/model.jsonl")
     ap.add_argument("--no-sdpa", action="store_true", help="skip the single-process sdpa baseline")
-    ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per spawned group")
-    ap.add_argument("--wait-idle", type=float, default=0.0, metavar="S",
-                    help="before each P, wait up to S seconds for other processes to leave the CPUs")  # fmt: skip
     args = ap.parse_args(argv)
 
-    cfg = dict(QUICK if args.quick else FULL)
-    meta: dict[str, Any] = {"machine": ba.machine_info(), "versions": versions(), "load": {}}
-    cfg["threads"] = cfg["total_threads"] = args.threads or meta["machine"]["cores"]
-    if args.Ns:
-        cfg["Ns"] = args.Ns
-    if args.Ps:
-        cfg["Ps"] = sorted(set(args.Ps) | {1})
-    its = cfg["iters"]
-    cfg["iters"] = {str(n): args.iters or its.get(n, min(its.values())) for n in cfg["Ns"]}
+    meta: dict[str, Any] = {"machine": H.machine_info(), "versions": H.versions(transformers=True), "load": {}}
+    cfg = H.grid_config(args, FULL, QUICK, meta["machine"]["cores"])
     cfg["sdpa"] = not args.no_sdpa
     cfg["model"] = {**MODEL, "max_position_embeddings": max(MODEL["max_position_embeddings"], *cfg["Ns"])}
     cfg["seed"] = 0
@@ -432,32 +358,25 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.monotonic()
     raw: dict[int, list] = {}
     walls: dict[int, float] = {}
-    for p in cfg["Ps"]:
-        t0 = time.monotonic()
-        c = {**cfg, "threads": cfg["threads"] if p == 1 else max(1, cfg["threads"] // p)}
-        if args.wait_idle:
-            ba.wait_idle(args.wait_idle, cores=meta["machine"]["cores"])
-        raw[p], meta["load"][p] = ba._launch(_worker, p, c, args.timeout)
-        walls[p] = time.monotonic() - t0
-        print(f"[bench_model] P={p} done in {walls[p]:.1f} s (foreign CPU load {100 * meta['load'][p]:.0f}%)",
-              flush=True)  # fmt: skip
+    for p, per_rank, wall in H.each_p(_worker, cfg, meta, timeout=args.timeout, wait_idle_s=args.wait_idle,
+                                      tag="bench_model"):  # fmt: skip
+        raw[p], walls[p] = per_rank, wall
     rows = build_rows(raw, cfg, meta)
-    with open(out, "w") as f:
-        for r in rows:
-            f.write(json.dumps({k: r[k] for k in FIELDS}) + "\n")
+    H.write_rows(out, rows)
     with open(raw_path, "w") as f:
         json.dump({"config": cfg, "meta": meta, "samples": {str(p): v for p, v in raw.items()},
                    "walls": {str(p): v for p, v in walls.items()}}, f)  # fmt: skip
     for r in rows:
-        if r["name"] in ("train_step", "efficiency", "speedup_vs_cp1", "peak_memory", "memory_scaling") and (
-            r["metric"]
-            in ("tokens_per_s", "t_sdpa_step/t_ring_step", "t_cp1/t_cpP", "live_tensor_bytes", "P*peak_P/peak_1")
-        ):
+        if (r["name"], r["metric"]) in SUMMARY:
             print(f"  {r['name']:<15} {r['provider']:<8} {r['metric']:<24} P={r['P']} N={r['N']:<6} "
                   f"{r['median']:12.3f} {r['unit']}")  # fmt: skip
     print(f"[bench_model] {len(rows)} rows -> {out} (raw samples: {raw_path}); "
           f"total {time.monotonic() - t_start:.1f} s")  # fmt: skip
     return 0
+
+
+SUMMARY = {("train_step", "tokens_per_s"), ("efficiency", "t_sdpa_step/t_ring_step"), ("speedup_vs_cp1", "t_cp1/t_cpP"),
+           ("peak_memory", "live_tensor_bytes"), ("memory_scaling", "P*peak_P/peak_1")}  # fmt: skip
 
 
 if __name__ == "__main__":

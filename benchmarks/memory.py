@@ -29,10 +29,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import sys
-import tempfile
 from pathlib import Path
+
+from benchmarks import harness as H
 
 SHAPE = dict(hidden_size=64, intermediate_size=224, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2)
 GRID = {"Ns": [2048, 4096, 8192, 16384], "Ps": [1, 2, 4]}
@@ -60,64 +59,16 @@ def variants(n: int) -> list[dict]:
 
 
 # ============================================================================ worker side
-def _status(field: str) -> int | None:
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
-def _reset_hwm() -> bool:
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-        return True
-    except OSError:
-        return False
-
-
-def prepare_step_model(model, case: dict, lora_rank: int):
-    """``model`` with the options of ``case`` (LoRA on ``LORA_TARGETS``, checkpointing with or without
-    offload, chunked loss, tiled MLP), in training mode, with zero gradients already allocated as in
-    gradient accumulation. Returns the model (a PEFT wrapper with LoRA)."""
-    import torch
-
-    import hf_ring
-    from hf_ring.planner import LORA_TARGETS
-
-    if case["lora"]:
-        from peft import LoraConfig, get_peft_model
-
-        model = get_peft_model(model, LoraConfig(r=lora_rank, target_modules=list(LORA_TARGETS)))
-        model.enable_input_require_grads()
-    if case["ckpt"]:
-        from testkit.offload import MeasuredOffload  # the offload, measurable on a CPU-only machine
-
-        hf_ring.enable_activation_checkpointing(model, offload=MeasuredOffload if case["offload"] else False)
-    if case["chunked"]:
-        hf_ring.enable_chunked_loss(model)
-    if case["tiled"]:
-        hf_ring.enable_tiled_mlp(model, case["tiled"])
-    model.train()
-    for p in model.parameters():
-        if p.requires_grad:
-            p.grad = torch.zeros_like(p)
-    return model
-
-
-def _worker(rank: int, size: int, init_file: str, cases: list[dict], q) -> None:
+def _worker(rank: int, size: int, cases: list[dict]) -> list[dict]:
+    """Per case, one training step on this rank: the ``LiveTensorBytes`` peak (device and host) and
+    the resident-set growth of a step without the tracker (None where VmHWM cannot be reset)."""
     import torch
     import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    if size > 1:
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=size)
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     import hf_ring
     from testkit.live_tensors import LiveTensorBytes
+    from testkit.models import prepare_step_model
 
     out = []
     for c in cases:
@@ -140,55 +91,31 @@ def _worker(rank: int, size: int, init_file: str, cases: list[dict], q) -> None:
                     res.loss.backward()
                     del res
             else:
-                before = _status("VmRSS") if _reset_hwm() else None
+                before = H.status_kib("VmRSS") * 1024 if H.reset_hwm() else None
                 res = model(**kwargs)
                 res.loss.backward()
                 del res
-                hwm = _status("VmHWM")
-                rss = hwm - before if before is not None and hwm is not None else None
+                rss = H.status_kib("VmHWM") * 1024 - before if before is not None else None
         out.append({"peak": mem.peak, "host_peak": mem.host_peak, "rss": rss})
         del model
-    q.put((rank, out))
-    if size > 1:
-        dist.destroy_process_group()
+    return out
 
 
 def run_p(p: int, cases: list[dict]) -> list[list[dict]]:
-    import multiprocessing as mp
+    """Every case on ``p`` fresh gloo ranks (one thread each), glibc returning allocations >= 64 KiB
+    to the OS (``MALLOC_MMAP_THRESHOLD_``); per rank, ``_worker``'s list."""
+    from testkit.spawn import spawn_ranks
 
-    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # inherited by the spawned ranks
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    with tempfile.TemporaryDirectory() as d:
-        init = os.path.join(d, "rdzv")
-        procs = [ctx.Process(target=_worker, args=(r, p, init, cases, q)) for r in range(p)]
-        for proc in procs:
-            proc.start()
-        res = dict(q.get(timeout=1800) for _ in procs)
-        for proc in procs:
-            proc.join()
-    return [res[r] for r in range(p)]
+    env = {"MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    return spawn_ranks(_worker, p, cases, threads=1, env=env)
 
 
 # ============================================================================ driver
-def machine() -> dict:
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return {"cores": cores, "platform": platform.platform()}
-
-
-def versions() -> dict:
-    import torch
-    import transformers
-
-    return {"torch": torch.__version__, "transformers": transformers.__version__, "python": sys.version.split()[0]}
-
-
 def measure(grid: dict, variant_at: tuple[int, int] | None) -> list[dict]:
     from hf_ring.planner import PlanSettings, model_shape, plan
 
     rows = []
-    meta = {"machine": machine(), "versions": versions()}
+    meta = {"machine": H.machine_info(), "versions": H.versions(transformers=True)}
     for p in grid["Ps"]:
         cases = [_case(n) for n in grid["Ns"]]
         if variant_at and variant_at[1] == p:

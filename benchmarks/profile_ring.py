@@ -1,13 +1,17 @@
 """Where the time of one hf_ring fwd+bwd goes, between and inside the kernel calls.
 
     python -m benchmarks.profile_ring --out benchmarks/results/profile_p2_n8192.txt [--P 2 --N 8192]
+    python -m benchmarks.profile_ring --quick --out /tmp/profile.txt                # P=2, N=512: smoke test
 
 Spawns P gloo ranks (1 thread each, or all cores for P=1), warms up, then runs one fwd+bwd under
-torch.profiler on every rank, with labelled ranges around the block kernels, ``merge_``,
-``RingComm.commit`` and ``RingComm.wait`` (wrappers installed in this process only; hf_ring is not
-edited). Every aten op is assigned to one category by the innermost labelled range that holds it,
-or by its name; the rest of the wall time is Python / autograd overhead. Writes a text report
-with the per-rank breakdown and the top ops by self time.
+torch.profiler on every rank. The op gets a ``harness.TimedKernel`` and a ``harness.TimedRing``
+(``backend=``, ``ring=``), which open labelled ranges around the block kernels and the channels'
+``commit`` and ``wait``; the forward runs inside a range ``hf_ring.forward`` (``workloads.HfRing``).
+hf_ring is not patched, so ``merge_`` has no range of its own: the LSE merge is the forward's
+element-wise ops outside the kernels (``MERGE_OPS``, by name), without the Python time inside
+``merge_``. Every other aten op is assigned to one category by the innermost labelled range that
+holds it, or by its name; the rest of the wall time is Python / autograd overhead. Writes a text
+report with the per-rank breakdown and the top ops by self time.
 """
 
 from __future__ import annotations
@@ -15,46 +19,31 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import sys
-import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
 
+from benchmarks import harness as H
+
 LABELS = {
     "hf_ring.kernel.forward": "kernel fwd",
     "hf_ring.kernel.backward": "kernel bwd",
-    "hf_ring.merge_": "merge_ (fwd LSE merge)",
     "hf_ring.comm.commit": "comm commit (batch_isend_irecv)",
     "hf_ring.comm.wait": "comm wait",
 }
+FORWARD = "hf_ring.forward"  # the range around the op's forward (workloads.HfRing.fwd_bwd)
+MERGE = "merge_ (fwd LSE merge, its aten ops)"
+MERGE_OPS = {"aten::logaddexp", "aten::sub", "aten::exp", "aten::nan_to_num_", "aten::unsqueeze", "aten::mul_",
+             "aten::mul", "aten::add_", "aten::copy_"}  # fmt: skip
+COUNTED = ("aten::_scaled_dot_product_flash_attention_for_cpu",
+           "aten::_scaled_dot_product_flash_attention_for_cpu_backward",
+           "aten::logaddexp",  # one per merge_ call
+           "hf_ring.comm.wait", "aten::add_")  # fmt: skip
 ALLOC = {"aten::zeros", "aten::full", "aten::empty", "aten::empty_like", "aten::zero_", "aten::fill_",
          "aten::empty_strided", "aten::zeros_like"}  # fmt: skip
 COPY = {"aten::stack", "aten::cat", "aten::copy_", "aten::to", "aten::_to_copy", "aten::contiguous", "aten::clone"}
 ACCUM = {"aten::add_", "aten::add"}
-
-
-def _install_labels() -> None:
-    import torch
-
-    import hf_ring.ops.comm as hcomm
-    import hf_ring.ops.ring as hring
-    from benchmarks import workloads as W
-
-    W.install_probes()  # kernel + wait ranges
-    orig_merge, orig_commit = hring.merge_, hcomm.RingComm.commit
-
-    def merge_(*a, **kw):
-        with torch.profiler.record_function("hf_ring.merge_"):
-            return orig_merge(*a, **kw)
-
-    def commit(self):
-        with torch.profiler.record_function("hf_ring.comm.commit"):
-            return orig_commit(self)
-
-    hring.merge_ = merge_
-    hcomm.RingComm.commit = commit
 
 
 def _categorise(events, wall_us: float) -> dict:
@@ -64,6 +53,8 @@ def _categorise(events, wall_us: float) -> dict:
     )
     evs = [e for e in events if e.thread == main_tid]
     labelled = [e for e in evs if e.name in LABELS]
+    fwd = [e for e in evs if e.name == FORWARD]
+    evs = [e for e in evs if e.name != FORWARD]
     cats: dict = defaultdict(float)
     for e in evs:
         if e.name in LABELS:
@@ -76,6 +67,8 @@ def _categorise(events, wall_us: float) -> dict:
                     owner = lab
         if owner is not None:
             cats[LABELS[owner.name]] += e.self_cpu_time_total
+        elif e.name in MERGE_OPS and any(f.time_range.start <= start and end <= f.time_range.end for f in fwd):
+            cats[MERGE] += e.self_cpu_time_total
         elif e.name in ALLOC:
             cats["allocation / zero-fill"] += e.self_cpu_time_total
         elif e.name in COPY:
@@ -97,70 +90,48 @@ def _categorise(events, wall_us: float) -> dict:
     return dict(cats)
 
 
-def _worker(rank: int, size: int, init_file: str, cfg: dict, out_path: str) -> None:
+def _worker(rank: int, size: int, cfg: dict) -> dict:
+    """Warm-up, then one profiled fwd+bwd: this rank's categories, top ops and call counts."""
     import torch
     import torch.distributed as dist
 
     from benchmarks import workloads as W
 
-    torch.set_num_threads(cfg["threads"])
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=size)
-    try:
-        _install_labels()
-        zz = W.local_inputs(cfg["N"], rank, size)
-        for _ in range(cfg["warmup"]):
-            dist.barrier()
-            W.hf_ring_fwd_bwd(*zz, group=None)
+    hf = W.HfRing.on(None)
+    zz = W.local_inputs(cfg["N"], rank, size)
+    for _ in range(cfg["warmup"]):
         dist.barrier()
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-            t0 = time.perf_counter()
-            c0 = time.thread_time()
-            r = W.hf_ring_fwd_bwd(*zz, group=None)
-            wall_us = (time.perf_counter() - t0) * 1e6
-            cpu_us = (time.thread_time() - c0) * 1e6
-        events = prof.events()
-        cats = _categorise(events, wall_us)
-        table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=48)
-        counts = defaultdict(int)
-        for e in events:
-            counts[e.name] += 1
-        parts = [None] * size
-        dist.all_gather_object(
-            parts,
-            {"rank": rank, "wall_us": wall_us, "cpu_us": cpu_us, "cats": cats, "table": table, "probe": r,
-             "calls": {k: counts[k] for k in ("aten::_scaled_dot_product_flash_attention_for_cpu",
-                                              "aten::_scaled_dot_product_flash_attention_for_cpu_backward",
-                                              "hf_ring.merge_", "hf_ring.comm.wait", "aten::add_")}},
-        )  # fmt: skip
-        if rank == 0:
-            with open(out_path, "w") as f:
-                json.dump(parts, f)
-    finally:
-        dist.destroy_process_group()
+        hf.fwd_bwd(*zz)
+    dist.barrier()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        c0 = time.thread_time()
+        r = hf.fwd_bwd(*zz)
+        wall_us = (time.perf_counter() - t0) * 1e6
+        cpu_us = (time.thread_time() - c0) * 1e6
+    events = prof.events()
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=48)
+    counts = defaultdict(int)
+    for e in events:
+        counts[e.name] += 1
+    return {"rank": rank, "wall_us": wall_us, "cpu_us": cpu_us, "cats": _categorise(events, wall_us), "table": table,
+            "probe": r, "calls": {k: counts[k] for k in COUNTED}}
 
 
 def main(argv: list[str] | None = None) -> int:
-    import torch.multiprocessing as mp
-
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="benchmarks/results/profile_p2_n8192.txt")
     ap.add_argument("--P", type=int, default=2)
     ap.add_argument("--N", type=int, default=8192)
     ap.add_argument("--threads", type=int, default=None, help="total threads (default: all cores)")
     ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--quick", action="store_true", help="N=512 (smoke test)")
     args = ap.parse_args(argv)
+    if args.quick:
+        args.N = 512
     total = args.threads or len(os.sched_getaffinity(0))
     cfg = {"N": args.N, "threads": max(1, total // args.P), "warmup": args.warmup}
-    tmp = tempfile.mkdtemp(prefix="hf_ring_prof_")
-    try:
-        res_path = os.path.join(tmp, "res.json")
-        mp.start_processes(
-            _worker, args=(args.P, os.path.join(tmp, "rdzv"), cfg, res_path), nprocs=args.P, start_method="spawn"
-        )
-        with open(res_path) as f:
-            parts = json.load(f)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    parts, _ = H.launch(_worker, args.P, cfg, threads=cfg["threads"], timeout=1800.0)
 
     lines = [
         f"hf_ring fwd+bwd profile: P={args.P}, N={args.N}, causal, B=1, Hq=8, Hkv=2, D=64, fp32, "

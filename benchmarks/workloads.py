@@ -1,94 +1,38 @@
-"""Per-rank workloads for the attention benchmark: each function runs one fwd+bwd of one provider
-on this rank's shard and returns its timings. Imported inside the spawned gloo workers.
+"""Workloads of the attention benchmarks: each runs one fwd+bwd of one provider and returns its
+timings. ``bench_attention`` imports them inside its spawned gloo workers (per-rank shards);
+``full_providers`` gives ``bench_gpu``'s full-sequence calls.
 
 Providers
-  hf_ring      hf_ring.ring_attention (zigzag or contiguous layout), autograd fwd + bwd
-  nocomm       hf_ring's own autograd Function with its RingComm swapped for one that sends nothing:
-               the same schedule's kernel calls, merges and accumulations, without any send/recv
-  comm_alone   the same messages over the same RingComm hops, without any compute
+  hf_ring      hf_ring's ring_attention op (zigzag or contiguous layout) on this rank's ``Ring``,
+               autograd fwd + bwd
+  nocomm       the same op on a ``testkit.comm.NoCommRing`` of the same size and rank (channels that
+               send nothing): the same schedule's kernel calls, merges and accumulations, no send/recv
+  comm_alone   the same messages over the same ring channels, without any compute
   torch_ring   torch's own ring engine (_templated_ring_attention[_backward]) on the same shards
   sdpa         F.scaled_dot_product_attention(enable_gqa=True) over the whole sequence
 
-Measurement probes (installed by ``install_probes``, only inside benchmark processes): the wall time
-spent in ``RingComm.wait`` and in the block kernels is summed per call by wrapping
-``hf_ring.comm.RingComm.wait`` and ``hf_ring.ring.get_kernel``. hf_ring's code is not edited; the
-wrappers cost two ``perf_counter`` calls per kernel call / wait.
+Measurement probes: ``HfRing`` passes the op a ``harness.TimedRing`` and a ``harness.TimedKernel``
+(``ring=`` and ``backend=``), which sum the wall time spent in the channels' ``wait`` and in the
+block kernels per call (two ``perf_counter`` calls per kernel call / wait). hf_ring is not patched.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
-import hf_ring
-import hf_ring.ops.comm as hcomm
-import hf_ring.ops.ring as hring
+from benchmarks.harness import Probe, TimedKernel, TimedRing
+from hf_ring.ops.comm import Ring
+from hf_ring.ops.kernels import get_kernel
+from hf_ring.ops.ring import ring_attention
+from hf_ring.ops.zigzag import zigzag
+from testkit.comm import NoCommRing
 
 B, HQ, HKV, D = 1, 8, 2, 64
 SEED = 1234
-
-
-# --------------------------------------------------------------------------------------- probes
-@dataclass
-class Probe:
-    wait: float = 0.0  # wall seconds inside RingComm.wait
-    kernel: float = 0.0  # wall seconds inside block kernel calls
-    kernel_calls: int = 0
-    regions: list = field(default_factory=list)
-
-    def reset(self) -> None:
-        self.wait = self.kernel = 0.0
-        self.kernel_calls = 0
-
-
-PROBE = Probe()
-_INSTALLED = False
-
-
-class _TimedKernel:
-    def __init__(self, inner):
-        self.inner = inner
-        self.name = inner.name
-
-    def __getattr__(self, name):  # any other attribute of the wrapped kernel
-        return getattr(self.inner, name)
-
-    def _timed(self, which: str, *a, **kw):
-        t0 = time.perf_counter()
-        with torch.profiler.record_function(f"hf_ring.kernel.{which}"):
-            r = getattr(self.inner, which)(*a, **kw)
-        PROBE.kernel += time.perf_counter() - t0
-        PROBE.kernel_calls += 1
-        return r
-
-    def forward(self, *a, **kw):
-        return self._timed("forward", *a, **kw)
-
-    def backward(self, *a, **kw):
-        return self._timed("backward", *a, **kw)
-
-
-def install_probes() -> None:
-    """Wrap RingComm.wait and the kernel factory used by hf_ring.ring (this process only)."""
-    global _INSTALLED
-    if _INSTALLED:
-        return
-    orig_wait = hcomm.RingComm.wait
-    orig_get_kernel = hring.get_kernel
-
-    def wait(self):
-        t0 = time.perf_counter()
-        with torch.profiler.record_function("hf_ring.comm.wait"):
-            orig_wait(self)
-        PROBE.wait += time.perf_counter() - t0
-
-    hcomm.RingComm.wait = wait
-    hring.get_kernel = lambda *a, **kw: _TimedKernel(orig_get_kernel(*a, **kw))
-    _INSTALLED = True
 
 
 # --------------------------------------------------------------------------------------- inputs
@@ -102,89 +46,69 @@ def full_inputs(n: int, dtype=torch.float32):
     return q, k, v, do
 
 
-def zigzag(x: torch.Tensor, rank: int, size: int, dim: int = 1) -> torch.Tensor:
-    """Rank ``rank``'s zigzag shard (chunks r and 2P-1-r of 2P): same as hf_ring.shard, without
-    its cross-rank shape check."""
-    if size == 1:
-        return x.contiguous()
-    c = x.chunk(2 * size, dim=dim)
-    return torch.cat((c[rank], c[2 * size - 1 - rank]), dim=dim).contiguous()
-
-
-def contiguous_shard(x: torch.Tensor, rank: int, size: int, dim: int = 1) -> torch.Tensor:
-    return x.chunk(size, dim=dim)[rank].contiguous()
-
-
 def local_inputs(n: int, rank: int, size: int, layout: str = "zigzag"):
-    cut = zigzag if layout == "zigzag" else contiguous_shard
-    return tuple(cut(t, rank, size) for t in full_inputs(n))
+    """This rank's shards of ``full_inputs(n)``: zigzag (chunks r and 2P-1-r of 2P) or contiguous."""
+    if layout == "zigzag":
+        return tuple(zigzag(t, 1, size, rank).contiguous() for t in full_inputs(n))
+    return tuple(t.chunk(size, dim=1)[rank].contiguous() for t in full_inputs(n))
 
 
 # --------------------------------------------------------------------------------------- hf_ring
-def hf_ring_fwd_bwd(q, k, v, do, *, group, layout="zigzag") -> dict:
-    """One fwd+bwd of hf_ring.ring_attention; wall, main-thread CPU, wait and kernel seconds."""
-    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
-    PROBE.reset()
-    c0, t0 = time.thread_time(), time.perf_counter()
-    out = hf_ring.ring_attention(q, k, v, group=group, causal=True, layout=layout)
-    t1 = time.perf_counter()
-    w_f, k_f = PROBE.wait, PROBE.kernel
-    grads = torch.autograd.grad(out, (q, k, v), do)
-    t2, c2 = time.perf_counter(), time.thread_time()
-    del grads, out
-    return {
-        "fwd": t1 - t0, "bwd": t2 - t1, "total": t2 - t0, "cpu": c2 - c0,
-        "wait": PROBE.wait, "wait_fwd": w_f, "kernel": PROBE.kernel, "kernel_fwd": k_f,
-    }  # fmt: skip
+class HfRing:
+    """hf_ring's ring_attention on ``ring`` (a ``Ring``, or a ``NoCommRing``) with the CPU float32
+    block kernel; the time spent in kernel calls and in the channels' ``wait`` goes to ``self.probe``."""
 
+    def __init__(self, ring) -> None:
+        self.probe = Probe()
+        self.ring = TimedRing(ring, self.probe)
+        self.kernel = TimedKernel(get_kernel("auto", torch.device("cpu"), torch.float32), self.probe)
 
-# --------------------------------------------------------------------------------------- nocomm
-class _NoComm:
-    """``RingComm``'s interface with no transfer: the ring runs its whole schedule (kernel calls,
-    merges, accumulations, buffers) on the blocks it already holds."""
+    @classmethod
+    def on(cls, group) -> HfRing:
+        """This rank's ring over ``group``."""
+        return cls(Ring(group))
 
-    def __init__(self, group, tag: int = 0) -> None:
-        pass
+    @classmethod
+    def nocomm(cls, size: int, rank: int) -> HfRing:
+        """Rank ``rank`` of ``size`` on channels that send nothing (receive buffers keep what they hold:
+        the kernels' cost does not depend on values)."""
+        return cls(NoCommRing(size, rank))
 
-    def send_recv(self, send: torch.Tensor, recv: torch.Tensor) -> None:
-        pass
-
-    def commit(self) -> None:
-        pass
-
-    def wait(self) -> None:
-        pass
-
-
-def nocomm_fwd_bwd(q, k, v, do, *, group, layout="zigzag") -> dict:
-    """``hf_ring_fwd_bwd`` with ``hf_ring.ring.RingComm`` replaced by ``_NoComm`` for the call.
-
-    The receive buffers keep whatever they held (the kernels' cost does not depend on values).
-    """
-    real = hring.RingComm
-    hring.RingComm = _NoComm
-    try:
-        return hf_ring_fwd_bwd(q, k, v, do, group=group, layout=layout)
-    finally:
-        hring.RingComm = real
+    def fwd_bwd(self, q, k, v, do, layout: str = "zigzag") -> dict:
+        """One fwd+bwd; wall, main-thread CPU, wait and kernel seconds."""
+        q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+        probe = self.probe
+        probe.reset()
+        c0, t0 = time.thread_time(), time.perf_counter()
+        with torch.profiler.record_function("hf_ring.forward"):  # for benchmarks.profile_ring
+            out = ring_attention(q, k, v, ring=self.ring, backend=self.kernel, causal=True, layout=layout)
+        t1 = time.perf_counter()
+        w_f, k_f = probe.wait, probe.kernel
+        grads = torch.autograd.grad(out, (q, k, v), do)
+        t2, c2 = time.perf_counter(), time.thread_time()
+        del grads, out
+        return {
+            "fwd": t1 - t0, "bwd": t2 - t1, "total": t2 - t0, "cpu": c2 - c0,
+            "wait": probe.wait, "wait_fwd": w_f, "kernel": probe.kernel, "kernel_fwd": k_f,
+        }  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------- comm alone
-def comm_alone(k, v, *, group) -> dict:
+def comm_alone(k, v, *, ring: Ring) -> dict:
     """The ring's hops with the same messages and no compute: fwd P-1 K/V hops; bwd P-1 K/V hops
     interleaved with P hops of the float32 dK/dV accumulator, in the ring's order."""
-    size = dist.get_world_size(group)
+    size = ring.size
     kv = torch.stack((k, v))
     bufs = (kv, torch.empty_like(kv))
     t0 = time.perf_counter()
-    comm = hcomm.RingComm(group)
+    comm = ring.channel(0)
     for step in range(size - 1):
         comm.send_recv(bufs[step % 2], bufs[(step + 1) % 2])
         comm.commit()
         comm.wait()
     t1 = time.perf_counter()
     dkv_bufs = [torch.zeros(kv.shape, dtype=torch.float32) for _ in range(2)]
-    kv_comm, dkv_comm = hcomm.RingComm(group, tag=0), hcomm.RingComm(group, tag=1)
+    kv_comm, dkv_comm = ring.channel(0), ring.channel(1)
     for step in range(size):
         if step + 1 < size:
             kv_comm.send_recv(bufs[step % 2], bufs[(step + 1) % 2])
@@ -246,3 +170,68 @@ def sdpa_fwd_bwd(q, k, v, do) -> dict:
 
 def to_bhsd(*ts):
     return tuple(t.transpose(1, 2).contiguous() for t in ts)
+
+
+# --------------------------------------------------------------------------------------- full calls (bench_gpu)
+_SDPA_NOTES = {
+    "gqa": "SDPA flash backend, enable_gqa=True",
+    "expand": "SDPA flash backend, K/V heads expanded inside the timed call (this torch's flash backend "
+    "refused enable_gqa)",
+    "default": "SDPA default backend choice, K/V heads expanded inside the timed call (the flash backend "
+    "refused these inputs)",
+}
+
+
+def _sdpa_call(mode: str) -> Callable:
+    """Full-sequence SDPA on [B, H, N, D]; ``mode`` from ``_SDPA_NOTES``."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def call(q, k, v):
+        if mode != "gqa":
+            rep = q.shape[1] // k.shape[1]
+            k, v = (t.repeat_interleave(rep, 1) for t in (k, v))
+        if mode == "default":
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=mode == "gqa")
+
+    return call
+
+
+def _sdpa_mode(device: torch.device, dtype: torch.dtype, hq: int, hkv: int, d: int) -> str:
+    """The first SDPA form that runs forward and backward here: flash with enable_gqa, flash with
+    expanded K/V, else the default backend choice."""
+    q = torch.randn(1, hq, 256, d, device=device, dtype=dtype, requires_grad=True)
+    kv = torch.randn(1, hkv, 256, d, device=device, dtype=dtype, requires_grad=True)
+    for mode in ("gqa", "expand"):
+        try:
+            _sdpa_call(mode)(q, kv, kv).sum().backward()
+            return mode
+        except RuntimeError:
+            continue
+    return "default"
+
+
+def full_providers(cfg: dict, cuda: bool, dtype: torch.dtype, device: torch.device) -> dict:
+    """name -> (fn(q, k, v), layout 'bhsd'|'bshd', note)."""
+    provs: dict = {}
+    if cuda:
+        mode = _sdpa_mode(device, dtype, cfg["Hq"], cfg["Hkv"], cfg["D"])
+        provs["sdpa_full"] = (_sdpa_call(mode), "bhsd", _SDPA_NOTES[mode])
+        try:
+            from flash_attn import flash_attn_func
+
+            provs["flash_attn_full"] = (
+                lambda q, k, v: flash_attn_func(q, k, v, causal=True),
+                "bshd",
+                "flash_attn_func(causal=True)",
+            )
+        except ImportError:
+            pass
+    else:
+        provs["sdpa_full"] = (
+            lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
+            "bhsd",
+            "F.scaled_dot_product_attention(enable_gqa=True), CPU default backend",
+        )
+    return provs

@@ -20,12 +20,14 @@ from .transformers.patches import (
     enable_chunked_loss,
     enable_tiled_mlp,
 )
+from .transformers.support import RingNotSupported
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ContextParallel",
     "RingContext",
+    "RingNotSupported",
     "RingTrainer",
     "RingTrainingArguments",
     "chunked_causal_lm_loss",

@@ -47,3 +47,31 @@ def tiny_batch(b: int, n: int, vocab: int = 97, seed: int = 1) -> dict[str, torc
     labels[:, : n // 5] = -100
     labels[0, n // 2 : n // 2 + 3] = -100
     return {"input_ids": ids, "labels": labels}
+
+
+def prepare_step_model(model, case: dict, lora_rank: int):
+    """``model`` with the options of ``case`` (LoRA on ``LORA_TARGETS``, checkpointing with or without
+    offload, chunked loss, tiled MLP), in training mode, with zero gradients already allocated as in
+    gradient accumulation. Returns the model (a PEFT wrapper with LoRA; ``peft`` is imported only then).
+    Used by the memory tests and ``benchmarks.memory``."""
+    import hf_ring
+    from hf_ring.planner import LORA_TARGETS
+
+    if case["lora"]:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=lora_rank, target_modules=list(LORA_TARGETS)))
+        model.enable_input_require_grads()
+    if case["ckpt"]:
+        from testkit.offload import MeasuredOffload  # the offload, measurable on a CPU-only machine
+
+        hf_ring.enable_activation_checkpointing(model, offload=MeasuredOffload if case["offload"] else False)
+    if case["chunked"]:
+        hf_ring.enable_chunked_loss(model)
+    if case["tiled"]:
+        hf_ring.enable_tiled_mlp(model, case["tiled"])
+    model.train()
+    for p in model.parameters():
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
+    return model

@@ -1,10 +1,16 @@
-"""A pool of spawned gloo worker processes, one per rank, reused across tests.
+"""Spawned gloo ranks on one machine: a pool reused across tests, and one-shot fresh processes.
 
-Starting torch in a fresh process costs seconds, so each world size gets one pool per test
-session. ``run(fn, *args)`` calls the module-level function ``fn`` on every rank and returns the
-per-rank results (plain Python values or numpy arrays). A rank that raises fails the call with its
-traceback; a call that does not finish within ``timeout`` seconds kills the pool and raises
-``TimeoutError``, so a deadlock fails the test instead of hanging it.
+``run_ranks(world, fn, *args)``: starting torch in a fresh process costs seconds, so each world size
+gets one pool per test session; it calls the module-level function ``fn`` on every rank and returns
+the per-rank results (plain Python values or numpy arrays).
+
+``spawn_ranks(fn, world, *args)``: ``world`` fresh processes that run ``fn(rank, world, *args)`` once
+and exit (benchmarks: each measurement starts from a clean process, whose resident set and
+allocator hold nothing from earlier runs).
+
+Both: a rank that raises fails the call with its traceback; a call that does not finish within
+``timeout`` seconds kills the processes and raises ``TimeoutError``, so a deadlock fails instead of
+hanging.
 """
 
 from __future__ import annotations
@@ -14,17 +20,27 @@ import multiprocessing as mp
 import os
 import queue
 import tempfile
+import time
 import traceback
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
+
+
+def init_gloo(rank: int, world: int, init_file: str, threads: int = 1) -> None:
+    """Join a gloo group of ``world`` ranks through ``file://init_file``, with ``threads`` torch threads."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
 
 
 def _worker(rank: int, world: int, init_file: str, tasks: Any, results: Any) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    init_gloo(rank, world, init_file)
     while True:
         task = tasks.get()
         if task is None:
@@ -117,3 +133,77 @@ def close_all() -> None:
             q.put(None)
         pool.close()
     _POOLS.clear()
+
+
+# ------------------------------------------------------------------------------------ one-shot ranks
+def _once(fn: Callable, rank: int, world: int, init_file: str, threads: int, args: tuple, results: Any) -> None:
+    import torch.distributed as dist
+
+    try:
+        init_gloo(rank, world, init_file, threads)
+        results.put((rank, True, fn(rank, world, *args)))
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+@contextmanager
+def _environ(env: dict[str, str] | None) -> Iterator[None]:
+    old = {k: os.environ.get(k) for k in env or {}}
+    os.environ.update({k: str(v) for k, v in (env or {}).items()})
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def spawn_ranks(
+    fn: Callable, world: int, *args: Any, threads: int = 1, env: dict[str, str] | None = None, timeout: float = 1800.0
+) -> list[Any]:
+    """Run ``fn(rank, world, *args)`` once on ``world`` fresh gloo ranks; returns each rank's result.
+
+    Each rank is a new spawned process with ``threads`` torch threads, in the default process group
+    (``torch.distributed.group.WORLD``); ``env`` is set in this process while the ranks start, so
+    they inherit it (``MALLOC_*`` variables, say). ``fn`` must be a module-level function.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory(prefix="hf_ring_spawn_") as tmp, _environ(env):
+        init_file = os.path.join(tmp, "rdzv")
+        procs = [ctx.Process(target=_once, args=(fn, r, world, init_file, threads, args, results), daemon=True)
+                 for r in range(world)]  # fmt: skip
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        out: dict[int, Any] = {}
+        errors: list[str] = []
+        try:
+            while len(out) + len(errors) < world:
+                try:
+                    rank, ok, value = results.get(timeout=max(0.1, deadline - time.monotonic()))
+                except queue.Empty:
+                    raise TimeoutError(
+                        f"{fn.__name__} on {world} ranks did not finish in {timeout:.0f} s (finished: {sorted(out)})"
+                    ) from None
+                if ok:
+                    out[rank] = value
+                else:  # the other ranks may wait for it in a collective: give them 10 s
+                    errors.append(f"rank {rank}:\n{value}")
+                    deadline = min(deadline, time.monotonic() + 10.0)
+        except TimeoutError:
+            if not errors:
+                raise
+        finally:
+            for p in procs:
+                if errors or len(out) < world:
+                    p.kill()
+                p.join(timeout=60)
+    if errors:
+        raise RuntimeError(f"{fn.__name__} failed on {len(errors)} rank(s):\n" + "\n".join(errors))
+    return [out[r] for r in range(world)]

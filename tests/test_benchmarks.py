@@ -150,7 +150,7 @@ def test_gpu_benchmark_cpu_mode(tmp_path):
 
 
 @pytest.mark.timeout(60)
-def test_gpu_benchmark_emulated_rank_runs_the_schedule(monkeypatch):
+def test_gpu_benchmark_emulated_rank_runs_the_schedule():
     """An emulated rank makes exactly its schedule's kernel calls (zigzag: one per step, forward and
     backward), leaves hf_ring.ring as it found it, and, fed the right K/V blocks, is exact."""
     import torch
@@ -158,11 +158,12 @@ def test_gpu_benchmark_emulated_rank_runs_the_schedule(monkeypatch):
     import hf_ring.ops.comm as hcomm
     import hf_ring.ops.ring as hring
     from benchmarks import bench_gpu as G
-    from benchmarks.workloads import zigzag
+    from hf_ring.ops.kernels import get_kernel
     from hf_ring.ops.schedule import make_schedule
+    from hf_ring.ops.zigzag import zigzag
 
     calls = {"forward": 0, "backward": 0}
-    real = hring.get_kernel
+    untouched = {m: dict(vars(m)) for m in (hring, hcomm, hcomm.RingComm, hcomm.Ring)}
 
     class Counting:
         def __init__(self, inner):
@@ -176,19 +177,18 @@ def test_gpu_benchmark_emulated_rank_runs_the_schedule(monkeypatch):
             calls["backward"] += 1
             return self.inner.backward(*a, **kw)
 
-    monkeypatch.setattr(hring, "get_kernel", lambda *a, **kw: Counting(real(*a, **kw)))
+    kernel = Counting(get_kernel("auto", torch.device("cpu"), torch.float32))
     g = torch.Generator().manual_seed(0)
     for p in (2, 3, 4):
         q, k, v, do = (torch.randn(1, 16 * p, h, 8, generator=g) for h in (4, 2, 2, 4))
         for r in range(p):
             calls.update(forward=0, backward=0)
-            sh = [zigzag(t, r, p) for t in (q, k, v, do)]
-            with G.emulated_rank(r, p):
-                t = G.fwd_bwd(G.ring_call("auto"), sh[:3], sh[3], G.Clock(False))
+            sh = [zigzag(t, 1, p, r) for t in (q, k, v, do)]
+            t = G.fwd_bwd(G.emulated_rank(r, p, kernel), sh[:3], sh[3], G.Clock(False))
             expected = sum(len(step) for step in make_schedule("zigzag", True, r, p))
             assert expected == p
             assert calls == {"forward": expected, "backward": expected}, (p, r)
             assert t["total"] >= t["fwd"] > 0
-    assert hring.group_size_rank is hcomm.group_size_rank and hring.RingComm is hcomm.RingComm
+    assert all(dict(vars(m)) == d for m, d in untouched.items())
     err = G.emulation_error(q, k, v, do, 4)
     assert err["out"] < 1e-5 and err["dq"] < 1e-5, err

@@ -15,12 +15,11 @@ import torch
 import torch.distributed as dist
 
 import hf_ring
-from benchmarks.memory import prepare_step_model
 from hf_ring.cli import main as cli_main
 from hf_ring.planner import GiB, PlanSettings, max_seq_len, model_shape, plan, smallest_cp, tokens
 from hf_ring.recipes import packaged_recipes, recipe_memory, recipe_model
 from testkit.live_tensors import LiveTensorBytes
-from testkit.models import tiny_batch, tiny_model
+from testkit.models import prepare_step_model, tiny_batch, tiny_model
 from testkit.offload import MeasuredOffload
 from testkit.oracle import rel_err
 from testkit.spawn import run_ranks

@@ -57,7 +57,8 @@ def count_targets(batches: Iterable[dict[str, Any]], dp_group: dist.ProcessGroup
     """
     total = torch.zeros((), dtype=torch.int64)
     for b in batches:
-        total += (next_token_targets(b["labels"], b.get("attention_mask")) != IGNORE_INDEX).sum().cpu()
+        targets = next_token_targets(b["labels"], b.get("attention_mask"), b.get("position_ids"))
+        total += (targets != IGNORE_INDEX).sum().cpu()
     if dp_group is not None and dist.is_initialized() and dist.get_world_size(dp_group) > 1:
         if dist.get_backend(dp_group) == "nccl":
             total = total.cuda()

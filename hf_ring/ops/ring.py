@@ -23,7 +23,7 @@ from torch import Tensor
 
 from .comm import Ring, check_same_across_ranks
 from .kernels import BlockKernel, get_kernel
-from .schedule import Block, make_schedule
+from .schedule import Block, Schedule, make_schedule
 
 __all__ = ["ring_attention"]
 
@@ -47,8 +47,9 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _rows(half: tuple[int, int], n: int) -> slice:
-    return slice(half[0] * n // 2, half[1] * n // 2)
+def _slices(b: Block, n: int) -> tuple[slice, slice, slice]:
+    """(batch rows, query rows, key rows) of block ``b`` over ``n`` local rows."""
+    return slice(*b.batch) if b.batch else slice(None), b.rows(b.q, n), b.rows(b.kv, n)
 
 
 def _kv_message(k: Tensor, v: Tensor, hm: bool) -> Tensor:
@@ -63,7 +64,10 @@ def _kv_view(buf: Tensor, hm: bool) -> Tensor:
 
 def _single_block(steps: list[tuple[Block, ...]]) -> bool:
     """One rank, one block over the whole shard: a plain kernel call, nothing to merge."""
-    return len(steps) == 1 and len(steps[0]) == 1 and steps[0][0].q == (0, 2) and steps[0][0].kv == (0, 2)
+    if len(steps) != 1 or len(steps[0]) != 1:
+        return False
+    b = steps[0][0]
+    return b.unit == 2 and b.q == (0, 2) and b.kv == (0, 2) and b.batch is None
 
 
 class _RingAttention(torch.autograd.Function):
@@ -95,9 +99,9 @@ class _RingAttention(torch.autograd.Function):
                 comm.commit()
             kvv = _kv_view(cur, hm)
             for b in blocks:
-                qr, kr = _rows(b.q, s_loc), _rows(b.kv, s_loc)
-                o_b, l_b = kernel.forward(q[:, qr], kvv[0, :, kr], kvv[1, :, kr], causal=b.causal, scale=scale)
-                merge_(out[:, qr], lse[:, qr], o_b, l_b)
+                bs, qr, kr = _slices(b, s_loc)
+                o_b, l_b = kernel.forward(q[bs, qr], kvv[0, bs, kr], kvv[1, bs, kr], causal=b.causal, scale=scale)
+                merge_(out[bs, qr], lse[bs, qr], o_b, l_b)
                 del o_b, l_b  # free the block result before the next kernel call
             if comm is not None and step + 1 < n_steps:
                 comm.wait()
@@ -134,20 +138,20 @@ class _RingAttention(torch.autograd.Function):
             grads = []
             kvv = _kv_view(cur, hm)
             for b in blocks:
-                qr, kr = _rows(b.q, s_loc), _rows(b.kv, s_loc)
+                bs, qr, kr = _slices(b, s_loc)
                 dq_b, dk_b, dv_b = kernel.backward(
-                    dout[:, qr], q[:, qr], kvv[0, :, kr], kvv[1, :, kr], out[:, qr], lse[:, qr],
+                    dout[bs, qr], q[bs, qr], kvv[0, bs, kr], kvv[1, bs, kr], out[bs, qr], lse[bs, qr],
                     causal=b.causal, scale=ctx.scale,
                 )  # fmt: skip
-                dq[:, qr] += dq_b
-                grads.append((kr, dk_b, dv_b))
+                dq[bs, qr] += dq_b
+                grads.append((bs, kr, dk_b, dv_b))
             acc = dkv_bufs[step % 2]
             accv = _kv_view(acc, hm)
             if dkv_comm is not None and step > 0:
                 dkv_comm.wait()  # acc now holds what earlier ranks added for this K/V block
-            for kr, dk_b, dv_b in grads:
-                accv[0, :, kr] += dk_b
-                accv[1, :, kr] += dv_b
+            for bs, kr, dk_b, dv_b in grads:
+                accv[0, bs, kr] += dk_b
+                accv[1, bs, kr] += dv_b
             grads = dq_b = dk_b = dv_b = None  # free this step's block gradients before the next kernel call
             if dkv_comm is not None:
                 dkv_comm.send_recv(acc, dkv_bufs[(step + 1) % 2])
@@ -224,6 +228,7 @@ def ring_attention(
     validate: bool = False,
     dropout_p: float = 0.0,
     attn_mask: Tensor | None = None,
+    schedule: Schedule | None = None,
 ) -> Tensor:
     """Exact attention over a sequence sharded across the ranks of ``group``.
 
@@ -246,6 +251,9 @@ def ring_attention(
             (one all-gather of 16 integers per call). A mismatch raises ``ValueError`` on every
             rank instead of deadlocking. ``hf_ring.shard`` always makes this check.
         dropout_p, attn_mask: not supported; anything but the defaults raises ``ValueError``.
+        schedule: the kernel calls of every ring step, instead of the ``layout``'s; for packed
+            documents, ``hf_ring.ops.schedule.document_schedule`` (tokens attend only to earlier
+            tokens of their own document). Computed once per batch and reused by every layer.
 
     Returns:
         ``[B, S_local, Hq, D]`` in the dtype of ``q``: this rank's rows of attention over the whole
@@ -260,7 +268,7 @@ def ring_attention(
         raise ValueError("ring_attention: pass group or ring, not both")
     size, rank = ring.size, ring.rank
     try:
-        _check_inputs(q, k, v, size, layout, dropout_p, attn_mask)
+        _check_inputs(q, k, v, size, layout if schedule is None else "schedule", dropout_p, attn_mask)
         kernel = get_kernel(backend, q.device, q.dtype) if isinstance(backend, str) else backend
     except ValueError:
         if validate and size > 1:
@@ -271,7 +279,15 @@ def ring_attention(
     if validate:
         _validate(q, k, causal, ring.group, bad=False)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[3])
-    schedule = make_schedule(layout, causal, rank, size)
+    if schedule is None:
+        schedule = make_schedule(layout, causal, rank, size)
+    elif max((max(b.q[1], b.kv[1]) for s in schedule for b in s if b.unit == 0), default=0) > q.shape[1]:
+        raise ValueError(f"ring_attention: the schedule addresses rows beyond the local length {q.shape[1]}")
+    elif len(schedule) != size or not causal:
+        raise ValueError(
+            f"ring_attention: a schedule of {len(schedule)} steps for a ring of {size} ranks (causal={causal}); "
+            "a document schedule is causal and has one step per rank"
+        )
     return _RingAttention.apply(q, k, v, scale, schedule, kernel, ring)
 
 

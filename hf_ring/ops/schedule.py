@@ -12,7 +12,13 @@ the zigzag layout gives every rank two chunks of the sequence::
     src > r          : only the local second chunk attends both of src's chunks, no mask
 
 Every off-diagonal step is half a block of work and needs no mask, and every rank does the same
-work. This module imports nothing.
+work.
+
+Packed documents (``document_schedule``): the same zigzag over the packed stream, each chunk pair
+cut along document boundaries. A token attends only to earlier tokens of its own document, so a
+chunk pair contributes one kernel call per document that both chunks hold -- causal on the
+diagonal (the same rows on both sides), unmasked below it -- and chunk pairs that share no document
+make no call at all. This module imports nothing.
 """
 
 from __future__ import annotations
@@ -24,11 +30,24 @@ LAYOUTS = ("zigzag", "contiguous")
 
 @dataclass(frozen=True)
 class Block:
-    """One kernel call: local query halves ``q`` meet K/V halves ``kv``, ``[start, stop)`` of 2."""
+    """One kernel call: local query rows ``q`` meet the visiting block's rows ``kv``.
+
+    ``q`` and ``kv`` are ``[start, stop)`` in units of ``1 / unit`` of the local length: halves for
+    the zigzag schedules (``unit=2``); rows for document schedules (``unit=0`` means "in rows").
+    ``batch``: the batch rows of the call (``None``: all).
+    """
 
     q: tuple[int, int]
     kv: tuple[int, int]
     causal: bool
+    unit: int = 2
+    batch: tuple[int, int] | None = None
+
+    def rows(self, which: tuple[int, int], n: int) -> slice:
+        """``which`` (``self.q`` or ``self.kv``) as a slice of ``n`` local rows."""
+        if self.unit == 0:
+            return slice(which[0], which[1])
+        return slice(which[0] * n // self.unit, which[1] * n // self.unit)
 
 
 ALL, FIRST, SECOND = (0, 2), (0, 1), (1, 2)
@@ -57,3 +76,107 @@ def make_schedule(layout: str, causal: bool, rank: int, size: int) -> list[tuple
         else:
             steps.append(())  # contiguous: a later rank's keys are all in the future
     return steps
+
+
+Schedule = list[tuple[Block, ...]]
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A run of one document's tokens held by one rank: global ``[start, stop)`` at local row ``local``."""
+
+    doc: int
+    start: int
+    stop: int
+    local: int
+
+
+Layout = list[list[Segment]]  # per rank, its segments in local order
+
+
+def _documents(starts: list[int], n: int) -> list[tuple[int, int]]:
+    return [(s, starts[d + 1] if d + 1 < len(starts) else n) for d, s in enumerate(starts)]
+
+
+def zigzag_layout(starts: list[int], n: int, size: int) -> Layout:
+    """The zigzag layout (rank ``r``: chunks ``r`` and ``2P-1-r`` of ``2P``) cut along the documents
+    that begin at ``starts`` (sorted, from 0) in a sequence of ``n`` tokens (a multiple of ``2P``)."""
+    c = n // (2 * size)
+    layout: Layout = []
+    for r in range(size):
+        segs = []
+        for local0, chunk in ((0, r), (c, 2 * size - 1 - r)):
+            lo, hi = chunk * c, (chunk + 1) * c
+            for d, (s, e) in enumerate(_documents(starts, n)):
+                if e > lo and s < hi:
+                    segs.append(Segment(d, max(s, lo), min(e, hi), local0 + max(s, lo) - lo))
+        layout.append(segs)
+    return layout
+
+
+def balanced_layout(starts: list[int], n: int, size: int) -> tuple[Layout, int]:
+    """A layout that gives every rank ``1/P`` of every document's causal work: each document is cut
+    into ``2P`` pieces of near-equal length and rank ``r`` holds pieces ``r`` and ``2P-1-r`` (the
+    zigzag applied per document). A document's leftover tokens (length mod ``2P``) go to the ranks
+    with the fewest tokens so far. Returns the layout and the local length (the most tokens any rank
+    holds; the others are padded up to it with rows that belong to no document)."""
+    held = [0] * size
+    layout: Layout = [[] for _ in range(size)]
+    for d, (s, e) in enumerate(_documents(starts, n)):
+        length = e - s
+        sizes = [length // (2 * size)] * (2 * size)
+        for _ in range(length % (2 * size)):  # a leftover token to the emptiest rank's first free piece
+            r = min(range(size), key=lambda x: (held[x] + sizes[x] + sizes[2 * size - 1 - x], x))
+            sizes[r if sizes[r] <= sizes[2 * size - 1 - r] else 2 * size - 1 - r] += 1
+        pos = s
+        for i, k in enumerate(sizes):
+            if k:
+                r = i if i < size else 2 * size - 1 - i
+                layout[r].append(Segment(d, pos, pos + k, held[r]))
+                held[r] += k
+                pos += k
+    return layout, max(held)
+
+
+def layout_schedule(layout: Layout, rank: int, batch: tuple[int, int] | None = None) -> Schedule:
+    """The ring schedule of ``rank`` for ``layout``, as row ranges (``unit=0``).
+
+    At step ``s`` the K/V of rank ``src = (r - s) mod P`` are here. Every pair of segments of the
+    same document makes one call: causal when it is the same segment (the diagonal), unmasked when
+    the keys come entirely before the queries; keys after the queries, and segments of different
+    documents, make no call.
+    """
+    size = len(layout)
+    steps: Schedule = []
+    for step in range(size):
+        src = (rank - step) % size
+        blocks = []
+        for qs in layout[rank]:
+            for ks in layout[src]:
+                if ks.doc != qs.doc or ks.start >= qs.stop:
+                    continue
+                q_rows, k_rows = (qs.local, qs.local + qs.stop - qs.start), (ks.local, ks.local + ks.stop - ks.start)
+                if ks == qs:
+                    blocks.append(Block(q_rows, k_rows, causal=True, unit=0, batch=batch))
+                elif ks.stop <= qs.start:
+                    blocks.append(Block(q_rows, k_rows, causal=False, unit=0, batch=batch))
+                else:
+                    raise ValueError(f"layout_schedule: segments {qs} and {ks} overlap")
+        steps.append(tuple(blocks))
+    return steps
+
+
+def document_schedule(starts: list[list[int]], n: int, rank: int, size: int) -> Schedule:
+    """The zigzag ring schedule of ``rank`` for packed documents (``zigzag_layout`` per batch row).
+
+    ``starts[b]``: the global start offsets of batch row ``b``'s documents (sorted, beginning with
+    0; padding at the end counts as a document of its own); ``n``: the padded sequence length, a
+    multiple of ``2 * size``. Rows of the batch with the same documents share their calls.
+    """
+    rows: dict[tuple[int, ...], list[int]] = {}
+    for b, s in enumerate(starts):
+        rows.setdefault(tuple(s), []).append(b)
+    if len(rows) == 1:
+        return layout_schedule(zigzag_layout(starts[0], n, size), rank)
+    per_row = [layout_schedule(zigzag_layout(starts[b], n, size), rank, (b, b + 1)) for b in range(len(starts))]
+    return [tuple(blk for row in per_row for blk in row[step]) for step in range(size)]

@@ -4,7 +4,8 @@
 - ``loss``: the causal-LM loss of a sharded batch, summed over the CP group;
 - ``batch``: ``shard_batch``, a full batch -> this rank's model arguments and its ``RingContext``;
 - ``context``: ``RingContext``, the per-batch object that carries everything above;
-- ``patches``: opt-in model changes (chunked loss, tiled MLP, activation checkpointing + offload).
+- ``patches``: opt-in model changes (chunked loss, tiled MLP, activation checkpointing + offload);
+- ``support``: what ring attention computes exactly, and ``RingNotSupported`` for the rest.
 """
 
 from __future__ import annotations
@@ -25,8 +26,10 @@ def register() -> None:
 
     from .attention import ring_attention_forward, ring_mask
     from .loss import wrap_causal_lm_loss
+    from .support import refuse_at_build
 
     AttentionInterface.register(NAME, ring_attention_forward)
     AttentionMaskInterface.register(NAME, ring_mask)
+    refuse_at_build(NAME)
     if not hasattr(LOSS_MAPPING["ForCausalLM"], "hf_ring_original"):
         LOSS_MAPPING["ForCausalLM"] = wrap_causal_lm_loss(LOSS_MAPPING["ForCausalLM"])

@@ -5,7 +5,7 @@ The attention function follows transformers' ``AttentionInterface`` contract: it
 and returns ``(out [B, S, Hq, D], None)``. It is a function of its arguments: the batch's
 ``RingContext`` (keyword ``ring_context``, from ``hf_ring.shard_batch``) says which CP group to
 run on, and the call is counted on it for the loss's "ring attention never ran" guard. Everything
-it cannot compute exactly raises.
+it cannot compute exactly raises ``RingNotSupported`` (``support.py`` says what and why).
 """
 
 from __future__ import annotations
@@ -13,36 +13,43 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from ..ops.ring import ring_attention
 from ..parallel import default_group
 from .context import RingContext
+from .support import RingMaskUsed, RingNotSupported, check_layer
+
+_MASK_USED = (
+    'attn_implementation="ring": this model uses the attention mask itself, outside transformers\' '
+    "attention functions (it computes attention itself, or selects keys with the mask, as a "
+    "sparse-attention indexer does), so ring attention cannot run it exactly. Supported: models that "
+    "leave attention to the registry (AttentionInterface), such as Llama, Qwen, Mistral and Gemma."
+)
 
 
 class RingMask:
     """What the ring mask function hands the model instead of an ``[N, N]`` mask: "causal over
-    global positions, no padding". The attention function accepts nothing else."""
+    global positions, no padding". The attention function accepts nothing else; any other use of
+    it (as a tensor, sliced, its ``.dtype``) raises ``RingNotSupported``."""
 
     def __repr__(self) -> str:
         return "RingMask(causal over global positions)"
 
-    # Reached only when a model computes attention itself with the mask meant for the ring.
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        raise TypeError(_NO_REGISTRY)
+        raise RingMaskUsed(_MASK_USED)
 
     def _unsupported(self, *_: Any) -> Any:
-        raise TypeError(_NO_REGISTRY)
+        raise RingMaskUsed(_MASK_USED)
 
-    __add__ = __radd__ = __mul__ = __rmul__ = __and__ = __rand__ = __getitem__ = _unsupported
+    __add__ = __radd__ = __mul__ = __rmul__ = __and__ = __rand__ = __getitem__ = __bool__ = _unsupported
 
-
-_NO_REGISTRY = (
-    'attn_implementation="ring": this model computes attention itself instead of calling '
-    "transformers' attention registry (AttentionInterface), so it cannot run ring attention. "
-    "Supported: models that use the registry, such as Llama, Qwen2, Qwen3 and Mistral."
-)
+    def __getattr__(self, name: str) -> Any:  # .to, .size, .dtype, .shape, ...
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise RingMaskUsed(_MASK_USED)
 
 
 RING_MASK = RingMask()
@@ -56,7 +63,7 @@ def ring_mask(*, attention_mask: Tensor | None = None, **_: Any) -> RingMask:
     transformers reads zigzag ``position_ids`` as packed documents.
     """
     if attention_mask is not None and not bool(attention_mask.all()):
-        raise ValueError(
+        raise RingNotSupported(
             'attn_implementation="ring" got an attention_mask with padding. Pass the full batch '
             "through hf_ring.shard_batch, which handles right padding exactly and drops the mask; "
             "left padding is not supported."
@@ -83,71 +90,85 @@ def ring_attention_forward(
     *,
     scaling: float | None = None,
     dropout: float = 0.0,
-    sliding_window: int | None = None,
     is_causal: bool | None = None,
     ring_context: RingContext | None = None,
     **kwargs: Any,
 ) -> tuple[Tensor, None]:
     """transformers attention function for ``attn_implementation="ring"``.
 
-    ``query: [B, Hq, S_local, D]``, ``key``/``value: [B, Hkv, S_local, D]``, this rank's zigzag
-    shard (see ``hf_ring.shard_batch``). Returns ``([B, S_local, Hq, D], None)``. The CP group is
-    the batch's (``ring_context``); without one (a shard made by hand), the default CP group.
+    ``query: [B, Hq, S_local, Dqk]``, ``key: [B, Hkv, S_local, Dqk]``, ``value: [B, Hkv, S_local, Dv]``,
+    this rank's zigzag shard (see ``hf_ring.shard_batch``). Returns ``([B, S_local, Hq, Dv], None)``.
+    The CP group is the batch's (``ring_context``); without one (a shard made by hand), the default
+    CP group. Under autocast, q/k/v are cast to the autocast dtype, as SDPA's are. A value head dim
+    that differs from the query/key one (multi-head latent attention) is zero-padded, which leaves
+    scores and outputs unchanged.
     """
     for name, what in _UNSUPPORTED.items():
         if kwargs.get(name) is not None:
-            raise ValueError(f'attn_implementation="ring" does not support {what} (got {name}=...).')
+            raise RingNotSupported(f'attn_implementation="ring" does not support {what} (got {name}=...).')
     if dropout:
-        raise ValueError(
+        raise RingNotSupported(
             f'attn_implementation="ring" does not support attention dropout (dropout={dropout} while '
             "training); set config.attention_dropout = 0.0."
         )
     if attention_mask is not None and attention_mask is not RING_MASK:
-        raise ValueError(
+        raise RingNotSupported(
             f'attn_implementation="ring" got an attention mask it did not prepare ({type(attention_mask).__name__}); '
             "it applies the causal mask over global positions itself. Pass the batch through "
             "hf_ring.shard_batch (right padding is handled there) instead of a custom mask."
         )
     if query.shape[2] != key.shape[2]:
-        raise ValueError(
+        raise RingNotSupported(
             f'attn_implementation="ring" needs as many keys as queries (got {query.shape[2]} queries, '
             f"{key.shape[2]} keys): decoding with a KV cache is not supported. Pass use_cache=False "
             "(shard_batch does) and generate with another attn_implementation."
         )
     if ring_context is not None:
-        group, size = ring_context.group, ring_context.size
+        group, size, schedule = ring_context.group, ring_context.size, ring_context.schedule
     else:
-        group = default_group()
+        group, schedule = default_group(), None
         size = torch.distributed.get_world_size(group) if torch.distributed.is_initialized() else 1
-    n_global = query.shape[2] * size
-    if sliding_window is not None and sliding_window < n_global:
-        raise ValueError(
-            f'attn_implementation="ring" computes full causal attention, but this layer has a sliding '
-            f"window of {sliding_window} tokens, shorter than the sequence ({n_global}). Set "
-            "config.sliding_window = None (Mistral) or config.use_sliding_window = False (Qwen2/Qwen3) "
-            "to train with full attention, or keep sequences within the window."
-        )
-    rope = getattr(module.config, "rope_parameters", None) or {}
-    if isinstance(rope, dict) and rope.get("rope_type") in ("dynamic", "longrope"):
-        raise ValueError(
-            f"attn_implementation=\"ring\": rope_type={rope['rope_type']!r} rescales RoPE from the largest "
-            "position each rank sees, which differs between ranks; use 'default', 'linear', 'llama3' or 'yarn'."
-        )
+        _refuse_packed_positions(kwargs.get("position_ids"))
+    labelled = ring_context.labelled if ring_context is not None else False
+    check_layer(module, kwargs, query.shape[2] * size, labelled, size)
+    device = query.device.type
+    if torch.is_autocast_enabled(device):  # as SDPA under autocast: all three in the autocast dtype
+        dtype = torch.get_autocast_dtype(device)
+        query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
+    d_qk, d_v = query.shape[-1], value.shape[-1]
+    if scaling is None:
+        scaling = d_qk**-0.5
+    if d_v != d_qk:  # zero columns add nothing to a score and give outputs that are cut off below
+        d = max(d_qk, d_v)
+        query, key, value = (F.pad(t, (0, d - t.shape[-1])) for t in (query, key, value))
     causal = module.is_causal if is_causal is None else is_causal
     if ring_context is not None and not _in_backward():
         ring_context.attention_calls += 1  # forward calls only: a checkpoint recompute does not count
-    out = ring_attention(
-        query.transpose(1, 2),  # (B, S, Hq, D)
-        key.transpose(1, 2),  # (B, S, Hkv, D)
-        value.transpose(1, 2),
-        group=group,
-        causal=causal,
-        softmax_scale=scaling,
-    )
-    return out, None
+    with torch.autocast(device, enabled=False):
+        out = ring_attention(
+            query.transpose(1, 2),  # (B, S, Hq, D)
+            key.transpose(1, 2),  # (B, S, Hkv, D)
+            value.transpose(1, 2),
+            group=group,
+            causal=causal,
+            softmax_scale=scaling,
+            schedule=schedule,
+        )
+    return (out[..., :d_v] if d_v != d_qk else out), None
 
 
 def _in_backward() -> bool:
     """True while autograd runs a backward pass (where activation checkpointing recomputes)."""
     task = getattr(torch._C, "_current_graph_task_id", None)
     return task is not None and task() != -1
+
+
+def _refuse_packed_positions(position_ids: Tensor | None) -> None:
+    """Without a ``RingContext`` the document boundaries are unknown: refuse positions that go back
+    (packed documents) rather than attend across documents. Zigzag shards only jump forward."""
+    if position_ids is not None and position_ids.shape[-1] > 1 and bool((position_ids.diff(dim=-1) <= 0).any()):
+        raise RingNotSupported(
+            'attn_implementation="ring" got position_ids that restart (packed documents) without the '
+            "document boundaries. Pass the full batch through hf_ring.shard_batch, which computes them "
+            "once per batch; it accepts position_ids that restart at 0 per document, or cu_seq_lens."
+        )

@@ -16,12 +16,14 @@ from torch import Tensor
 
 from ..ops.comm import check_same_across_ranks, group_size_rank
 from ..ops.cross_entropy import IGNORE_INDEX
+from ..ops.schedule import balanced_layout, layout_schedule
 from ..ops.zigzag import zigzag
 from ..parallel import default_group
 from .context import KEY, RingContext
 
 __all__ = ["shard_batch", "next_token_targets"]
 _SEQ_KEYS = ("input_ids", "inputs_embeds", "labels", "attention_mask", "position_ids")
+_PACKED_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")  # consumed here
 _PASS_KEYS = ("num_items_in_batch", "use_cache", "return_dict", "output_hidden_states", "output_attentions")
 
 
@@ -42,13 +44,48 @@ def _check_right_padding(mask: Tensor) -> None:
         raise ValueError("shard_batch: a sequence of the batch is empty (its attention_mask is all 0)")
 
 
-def next_token_targets(labels: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+def next_token_targets(
+    labels: Tensor, attention_mask: Tensor | None = None, position_ids: Tensor | None = None
+) -> Tensor:
     """``[B, N]`` Hugging Face labels (unshifted, ``-100`` where there is no target) -> the target
-    of each position, ``[B, N]``: ``labels[:, t + 1]``, ``-100`` at the end and wherever the
-    right-padding ``attention_mask`` is 0."""
+    of each position, ``[B, N]``: ``labels[:, t + 1]``, ``-100`` at the end, wherever the
+    right-padding ``attention_mask`` is 0, and before each packed document's first token (where
+    ``position_ids`` restart at 0: the next token belongs to another document)."""
     if attention_mask is not None:
         labels = labels.masked_fill(~attention_mask.bool(), IGNORE_INDEX)
+    if position_ids is not None:
+        labels = labels.masked_fill((position_ids == 0).expand_as(labels), IGNORE_INDEX)  # labels[:, 0] go unused
     return torch.cat((labels[:, 1:], labels.new_full((labels.shape[0], 1), IGNORE_INDEX)), dim=1)
+
+
+def document_starts(position_ids: Tensor) -> list[list[int]] | None:
+    """Start offsets of the packed documents of each row of ``position_ids [B, N]`` (documents begin
+    where positions restart at 0), or ``None`` when no row restarts (one sequence per row).
+
+    Raises ``ValueError`` for positions that jump anywhere but back to 0 (they would give RoPE
+    positions no document has)."""
+    step = position_ids[:, 1:] - position_ids[:, :-1]
+    restart = position_ids[:, 1:] == 0
+    if not bool(((step == 1) | restart).all()):
+        raise ValueError(
+            "shard_batch: position_ids must count up by 1 within a document and restart at 0 where a "
+            "packed document begins (transformers' DataCollatorWithFlattening convention); these jump "
+            "elsewhere. Pass positions 0, 1, 2, ... per document, or no position_ids."
+        )
+    if not bool(restart.any()):
+        return None
+    return [[0, *(restart[i].nonzero().flatten() + 1).tolist()] for i in range(position_ids.shape[0])]
+
+
+def _positions_from_cu_seq_lens(batch: dict[str, Any], n: int, device: torch.device) -> Tensor:
+    cu_q, cu_k = batch.get("cu_seq_lens_q"), batch.get("cu_seq_lens_k")
+    cu = cu_q if cu_q is not None else cu_k
+    if cu_k is not None and not torch.equal(cu, cu_k):
+        raise ValueError("shard_batch: cu_seq_lens_q and cu_seq_lens_k differ; packed causal LM training uses one")
+    cu = cu.flatten().long().tolist()
+    if cu[0] != 0 or cu[-1] != n or any(b <= a for a, b in zip(cu, cu[1:])):
+        raise ValueError(f"shard_batch: cu_seq_lens {cu} must rise from 0 to the sequence length {n}")
+    return torch.cat([torch.arange(b - a, device=device) for a, b in zip(cu, cu[1:])])[None]
 
 
 def shard_batch(
@@ -64,7 +101,8 @@ def shard_batch(
     Args:
         batch: ``input_ids [B, N]`` (or ``inputs_embeds [B, N, H]``); optional ``labels [B, N]``
             (Hugging Face convention: unshifted, ``-100`` where there is no target),
-            ``attention_mask [B, N]`` (right padding only), ``position_ids [B, N]``,
+            ``attention_mask [B, N]`` (right padding only), ``position_ids [B, N]`` (restarting at 0
+            where a packed document begins, or ``cu_seq_lens_q/k [D + 1]`` for ``B = 1``),
             ``num_items_in_batch`` (valid targets of the whole step, e.g. over gradient
             accumulation and DP replicas; counted here otherwise).
         group: the CP group (default: that of ``setup_context_parallel``, else the world).
@@ -82,9 +120,14 @@ def shard_batch(
         (a ``RingContext``: the CP group and loss policy of this batch, read by the ring attention
         function and the model's loss, which it sums over the CP group). ``N_pad`` is ``N`` rounded up to a
         multiple of ``2P``. Right padding is handled exactly: causal attention never lets a real
-        token see the padding after it, and padded positions have no targets.
+        token see the padding after it, and padded positions have no targets. Packed documents
+        are exact: every token attends only to earlier tokens of its own document (the context
+        carries the ring schedule cut along document boundaries, computed once per batch), RoPE sees
+        each document's own positions, and no target crosses a document boundary.
     """
-    unknown = [k for k, v in batch.items() if isinstance(v, Tensor) and k not in (*_SEQ_KEYS, *_PASS_KEYS)]
+    unknown = [
+        k for k, v in batch.items() if isinstance(v, Tensor) and k not in (*_SEQ_KEYS, *_PASS_KEYS, *_PACKED_KEYS)
+    ]
     if unknown:
         raise ValueError(
             f"shard_batch: does not know how to shard {unknown}; it handles {list(_SEQ_KEYS)}. Remove "
@@ -122,11 +165,20 @@ def shard_batch(
     if mask is not None:
         _check_right_padding(mask)
     positions = batch.get("position_ids")
+    if positions is None and any(batch.get(k) is not None for k in ("cu_seq_lens_q", "cu_seq_lens_k")):
+        if b != 1:
+            raise ValueError("shard_batch: cu_seq_lens describe one packed row; pass position_ids for B > 1")
+        positions = _positions_from_cu_seq_lens(batch, n, x.device)
     if positions is None:
         positions = torch.arange(n, device=x.device).expand(b, n)
     positions = positions.expand(b, n)
-    step = torch.arange(1, pad + 1, device=x.device)
-    positions = torch.cat((positions, positions[:, -1:] + step), dim=1) if pad else positions
+    starts = document_starts(positions)
+    if starts is not None:
+        return _shard_packed(batch, key, x, positions, starts, labels, mask, group, size, rank, dp_size, full_logits,
+                             pad_token_id)  # fmt: skip
+    if pad:
+        step = torch.arange(1, pad + 1, device=x.device)
+        positions = torch.cat((positions, positions[:, -1:] + step), dim=1)
 
     out: dict[str, Any] = {k: batch[k] for k in _PASS_KEYS if k in batch}
     out[key] = _zigzag(padded(x, pad_token_id if key == "input_ids" else 0.0), size, rank)
@@ -143,4 +195,49 @@ def shard_batch(
     out[KEY] = RingContext(
         group, size, rank, grad_scale=float(size * dp_size), labelled=labels is not None, full_logits=full_logits
     )
+    return out
+
+
+def _shard_packed(
+    batch: dict[str, Any], key: str, x: Tensor, positions: Tensor, starts: list[list[int]], labels: Tensor | None,
+    mask: Tensor | None, group: dist.ProcessGroup | None, size: int, rank: int, dp_size: int, full_logits: bool,
+    pad_token_id: int,
+) -> dict[str, Any]:
+    """``shard_batch`` for packed documents: the zigzag applied to every document
+    (``balanced_layout``: each rank holds ``1/P`` of every document's work, no padding but at most
+    ``P - 1`` rows), the ring schedule cut along the documents, computed once for the batch."""
+    b, n = x.shape[:2]
+    layouts = [balanced_layout(s, n, size) for s in starts]
+    local = max(length for _, length in layouts)
+    # global index of every local row of every rank, [P, B, local]; n (a pad slot) where a rank has fewer rows
+    index = torch.full((size, b, local), n, dtype=torch.long)
+    for i, (layout, _) in enumerate(layouts):
+        for r, segs in enumerate(layout):
+            rows = [j for seg in segs for j in range(seg.start, seg.stop)]
+            index[r, i, : len(rows)] = torch.tensor(rows, dtype=torch.long)
+    if len({tuple(s) for s in starts}) == 1:
+        schedule = layout_schedule(layouts[0][0], rank)
+    else:
+        per_row = [layout_schedule(layout, rank, (i, i + 1)) for i, (layout, _) in enumerate(layouts)]
+        schedule = [tuple(blk for row in per_row for blk in row[step]) for step in range(size)]
+    mine = index[rank].to(x.device)
+
+    def take(t: Tensor, fill: float) -> Tensor:
+        full = torch.cat((t, t.new_full((t.shape[0], 1, *t.shape[2:]), fill)), dim=1)  # the pad slot at n
+        idx = mine.view(b, local, *([1] * (t.dim() - 2))).expand(b, local, *t.shape[2:])
+        return full.gather(1, idx)
+
+    out: dict[str, Any] = {k: batch[k] for k in _PASS_KEYS if k in batch}
+    out[key] = take(x.expand(b, *x.shape[1:]), pad_token_id if key == "input_ids" else 0.0)
+    out["position_ids"] = take(positions, 0)
+    out.setdefault("use_cache", False)
+    if labels is not None:
+        shifted = next_token_targets(labels.expand(b, n), mask, positions)
+        if "num_items_in_batch" not in out:
+            out["num_items_in_batch"] = (shifted != IGNORE_INDEX).sum()
+        out["labels"] = out["shift_labels"] = take(shifted, IGNORE_INDEX)
+    out[KEY] = RingContext(
+        group, size, rank, grad_scale=float(size * dp_size), labelled=labels is not None, full_logits=full_logits,
+        schedule=schedule, index=index, length=n,
+    )  # fmt: skip
     return out

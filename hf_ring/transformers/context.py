@@ -8,6 +8,7 @@ globals, nothing keyed by identity. The walk of one batch is in ``docs/architect
 What travels in it:
 
 - the CP group (size and rank read once);
+- packed documents: this rank's ring schedule cut along document boundaries (computed once);
 - the loss policy: the backward scale of each rank's share of the loss, and whether this batch
   has labels (``num_items_in_batch`` is the global target count the model's loss divides by);
 - ``full_logits``: the chunked loss (``enable_chunked_loss``) leaves this batch alone;
@@ -24,6 +25,8 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 from torch import Tensor, nn
+
+from ..ops.schedule import Schedule
 
 __all__ = ["RingContext", "KEY"]
 
@@ -51,6 +54,11 @@ class RingContext:
         labelled: the batch has labels, so the model computes a loss that ``hf_ring`` sums over
             the CP group.
         full_logits: compute full logits even on a model with ``enable_chunked_loss``.
+        schedule: for packed documents, this rank's ring schedule cut along the document
+            boundaries (``hf_ring.ops.schedule.layout_schedule``); ``None``: one sequence per row.
+        index: for packed documents, ``[P, B, S_local]``: the global position of every local row of
+            every rank (``N``, one past the end, for padding rows); ``unshard`` uses it.
+        length: for packed documents, ``N``, the tokens of the whole sequence.
         attention_calls: ring attention calls made with this context since its last loss (forward
             calls only; the recompute of activation checkpointing in backward does not count).
     """
@@ -61,6 +69,9 @@ class RingContext:
     grad_scale: float = 1.0
     labelled: bool = False
     full_logits: bool = False
+    schedule: Schedule | None = field(default=None, repr=False)
+    index: Tensor | None = field(default=None, repr=False)
+    length: int = 0
     attention_calls: int = 0
     _chunked: ChunkedLossInput | None = field(default=None, repr=False)
 
@@ -73,3 +84,26 @@ class RingContext:
         computed full logits for this batch."""
         taken, self._chunked = self._chunked, None
         return taken
+
+    def unshard(self, x: Tensor) -> Tensor:
+        """Gather this batch's shards of ``x [B, S_local, ...]`` from the CP group and restore global
+        order: ``[B, N_pad, ...]`` for one sequence per row (as ``hf_ring.unshard``), ``[B, N, ...]``
+        for packed documents (whose layout only the context knows). Not differentiable."""
+        if self.index is None:
+            from ..ops.zigzag import unshard
+
+            return unshard(x, dim=1, group=self.group)
+        import torch
+        import torch.distributed as dist
+
+        x = x.detach().contiguous()
+        parts = [x]
+        if self.size > 1:
+            parts = [torch.empty_like(x) for _ in range(self.size)]
+            dist.all_gather(parts, x, group=self.group)
+        b, n = x.shape[0], self.length
+        out = x.new_zeros((b, n + 1, *x.shape[2:]))  # row n collects the padding rows
+        for r, part in enumerate(parts):
+            idx = self.index[r].to(x.device).view(b, -1, *([1] * (x.dim() - 2))).expand_as(part)
+            out.scatter_(1, idx, part)
+        return out[:, :n]

@@ -17,6 +17,7 @@ from torch import Tensor
 from ..ops.cross_entropy import IGNORE_INDEX, chunked_causal_lm_loss
 from ..ops.reduce import sum_over_group
 from .context import ChunkedLossInput, RingContext
+from .support import RingNeverRan
 
 __all__ = ["wrap_causal_lm_loss"]
 
@@ -60,7 +61,7 @@ def wrap_causal_lm_loss(original: Any) -> Any:
             return local
         calls, ring_context.attention_calls = ring_context.attention_calls, 0  # per forward
         if ring_context.size > 1 and calls == 0:
-            raise RuntimeError(_NEVER_RAN)
+            raise RingNeverRan(_NEVER_RAN)
         return sum_over_group(local, ring_context.group, ring_context.grad_scale)
 
     loss.hf_ring_original = original  # type: ignore[attr-defined]

@@ -1,0 +1,163 @@
+"""Packed documents: per-rank attention work of each layout, from the ring schedules themselves.
+
+    python -m benchmarks.bench_packed --out benchmarks/results/packed.jsonl     # ~1 min, no ranks
+
+For document-length mixes in 128K-token windows -- lognormal lengths with means of 2K and 16K
+(sigma 1), and one 64K document plus lognormal(1K) ones -- and P = 4 and 8, it builds the ring
+schedule of every rank (``hf_ring.ops.schedule``) for three layouts of the packed stream:
+
+* ``zigzag``: the global zigzag (rank r holds chunks r and 2P-1-r) cut along documents;
+* ``contiguous``: rank r holds the r-th P-th of the stream, cut along documents;
+* ``per_document``: ``balanced_layout``, the zigzag applied to every document (each rank holds
+  1/P of every document's work; a document's leftover tokens go to the emptiest rank).
+
+Work of a rank = the score entries of its kernel calls (causal S x S blocks count S(S+1)/2),
+i.e. exactly the query-key pairs its tokens need. Reported per layout (median, p20, p80 over 20
+windows): ``max/mean`` rank work, padding overhead (padded tokens / tokens), and the share of
+(query segment, key segment) pairs that share no document and so make no kernel call.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import numpy as np
+
+from benchmarks import harness as H
+from hf_ring.ops.schedule import Layout, Segment, balanced_layout, layout_schedule, zigzag_layout
+
+N = 128 * 1024
+MIXES = ("lognormal-2K", "lognormal-16K", "64K+lognormal-1K")
+
+
+def lengths(mix: str, n: int, rng: np.random.Generator) -> list[int]:
+    """Document lengths that fill ``n`` tokens (the last one cut to fit)."""
+    out: list[int] = []
+
+    def draw(mean: float) -> int:
+        return max(1, int(rng.lognormal(np.log(mean) - 0.5, 1.0)))  # sigma 1: the mean is ``mean``
+
+    if mix.startswith("64K"):
+        out.append(64 * 1024)
+    mean = {"lognormal-2K": 2048, "lognormal-16K": 16384}.get(mix, 1024)
+    while sum(out) < n:
+        out.append(draw(mean))
+    out[-1] -= sum(out) - n
+    return [x for x in out if x > 0]
+
+
+def starts_of(ls: list[int]) -> list[int]:
+    return list(np.cumsum([0, *ls[:-1]]))
+
+
+def contiguous_layout(starts: list[int], n: int, size: int) -> Layout:
+    c = n // size
+    layout: Layout = []
+    for r in range(size):
+        lo, hi = r * c, (r + 1) * c
+        ends = [*starts[1:], n]
+        layout.append([Segment(d, max(s, lo), min(e, hi), max(s, lo) - lo)
+                       for d, (s, e) in enumerate(zip(starts, ends)) if e > lo and s < hi])  # fmt: skip
+    return layout
+
+
+def rank_work(layout: Layout) -> tuple[list[float], int, int]:
+    """Score entries per rank, and (calls made, segment pairs that share no document)."""
+    work, calls, skipped = [], 0, 0
+    for r in range(len(layout)):
+        total = 0.0
+        for step, blocks in enumerate(layout_schedule(layout, r)):
+            src = (r - step) % len(layout)
+            skipped += sum(1 for q in layout[r] for k in layout[src] if q.doc != k.doc)
+            for b in blocks:
+                sq, sk = b.q[1] - b.q[0], b.kv[1] - b.kv[0]
+                total += sq * (sq + 1) / 2 if b.causal else sq * sk
+                calls += 1
+        work.append(total)
+    return work, calls, skipped
+
+
+def layouts(ls: list[int], size: int) -> dict[str, tuple[Layout, float]]:
+    """Each layout and its padding overhead (padded tokens / tokens)."""
+    n = sum(ls)
+    n_pad = -(-n // (2 * size)) * 2 * size
+    starts = starts_of(ls)
+    padded_starts = starts + ([n] if n_pad > n else [])
+    per_doc, local = balanced_layout(starts, n, size)
+    return {
+        "zigzag": (zigzag_layout(padded_starts, n_pad, size), (n_pad - n) / n),
+        "contiguous": (contiguous_layout(padded_starts, n_pad - n_pad % size, size), (n_pad - n) / n),
+        "per_document": (per_doc, (local * size - n) / n),
+    }
+
+
+def run(windows: int, sizes: tuple[int, ...]) -> list[dict]:
+    meta = {"machine": H.machine_info(), "versions": H.versions(), "threads": 1}
+    rows = []
+    for mix in MIXES:
+        rng = np.random.default_rng(0)
+        samples = [lengths(mix, N, rng) for _ in range(windows)]
+        for p in sizes:
+            acc: dict[str, dict[str, list[float]]] = {}
+            for ls in samples:
+                for name, (layout, pad) in layouts(ls, p).items():
+                    work, calls, skipped = rank_work(layout)
+                    a = acc.setdefault(name, {"balance": [], "padding": [], "skipped": [], "calls": []})
+                    a["balance"].append(max(work) / np.mean(work))
+                    a["padding"].append(pad)
+                    a["skipped"].append(skipped / max(1, skipped + calls))
+                    a["calls"].append(calls / p)
+            for name, a in acc.items():
+                for metric, unit in (("balance", "max/mean"), ("padding", "fraction"), ("skipped", "fraction"),
+                                     ("calls", "kernel calls per rank per layer")):  # fmt: skip
+                    med, p20, p80 = H.stats(a[metric])
+                    rows.append({"name": f"packed_{metric}", "provider": name, "metric": unit, "x": mix, "P": p,
+                                 "N": N, "median": med, "p20": p20, "p80": p80, "unit": unit, **meta,
+                                 "note": f"{windows} windows of {N} tokens"})  # fmt: skip
+    return rows
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    bal = [r for r in rows if r["name"] == "packed_balance"]
+    sizes = sorted({r["P"] for r in bal})
+    fig, axes = plt.subplots(1, len(sizes), figsize=(5 * len(sizes), 3.6), sharey=True)
+    names = ("zigzag", "contiguous", "per_document")
+    for ax, p in zip(np.atleast_1d(axes), sizes):
+        for i, name in enumerate(names):
+            sel = [next(r for r in bal if r["P"] == p and r["x"] == m and r["provider"] == name) for m in MIXES]
+            x = np.arange(len(MIXES)) + (i - 1) * 0.27
+            ax.bar(x, [r["median"] for r in sel], 0.27, label=name,
+                   yerr=[[r["median"] - r["p20"] for r in sel], [r["p80"] - r["median"] for r in sel]])
+        ax.axhline(1.05, color="k", ls="--", lw=1)
+        ax.set_xticks(np.arange(len(MIXES)), MIXES, fontsize=8)
+        ax.set_title(f"P = {p}: max/mean attention work per rank")
+    np.atleast_1d(axes)[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default="benchmarks/results/packed.jsonl")
+    ap.add_argument("--windows", type=int, default=20)
+    ap.add_argument("--quick", action="store_true", help="2 windows, P = 4")
+    args = ap.parse_args()
+    rows = run(2 if args.quick else args.windows, (4,) if args.quick else (4, 8))
+    out = Path(args.out)
+    H.write_rows(out, rows)
+    for r in rows:
+        if r["name"] == "packed_balance" or (r["name"] == "packed_padding" and r["provider"] == "per_document"):
+            print(f"{r['name']:15s} {r['provider']:13s} P={r['P']} {r['x']:18s} {r['median']:.4f} "
+                  f"[{r['p20']:.4f}, {r['p80']:.4f}]")  # fmt: skip
+    plot(rows, out.with_suffix(".png"))
+    print(f"wrote {out} and {out.with_suffix('.png')}")
+
+
+if __name__ == "__main__":
+    main()

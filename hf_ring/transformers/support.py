@@ -1,0 +1,189 @@
+"""Which models and options ring attention computes exactly, and a clear refusal for the rest.
+
+Ring attention replaces one thing, the attention of each layer, by attention over the whole
+sequence. Everything else in the model must then act on each token alone, or be something the
+ring reproduces. ``check_layer`` runs at every ring attention call (plain attribute reads) and
+raises ``RingNotSupported`` -- naming the model, the reason and the alternative -- for:
+
+- sequence mixers outside the attention registry (Mamba/SSM mixers, gated DeltaNet, lightning
+  and other linear attention, short convolutions, RG-LRU, ...): they would run on the local
+  zigzag shard as if it were a contiguous sequence;
+- restrictions that live only in the mask or in the model (a sliding window or chunked attention
+  shorter than the sequence; Llama 4's NoPE temperature tuning, which reads local positions);
+- the MoE router's auxiliary loss with a nonzero coefficient: transformers adds it after the
+  causal-LM loss, from this rank's router logits only;
+- dropout, soft-capping, sinks, additive bias, KV-cache decoding, dynamic RoPE.
+
+``refuse_at_build`` covers models that pick their attention class from their own table and would
+fail with ``KeyError: 'ring'`` while they are built. The sweep in ``tests/test_model_sweep.py``
+builds every causal-LM family of the installed transformers and holds each to "exact or refused".
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import sys
+from typing import Any
+
+from torch import nn
+
+__all__ = ["RingNotSupported", "check_layer", "refuse_at_build"]
+
+
+class RingNotSupported(ValueError):
+    """Raised for a model, option or input that ring attention does not compute exactly."""
+
+
+class RingMaskUsed(RingNotSupported, TypeError):
+    """Raised when a model uses the ring's mask object as a tensor (it bypasses the registry)."""
+
+
+class RingNeverRan(RingNotSupported, RuntimeError):
+    """Raised by the loss of a sharded batch whose model never called ring attention."""
+
+
+def model_name(config: Any) -> str:
+    return str(getattr(config, "model_type", None) or type(config).__name__)
+
+
+# Class names of token-mixing modules that do not go through transformers' attention registry.
+_MIXERS = re.compile(
+    r"Mamba|Mixer|DeltaNet|Lightning|LinearAttention|ShortConv|Rglru|RecurrentBlock|Rwkv|xLSTM|Lstm|Retention"
+)
+_NOT_TEXT = re.compile(r"Audio|Vision|VQVAE|Image|Video")
+
+
+@functools.cache
+def sequence_mixers(modeling_module: str) -> tuple[str, ...]:
+    """Classes of a transformers modeling module that mix tokens outside the attention registry."""
+    mod = sys.modules.get(modeling_module)
+    if mod is None:
+        return ()
+    return tuple(
+        sorted(
+            name
+            for name, obj in vars(mod).items()
+            if isinstance(obj, type)
+            and issubclass(obj, nn.Module)
+            and obj.__module__ == modeling_module
+            and _MIXERS.search(name)
+            and not _NOT_TEXT.search(name)
+        )
+    )
+
+
+def _layer_type(module: nn.Module, config: Any) -> str | None:
+    types = getattr(config, "layer_types", None)
+    idx = getattr(module, "layer_idx", None)
+    if isinstance(types, (list, tuple)) and isinstance(idx, int) and 0 <= idx < len(types):
+        return str(types[idx])
+    return None
+
+
+def _mask_window(module: nn.Module, config: Any) -> int | None:
+    """The sliding window of this layer as the model's mask would apply it, from its config."""
+    window = getattr(config, "sliding_window", None)
+    if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
+        return None
+    kind = _layer_type(module, config)
+    if kind is not None:
+        return window if kind == "sliding_attention" else None
+    if getattr(config, "use_sliding_window", True) is False:
+        return None
+    return window
+
+
+def check_layer(module: nn.Module, kwargs: dict[str, Any], n_global: int, labelled: bool, cp_size: int) -> None:
+    """Raise ``RingNotSupported`` if this attention call cannot be computed exactly by the ring.
+
+    ``module``: the attention module transformers called us from; ``kwargs``: the keyword
+    arguments it passed (``sliding_window``, ``softcap``, ``output_router_logits``, ...);
+    ``n_global``: the whole sequence's length; ``labelled``: the batch computes a loss.
+    """
+    config = getattr(module, "config", None)
+    name = model_name(config)
+    mixers = sequence_mixers(type(module).__module__)
+    if mixers and cp_size > 1:
+        raise RingNotSupported(
+            f'attn_implementation="ring": {name} mixes tokens outside attention ({", ".join(mixers)}); those '
+            "layers would run on each rank's zigzag shard as if it were the whole sequence. Hybrid models "
+            "need a context-parallel form of each mixer, which hf_ring does not have; train this model "
+            "without context parallelism (cp_size=1) or with another attn_implementation."
+        )
+    window = kwargs.get("sliding_window")
+    if window is None and config is not None:
+        window = _mask_window(module, config)
+    if window is not None and window < n_global:
+        raise RingNotSupported(
+            f'attn_implementation="ring" computes full causal attention, but this {name} layer has a sliding '
+            f"window of {window} tokens, shorter than the sequence ({n_global}). Set "
+            "config.sliding_window = None (Mistral) or config.use_sliding_window = False (Qwen2/Qwen3) "
+            "to train with full attention, or keep sequences within the window."
+        )
+    chunk = getattr(config, "attention_chunk_size", None)
+    if _layer_type(module, config) == "chunked_attention" and isinstance(chunk, int) and chunk < n_global:
+        raise RingNotSupported(
+            f'attn_implementation="ring" computes full causal attention, but this {name} layer attends within '
+            f"chunks of {chunk} tokens (attention_chunk_size), shorter than the sequence ({n_global}). Set "
+            f"config.attention_chunk_size >= {n_global}, or keep sequences within one chunk."
+        )
+    floor = getattr(config, "floor_scale", None)
+    if (
+        getattr(config, "attn_temperature_tuning", False)
+        and getattr(module, "use_rope", True) is False
+        and isinstance(floor, (int, float))
+        and n_global > floor
+    ):
+        raise RingNotSupported(
+            f'attn_implementation="ring": {name} scales the queries of its NoPE layers by a temperature '
+            f"computed from local positions, which differ from the global ones beyond {int(floor)} tokens. "
+            "Set config.attn_temperature_tuning = False, or keep sequences within floor_scale tokens."
+        )
+    coef = getattr(config, "router_aux_loss_coef", 0.0) or 0.0
+    if kwargs.get("output_router_logits") and coef and labelled and cp_size > 1:
+        raise RingNotSupported(
+            f'attn_implementation="ring": {name} adds the router load-balancing loss '
+            f"(router_aux_loss_coef={coef}) after the language-model loss, computed from this rank's "
+            "router logits only, so each rank would train on a different loss. Set "
+            "config.output_router_logits = False (or router_aux_loss_coef = 0) for context-parallel training."
+        )
+    rope = getattr(config, "rope_parameters", None) or {}
+    if isinstance(rope, dict) and rope.get("rope_type") in ("dynamic", "longrope"):
+        raise RingNotSupported(
+            f"attn_implementation=\"ring\": rope_type={rope['rope_type']!r} rescales RoPE from the largest "
+            "position each rank sees, which differs between ranks; use 'default', 'linear', 'llama3' or 'yarn'."
+        )
+
+
+# Models that choose their attention class from a table of their own, keyed by the implementation
+# name: without an entry they fail with KeyError: 'ring' while being built.
+_OWN_TABLES = {
+    "transformers.models.falcon.modeling_falcon": "FALCON_ATTENTION_CLASSES",
+    "transformers.models.gpt_neo.modeling_gpt_neo": "GPT_NEO_ATTENTION_CLASSES",
+}
+
+
+def _refusing_class(model: str) -> type:
+    class NotRing:
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            raise RingNotSupported(
+                f'attn_implementation="ring": {model} computes attention itself instead of calling '
+                "transformers' attention registry (AttentionInterface), so it cannot run ring attention. "
+                "Use a model that calls the registry (Llama, Qwen, Mistral, Gemma, ...)."
+            )
+
+    return NotRing
+
+
+def refuse_at_build(name: str) -> None:
+    """Give the models of ``_OWN_TABLES`` an entry for ``name`` that raises ``RingNotSupported``."""
+    import importlib
+
+    for module_name, table in _OWN_TABLES.items():
+        try:
+            classes = getattr(importlib.import_module(module_name), table)
+        except (ImportError, AttributeError):  # a transformers without that model or table
+            continue
+        if isinstance(classes, dict):
+            classes.setdefault(name, _refusing_class(module_name.rsplit(".", 1)[-1].removeprefix("modeling_")))

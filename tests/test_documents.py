@@ -1,0 +1,278 @@
+"""Packed documents through the ring: document schedules against a float64 oracle with a
+block-diagonal causal mask, forward and all three gradients, P = 1..4, odd layouts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from hf_ring.ops.ring import ring_attention
+from hf_ring.ops.schedule import balanced_layout, document_schedule, layout_schedule
+from hf_ring.ops.zigzag import shard, unshard
+from testkit.oracle import rel_err
+from testkit.spawn import run_ranks
+
+
+def doc_ids(starts: list[int], n: int) -> Tensor:
+    ids = torch.zeros(n, dtype=torch.long)
+    for s in starts[1:]:
+        ids[s:] += 1
+    return ids
+
+
+def doc_mask(starts: list[list[int]], n: int) -> Tensor:
+    """``[B, 1, N, N]`` True where query i may see key j: same document, j <= i."""
+    causal = torch.ones(n, n, dtype=torch.bool).tril()
+    masks = []
+    for s in starts:
+        ids = doc_ids(s, n)
+        masks.append(causal & (ids[:, None] == ids[None, :]))
+    return torch.stack(masks)[:, None]
+
+
+def oracle(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+    """float64 attention, ``[B, N, H, D]`` layout, grouped-query K/V expanded here."""
+    rep = q.shape[2] // k.shape[2]
+    q, k, v = (t.double().transpose(1, 2) for t in (q, k, v))
+    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    s = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    return (s.masked_fill(~mask, float("-inf")).softmax(-1) @ v).transpose(1, 2)
+
+
+CASES = {  # document lengths per batch row; N = 24 splits into 2P chunks for P = 1..4
+    "shorter_than_2p": [[1, 2, 3, 1, 2, 1, 3, 4, 2, 5]],
+    "one_chunk_each": [[3, 3, 3, 3, 3, 3, 3, 3]],  # P = 4: one document per zigzag chunk
+    "spanning_ranks": [[3, 13, 2, 6]],
+    "length_one_and_many_small": [[1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 12]],
+    "one_document": [[24]],
+    "rows_differ": [[5, 11, 8], [12, 12]],
+}
+
+
+def lengths_to_starts(lengths: list[int]) -> list[int]:
+    out, s = [], 0
+    for n in lengths:
+        out.append(s)
+        s += n
+    return out
+
+
+def balanced_shards(starts: list[list[int]], n: int, size: int, rank: int) -> tuple[Tensor, list]:
+    """This rank's rows ([B, local] global indices, n for padding) and schedule, per-document zigzag."""
+    layouts = [balanced_layout(s, n, size) for s in starts]
+    local = max(length for _, length in layouts)
+    index = torch.full((len(starts), local), n, dtype=torch.long)
+    per_row = []
+    for i, (layout, _) in enumerate(layouts):
+        rows = [j for seg in layout[rank] for j in range(seg.start, seg.stop)]
+        index[i, : len(rows)] = torch.tensor(rows, dtype=torch.long)
+        per_row.append(layout_schedule(layout, rank, (i, i + 1)))
+    return index, [tuple(blk for row in per_row for blk in row[step]) for step in range(size)]
+
+
+def balanced_errors(case: str, hq: int, hkv: int, d: int) -> dict[str, float]:
+    """The per-document zigzag layout (shard_batch's for packed batches) against float64."""
+    size, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+    lengths = CASES[case]
+    n = sum(lengths[0])
+    starts = [lengths_to_starts(x) for x in lengths]
+    g = torch.Generator().manual_seed(7)
+    b = len(lengths)
+    q, dout = (torch.randn(b, n, hq, d, generator=g) for _ in range(2))
+    k, v = (torch.randn(b, n, hkv, d, generator=g) for _ in range(2))
+    index, sched = balanced_shards(starts, n, size, rank)
+
+    def take(t: Tensor) -> Tensor:
+        full = torch.cat((t, t.new_zeros(t.shape[0], 1, *t.shape[2:])), dim=1)
+        return full.gather(1, index[..., None, None].expand(-1, -1, *t.shape[2:])).contiguous()
+
+    loc = [take(t).requires_grad_(i < 3) for i, t in enumerate((q, k, v, dout))]
+    out = ring_attention(*loc[:3], schedule=sched)
+    out.backward(loc[3])
+    ref_in = [t.double().requires_grad_() for t in (q, k, v)]
+    ref = oracle(*ref_in, doc_mask(starts, n))
+    ref.backward(dout.double())
+    errs = {}
+    for name, got, want in zip(("out", "dq", "dk", "dv"), (out, *(t.grad for t in loc[:3])),
+                               (ref, *(t.grad for t in ref_in))):  # fmt: skip
+        real = index < n
+        got_r, want_r = got[real].double(), take(want.detach())[real]
+        # a rank may hold only one-token documents, whose exact dq is 0: judge those absolutely
+        errs[name] = rel_err(got_r, want_r) if want_r.norm() > 1e-9 else float(got_r.norm())
+    # dk, dv of a row are complete only after the ring: compare the gathered whole
+    for name, got, want in (("dk_all", loc[1].grad, ref_in[1].grad), ("dv_all", loc[2].grad, ref_in[2].grad)):
+        full = torch.zeros(b, n + 1, *got.shape[2:], dtype=torch.float64)
+        parts = [torch.empty_like(got) for _ in range(size)]
+        torch.distributed.all_gather(parts, got.contiguous())
+        for r, part in enumerate(parts):
+            idx_r = balanced_shards(starts, n, size, r)[0]
+            full.scatter_(1, idx_r[..., None, None].expand_as(part), part.double())
+        errs[name] = rel_err(full[:, :n], want)
+    return errs
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("case", ["shorter_than_2p", "spanning_ranks", "length_one_and_many_small", "rows_differ"])
+def test_per_document_layout_matches_float64(world: int, case: str) -> None:
+    for r in run_ranks(world, balanced_errors, case, 6, 2, 80):
+        assert max(r.values()) <= 1e-5, r
+
+
+def documents_errors(case: str, dtype_name: str, hq: int, hkv: int, d: int) -> dict[str, float]:
+    dtype = getattr(torch, dtype_name)
+    size, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+    lengths = CASES[case]
+    n = sum(lengths[0])
+    assert n % (2 * size) == 0 and all(sum(x) == n for x in lengths)
+    starts = [lengths_to_starts(x) for x in lengths]
+    b = len(lengths)
+    g = torch.Generator().manual_seed(7)
+    q, dout = (torch.randn(b, n, hq, d, generator=g) for _ in range(2))
+    k, v = (torch.randn(b, n, hkv, d, generator=g) for _ in range(2))
+    loc = [shard(t.to(dtype), dim=1).detach().requires_grad_(i < 3) for i, t in enumerate((q, k, v, dout))]
+    sched = document_schedule(starts, n, rank, size)
+    out = ring_attention(*loc[:3], schedule=sched)
+    out.backward(loc[3])
+    got = [unshard(t, dim=1) for t in (out, loc[0].grad, loc[1].grad, loc[2].grad)]
+    # float64 oracle and its gradients
+    ref_in = [t.double().requires_grad_() for t in (q.to(dtype), k.to(dtype), v.to(dtype))]
+    mask = doc_mask(starts, n)
+    ref = oracle(*ref_in, mask)
+    ref.backward(dout.to(dtype).double())
+    want = [ref, *(t.grad for t in ref_in)]
+    errs = {name: rel_err(a, w) for name, a, w in zip(("out", "dq", "dk", "dv"), got, want)}
+    # the same-dtype single-device yardstick: SDPA with the document mask
+    yq, yk, yv = (t.to(dtype).detach().requires_grad_() for t in (q, k, v))
+    rep = hq // hkv
+    y = F.scaled_dot_product_attention(
+        yq.transpose(1, 2), yk.repeat_interleave(rep, 2).transpose(1, 2), yv.repeat_interleave(rep, 2).transpose(1, 2),
+        attn_mask=mask,
+    ).transpose(1, 2)
+    y.backward(dout.to(dtype))
+    yard = [y, yq.grad, yk.grad, yv.grad]
+    errs.update({f"sdpa_{name}": rel_err(a, w) for name, a, w in zip(("out", "dq", "dk", "dv"), yard, want)})
+    return errs
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("case", list(CASES))
+def test_document_ring_matches_float64_fp32(world: int, case: str) -> None:
+    for r in run_ranks(world, documents_errors, case, "float32", 6, 2, 80):
+        assert max(r[k] for k in ("out", "dq", "dk", "dv")) <= 1e-5, r
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_document_ring_bf16_within_twice_sdpa(world: int) -> None:
+    for r in run_ranks(world, documents_errors, "spanning_ranks", "bfloat16", 4, 2, 16):
+        for k in ("out", "dq", "dk", "dv"):
+            assert r[k] <= 2 * r[f"sdpa_{k}"] + 1e-3, (k, r)
+
+
+def test_chunk_pairs_without_a_shared_document_make_no_call() -> None:
+    """Four documents of one chunk each (P = 2): only the diagonal blocks remain."""
+    sched = [document_schedule([[0, 4, 8, 12]], 16, r, 2) for r in range(2)]
+    calls = [sum(len(s) for s in steps) for steps in sched]
+    assert calls == [2, 2]  # each rank: its two chunks, causal, at step 0; nothing at step 1
+    assert all(len(steps[1]) == 0 for steps in sched)
+
+
+# --- through a model -----------------------------------------------------------------------------
+
+DOCS = [1, 5, 30, 14, 7, 3, 2]  # packed into one row of 62 tokens; CP = 3 pads it to 66
+
+
+def packed_step_errors(lora: bool, chunked: bool) -> dict[str, float]:
+    """A packed row (position_ids restarting per document, DataCollatorWithFlattening style) at
+    CP = world against each document run alone in one process; CP-averaged gradients."""
+    import hf_ring
+    from testkit.models import tiny_model
+
+    world = torch.distributed.get_world_size()
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 97, (1, sum(DOCS)), generator=g)
+    labels = ids.clone()
+    labels[0, 10:13] = -100
+    positions = torch.cat([torch.arange(n) for n in DOCS])[None]
+
+    def build(attn: str) -> torch.nn.Module:
+        model = tiny_model("qwen3", attn)
+        if lora:
+            from peft import LoraConfig, get_peft_model
+
+            torch.manual_seed(5)
+            model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+        return model
+
+    ring, ref = build("ring"), build("sdpa")
+    if chunked:
+        hf_ring.enable_chunked_loss(ring)
+    out = ring(**hf_ring.shard_batch({"input_ids": ids, "labels": labels, "position_ids": positions}))
+    out.loss.backward()
+    total, count, start = 0.0, 0, 0
+    for n in DOCS:
+        doc_labels = labels[:, start : start + n]
+        c = int((doc_labels[:, 1:] != -100).sum())
+        if c:
+            total = total + ref(input_ids=ids[:, start : start + n], labels=doc_labels).loss * c
+            count += c
+        start += n
+    want = total / count
+    want.backward()
+    worst = 0.0
+    for p, q in zip(ring.parameters(), ref.parameters()):
+        if p.grad is None:
+            continue
+        grad = p.grad.clone()
+        torch.distributed.all_reduce(grad)
+        worst = max(worst, rel_err(grad / world, q.grad))
+    return {"loss": abs(out.loss.item() - want.item()) / want.item(), "grads": worst}
+
+
+@pytest.mark.parametrize(("lora", "chunked"), [(False, False), (True, False), (False, True)])
+def test_packed_step_equals_each_document_alone(lora: bool, chunked: bool) -> None:
+    for r in run_ranks(3, packed_step_errors, lora, chunked):
+        assert r["loss"] <= 1e-5 and r["grads"] <= 1e-5, r
+
+
+def test_positions_that_jump_elsewhere_raise() -> None:
+    import hf_ring
+
+    batch = {"input_ids": torch.zeros(1, 8, dtype=torch.long), "position_ids": torch.tensor([[0, 1, 2, 5, 6, 0, 1, 2]])}
+    with pytest.raises(ValueError, match="restart at 0"):
+        hf_ring.shard_batch(batch)
+
+
+def test_packed_positions_without_shard_batch_are_refused() -> None:
+    import hf_ring
+    from testkit.models import tiny_model
+
+    model = tiny_model("llama", "ring")
+    with pytest.raises(hf_ring.RingNotSupported, match="restart"):
+        model(input_ids=torch.zeros(1, 6, dtype=torch.long), position_ids=torch.tensor([[0, 1, 2, 0, 1, 2]]))
+
+
+def test_cu_seq_lens_give_the_same_batch_as_position_ids() -> None:
+    import hf_ring
+
+    ids = torch.arange(8)[None]
+    a = hf_ring.shard_batch({"input_ids": ids, "labels": ids, "position_ids": torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2]])})
+    b = hf_ring.shard_batch({"input_ids": ids, "labels": ids, "cu_seq_lens_q": torch.tensor([0, 3, 5, 8]),
+                             "cu_seq_lens_k": torch.tensor([0, 3, 5, 8]), "max_length_q": 3, "max_length_k": 3})
+    assert torch.equal(a["position_ids"], b["position_ids"]) and torch.equal(a["shift_labels"], b["shift_labels"])
+    assert a["shift_labels"].tolist() == [[1, 2, -100, 4, -100, 6, 7, -100]]  # no target crosses a boundary
+    assert a["ring_context"].schedule is not None
+
+
+def packed_unshard_roundtrip() -> bool:
+    import hf_ring
+
+    ids = torch.arange(1, 24)[None]  # 23 tokens: the per-document layout pads some ranks by a row
+    positions = torch.cat([torch.arange(n) for n in (5, 1, 12, 5)])[None]
+    kwargs = hf_ring.shard_batch({"input_ids": ids, "position_ids": positions})
+    return torch.equal(kwargs["ring_context"].unshard(kwargs["input_ids"]), ids)
+
+
+def test_context_unshard_restores_a_packed_batch() -> None:
+    assert all(run_ranks(3, packed_unshard_roundtrip))

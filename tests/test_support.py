@@ -1,0 +1,143 @@
+"""What ring attention computes exactly, and the refusals for the rest (hf_ring/transformers/support.py).
+
+Each case the sweep (tests/test_model_sweep.py) classifies is also pinned here on its own, at
+CP = 2 with N not divisible by 2P: multi-head latent attention exact; mixed precision under
+autocast as close to float64 as SDPA under the same autocast; hybrid mixers, mask-only sliding
+windows, chunked attention, the MoE router loss, and models that use the mask themselves or build
+their own attention refused with ``RingNotSupported``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+import hf_ring
+from testkit.models import tiny_batch, tiny_model
+from testkit.oracle import rel_err
+from testkit.spawn import run_ranks
+
+BASE = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=512)  # fmt: skip
+CONFIGS = {
+    "deepseek_v3": dict(
+        BASE, num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16,
+        v_head_dim=12, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        first_k_dense_replace=1, n_group=1, topk_group=1,
+    ),
+    "lfm2": dict(BASE),
+    "qwen3_next": dict(
+        BASE, num_hidden_layers=4, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=32, linear_num_value_heads=2, linear_num_key_heads=2,
+        linear_key_head_dim=8, linear_value_head_dim=8,
+    ),
+    "mixtral": dict(BASE, num_local_experts=4, num_experts_per_tok=2, output_router_logits=True),
+    "qwen2_moe": dict(
+        BASE, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=32, use_sliding_window=True, sliding_window=8,
+    ),
+    "llama4_text": dict(BASE, head_dim=16, attention_chunk_size=8, num_local_experts=2, intermediate_size_mlp=96),
+    "mpt": dict(vocab_size=97, d_model=64, n_heads=4, n_layers=2),
+    "xglm": dict(vocab_size=97, d_model=64, attention_heads=4, num_layers=2, ffn_dim=96),
+    "falcon": dict(vocab_size=97, hidden_size=64, num_attention_heads=4, num_hidden_layers=2),
+    "gpt_neo": dict(
+        vocab_size=97, hidden_size=64, num_heads=4, num_layers=2, attention_types=[[["global"], 2]],
+        bos_token_id=0, eos_token_id=0,
+    ),
+}  # fmt: skip
+
+
+def build(model_type: str, attn: str, **overrides) -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(model_type, **{**CONFIGS[model_type], **overrides})
+    return AutoModelForCausalLM.from_config(config, attn_implementation=attn)
+
+
+def step_errors(model_type: str, n: int = 29, **overrides) -> dict[str, float]:
+    """CP = world ring step against one process with sdpa on the whole sequence (fp32)."""
+    batch = tiny_batch(2, n)
+    ring, ref = build(model_type, "ring", **overrides), build(model_type, "sdpa", **overrides)
+    out = ring(**hf_ring.shard_batch(batch))
+    out.loss.backward()
+    want = ref(**batch)
+    want.loss.backward()
+    world = torch.distributed.get_world_size()
+    worst = 0.0
+    for p, q in zip(ring.parameters(), ref.parameters()):
+        if p.grad is None:
+            continue
+        g = p.grad.clone()
+        torch.distributed.all_reduce(g)
+        scale = q.grad.norm().item()
+        if scale > 1e-6:
+            worst = max(worst, rel_err(g / world, q.grad))
+    return {"loss": abs(out.loss.item() - want.loss.item()) / want.loss.item(), "grads": worst}
+
+
+def test_mla_value_head_dim_is_exact() -> None:
+    """DeepSeek-V3's multi-head latent attention: value head dim 12, query/key head dim 24."""
+    for r in run_ranks(2, step_errors, "deepseek_v3"):
+        assert r["loss"] <= 1e-5 and r["grads"] <= 1e-5, r
+
+
+def refusal(model_type: str, n: int = 29, **overrides) -> str:
+    try:
+        model = build(model_type, "ring", **overrides)
+        model(**hf_ring.shard_batch(tiny_batch(2, n)))
+    except hf_ring.RingNotSupported as e:
+        return f"RingNotSupported: {e}"
+    except Exception as e:  # noqa: BLE001 - any other error is a failure of the test
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+@pytest.mark.parametrize(
+    ("model_type", "message"),
+    [
+        ("lfm2", "Lfm2ShortConv"),
+        ("qwen3_next", "Qwen3NextGatedDeltaNet"),
+        ("mixtral", "router_aux_loss_coef=0.001"),
+        ("qwen2_moe", "sliding window of 8 tokens"),
+        ("llama4_text", "chunks of 8 tokens"),
+        ("mpt", "uses the attention mask itself"),
+        ("xglm", "uses the attention mask itself"),
+        ("falcon", "falcon computes attention itself"),
+        ("gpt_neo", "gpt_neo computes attention itself"),
+    ],
+)
+def test_refused_with_a_clear_error(model_type: str, message: str) -> None:
+    for msg in run_ranks(2, refusal, model_type):
+        assert msg.startswith("RingNotSupported") and message in msg, msg
+
+
+def test_router_loss_without_coefficient_runs_exactly() -> None:
+    for r in run_ranks(2, step_errors, "mixtral", router_aux_loss_coef=0.0):
+        assert r["loss"] <= 1e-5 and r["grads"] <= 1e-5, r
+
+
+def test_hybrid_runs_on_one_rank() -> None:
+    """A hybrid model is exact without context parallelism: the refusal is for CP > 1 only."""
+    batch = tiny_batch(1, 12)
+    ring, ref = build("lfm2", "ring"), build("lfm2", "sdpa")
+    assert abs(ring(**hf_ring.shard_batch(batch)).loss.item() - ref(**batch).loss.item()) < 1e-5
+
+
+def autocast_errors(family: str) -> dict[str, float]:
+    """fp32 weights under bf16 autocast (what Trainer(bf16=True) does): ring at CP = world and
+    one-process sdpa under the same autocast, each against the float64 model."""
+    batch = tiny_batch(2, 29)
+    ring, sdpa = tiny_model(family, "ring"), tiny_model(family, "sdpa")
+    oracle = tiny_model(family, "sdpa", torch.float64)
+    want = oracle(**batch).loss.item()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = ring(**hf_ring.shard_batch(batch)).loss
+        base = sdpa(**batch).loss
+    got.backward()
+    return {"ring": abs(got.item() - want) / want, "sdpa": abs(base.item() - want) / want}
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_autocast_bf16_matches_sdpa_under_autocast(family: str) -> None:
+    for r in run_ranks(2, autocast_errors, family):
+        assert r["ring"] <= 2 * r["sdpa"] + 1e-3, r
