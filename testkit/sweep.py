@@ -477,7 +477,8 @@ def explain(record: dict) -> str:
                 "value head dim != qk head dim (MLA); would need V padded to the qk head dim around the ring, "
                 "or block kernels with separate qk and v head dims"
             )
-        return msg
+        msg = msg.removeprefix('attn_implementation="ring": ').removeprefix('attn_implementation="ring" ')
+        return msg.split(". ")[0].rstrip(".")  # hf_ring's own reason, first sentence
     if status == "wrong":
         grad = record.get("grad_rel_err", 0.0)
         loss = record.get("loss_rel_err", 0.0)
