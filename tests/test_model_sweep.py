@@ -1,0 +1,107 @@
+"""Every causal-LM family of the installed transformers at CP=2: ring attention is exact or refused.
+
+One test per family and variant (``testkit.families``): one training step on 2 gloo ranks against
+one process (``testkit.sweep.check_family``). WRONG (runs, differs) and BROKEN (another exception)
+are failures; the ones known today are strict xfails in ``KNOWN`` below: delete an entry when its
+fix lands (the test then passes, and a strict xfail that passes fails). ``skipped`` results (the
+single-process reference cannot run, or a variant changes nothing in that family) skip.
+
+Plus: the README table is ``render_table`` of the committed ``docs/models.json``
+(``python scripts/sweep_models.py`` regenerates both).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from testkit.families import families, skipped, variants
+from testkit.sweep import README_END, README_START, check_family, render_table
+
+# family or "family:variant" -> why it is WRONG or BROKEN today (docs/models.json has the numbers)
+KNOWN: dict[str, str] = {
+    "bailing_hybrid": "wrong: BailingHybridDeltaAttention (linear attention) sees one shard",
+    "bailing_hybrid:mla": "wrong: BailingHybridDeltaAttention (linear attention) sees one shard",
+    "bailing_hybrid:router_aux": "wrong: BailingHybridDeltaAttention (linear attention) sees one shard",
+    "bart": "wrong: the model computes its own loss (not summed over CP)",
+    "bigbird_pegasus": "wrong: the model computes its own loss (not summed over CP)",
+    "blenderbot": "wrong: the model computes its own loss (not summed over CP)",
+    "blenderbot-small": "wrong: the model computes its own loss (not summed over CP)",
+    "camembert": "wrong: positions numbered from padding_idx + 1, not shard_batch's position_ids",
+    "cpmant": "wrong: attention and loss bypass the registries (silent, no guard)",
+    "data2vec-text": "wrong: positions numbered from padding_idx + 1, not shard_batch's position_ids",
+    "dbrx:router_aux": "wrong: router aux loss from this rank's tokens only (ffn_config.moe_loss_weight)",
+    "jetmoe:router_aux": "wrong: router aux loss from this rank's tokens only (aux_loss_coef)",
+    "marian": "wrong: the model computes its own loss (not summed over CP)",
+    "mbart": "wrong: the model computes its own loss (not summed over CP)",
+    "pegasus": "wrong: the model computes its own loss (not summed over CP)",
+    "plbart": "wrong: the model computes its own loss (not summed over CP)",
+    "prophetnet": "wrong: attention and loss bypass the registries (silent, no guard)",
+    "roberta": "wrong: positions numbered from padding_idx + 1, not shard_batch's position_ids",
+    "roberta-prelayernorm": "wrong: positions numbered from padding_idx + 1, not shard_batch's position_ids",
+    "whisper": "wrong: the model computes its own loss (not summed over CP)",
+    "xlm": "wrong: attention and loss bypass the registries (silent, no guard)",
+    "xlm-roberta": "wrong: positions numbered from padding_idx + 1, not shard_batch's position_ids",
+    "xlm-roberta-xl": "wrong: positions numbered from padding_idx + 1, not shard_batch's position_ids",
+    "xlnet": "wrong: attention and loss bypass the registries (silent, no guard)",
+    "xmod": "wrong: positions numbered from padding_idx + 1, not shard_batch's position_ids",
+    "zaya": "wrong: ZayaCCAProjection (conv + recurrent state) sees one shard",
+    "zaya:router_aux": "wrong: ZayaCCAProjection (conv + recurrent state) sees one shard",
+    "zaya:sliding": "wrong: ZayaCCAProjection (conv + recurrent state) sees one shard",
+}
+
+ROOT = Path(__file__).resolve().parent.parent
+N = 61  # tokens: not a multiple of 2 * CP, so shard_batch pads
+CASES = [(family, variant) for family in families() for variant in (None, *variants(family))]
+
+
+def _key(family: str, variant: str | None) -> str:
+    return family if variant is None else f"{family}:{variant}"
+
+
+def _param(family: str, variant: str | None):
+    key = _key(family, variant)
+    marks = [pytest.mark.xfail(strict=True, reason=KNOWN[key])] if key in KNOWN else []
+    return pytest.param(family, variant, id=key, marks=marks)
+
+
+@pytest.mark.parametrize(("family", "variant"), [_param(f, v) for f, v in CASES])
+def test_ring_is_exact_or_refused(family: str, variant: str | None) -> None:
+    r = check_family(family, variant, n=N, cp=2)
+    if r["status"] == "skipped":
+        pytest.skip(r["detail"])
+    assert r["status"] in ("exact", "refused"), f"{r['status'].upper()}: {r['detail']}"
+
+
+def test_known_entries_are_swept() -> None:
+    cases = {_key(f, v) for f, v in CASES}
+    assert not set(KNOWN) - cases, f"KNOWN entries that the sweep does not run: {sorted(set(KNOWN) - cases)}"
+
+
+def test_every_causal_lm_type_is_swept_or_skipped_with_a_reason() -> None:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    swept, skips = set(families()), skipped()
+    assert not swept & set(skips)
+    assert swept | set(skips) == set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    assert all(skips.values())
+
+
+def test_models_json_covers_the_sweep() -> None:
+    records = json.loads((ROOT / "docs" / "models.json").read_text())
+    have = {_key(r["family"], r.get("variant")) for r in records}
+    missing = {_key(f, v) for f, v in CASES} - have
+    assert not missing, f"docs/models.json lacks {sorted(missing)}: run python scripts/sweep_models.py"
+
+
+def test_readme_table_is_render_table_of_models_json() -> None:
+    text = (ROOT / "README.md").read_text()
+    if README_START not in text or README_END not in text:
+        pytest.skip(f"README.md has no {README_START} / {README_END} markers yet")
+    records = json.loads((ROOT / "docs" / "models.json").read_text())
+    table = text.split(README_START, 1)[1].split(README_END, 1)[0]
+    assert table.strip() == render_table(records).strip(), (
+        "README.md's models table is out of date: python scripts/sweep_models.py --from-json --update-readme"
+    )
