@@ -541,11 +541,32 @@ _ORDER = {s: i for i, s in enumerate(("wrong", "broken", "refused", "exact", "sk
 
 
 def render_table(records: list[dict]) -> str:
-    """The README table (family, status, why / what it would need), grouped by status."""
+    """The README's supported-models section: counts, the exact families in one list, a table of
+    the refused (and any wrong or broken) ones with the reason, the skipped ones in one list."""
+    from collections import Counter
+
+    def name(r: dict) -> str:
+        return r["family"] + (f" ({r['variant']})" if r.get("variant") else "")
+
+    def why(r: dict) -> str:
+        text = r.get("why") if r.get("why") is not None else explain(r)
+        return text.replace("|", "\\|").replace("\n", " ")
+
     rows = sorted(records, key=lambda r: (_ORDER.get(r["status"], 9), r["family"], r.get("variant") or ""))
-    lines = ["| family | status | why / what it would need |", "|---|---|---|"]
+    counts = Counter(r["status"] for r in records)
+    lines = [
+        "Counts over " + f"{len(records)} family/variant records: "
+        + ", ".join(f"{counts[s]} {s}" for s in ("exact", "refused", "wrong", "broken", "skipped") if counts[s]) + ".",
+        "",
+        "**Exact** (loss and every gradient equal to one process within 1e-5, fp32, CP = 2): "
+        + ", ".join(name(r) for r in rows if r["status"] == "exact") + ".",
+        "",
+        "| refused: family (variant) | why (hf_ring's error) |",
+        "|---|---|",
+    ]
     for r in rows:
-        name = r["family"] + (f" ({r['variant']})" if r.get("variant") else "")
-        why = (r.get("why") if r.get("why") is not None else explain(r)).replace("|", "\\|").replace("\n", " ")
-        lines.append(f"| {name} | {r['status'].upper()} | {why} |")
+        if r["status"] in ("refused", "wrong", "broken"):
+            flag = "" if r["status"] == "refused" else f"**{r['status'].upper()}** "
+            lines.append(f"| {name(r)} | {flag}{why(r)} |")
+    lines += ["", "Not swept: " + "; ".join(f"{name(r)} ({why(r)})" for r in rows if r["status"] == "skipped") + "."]
     return "\n".join(lines) + "\n"

@@ -21,36 +21,7 @@ from testkit.families import families, skipped, variants
 from testkit.sweep import README_END, README_START, check_family, render_table
 
 # family or "family:variant" -> why it is WRONG or BROKEN today (docs/models.json has the numbers)
-KNOWN: dict[str, str] = {
-    "bailing_hybrid": "wrong: BailingHybridDeltaAttention (linear attention) sees one shard",
-    "bailing_hybrid:mla": "wrong: BailingHybridDeltaAttention (linear attention) sees one shard",
-    "bailing_hybrid:router_aux": "wrong: BailingHybridDeltaAttention (linear attention) sees one shard",
-    "bart": "wrong: the model computes its own loss (not summed over CP)",
-    "bigbird_pegasus": "wrong: the model computes its own loss (not summed over CP)",
-    "blenderbot": "wrong: the model computes its own loss (not summed over CP)",
-    "blenderbot-small": "wrong: the model computes its own loss (not summed over CP)",
-    "camembert": "wrong: positions numbered from padding_idx + 1, not shard_batch's position_ids",
-    "cpmant": "wrong: attention and loss bypass the registries (silent, no guard)",
-    "data2vec-text": "wrong: positions numbered from padding_idx + 1, not shard_batch's position_ids",
-    "dbrx:router_aux": "wrong: router aux loss from this rank's tokens only (ffn_config.moe_loss_weight)",
-    "jetmoe:router_aux": "wrong: router aux loss from this rank's tokens only (aux_loss_coef)",
-    "marian": "wrong: the model computes its own loss (not summed over CP)",
-    "mbart": "wrong: the model computes its own loss (not summed over CP)",
-    "pegasus": "wrong: the model computes its own loss (not summed over CP)",
-    "plbart": "wrong: the model computes its own loss (not summed over CP)",
-    "prophetnet": "wrong: attention and loss bypass the registries (silent, no guard)",
-    "roberta": "wrong: positions numbered from padding_idx + 1, not shard_batch's position_ids",
-    "roberta-prelayernorm": "wrong: positions numbered from padding_idx + 1, not shard_batch's position_ids",
-    "whisper": "wrong: the model computes its own loss (not summed over CP)",
-    "xlm": "wrong: attention and loss bypass the registries (silent, no guard)",
-    "xlm-roberta": "wrong: positions numbered from padding_idx + 1, not shard_batch's position_ids",
-    "xlm-roberta-xl": "wrong: positions numbered from padding_idx + 1, not shard_batch's position_ids",
-    "xlnet": "wrong: attention and loss bypass the registries (silent, no guard)",
-    "xmod": "wrong: positions numbered from padding_idx + 1, not shard_batch's position_ids",
-    "zaya": "wrong: ZayaCCAProjection (conv + recurrent state) sees one shard",
-    "zaya:router_aux": "wrong: ZayaCCAProjection (conv + recurrent state) sees one shard",
-    "zaya:sliding": "wrong: ZayaCCAProjection (conv + recurrent state) sees one shard",
-}
+KNOWN: dict[str, str] = {}
 
 ROOT = Path(__file__).resolve().parent.parent
 N = 61  # tokens: not a multiple of 2 * CP, so shard_batch pads

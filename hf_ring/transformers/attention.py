@@ -130,7 +130,8 @@ def ring_attention_forward(
         size = torch.distributed.get_world_size(group) if torch.distributed.is_initialized() else 1
         _refuse_packed_positions(kwargs.get("position_ids"))
     labelled = ring_context.labelled if ring_context is not None else False
-    check_layer(module, kwargs, query.shape[2] * size, labelled, size)
+    given = ring_context.positions_given if ring_context is not None else True
+    check_layer(module, kwargs, query.shape[2] * size, labelled, size, given)
     device = query.device.type
     if torch.is_autocast_enabled(device):  # as SDPA under autocast: all three in the autocast dtype
         dtype = torch.get_autocast_dtype(device)

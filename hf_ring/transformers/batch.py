@@ -165,6 +165,7 @@ def shard_batch(
     if mask is not None:
         _check_right_padding(mask)
     positions = batch.get("position_ids")
+    positions_given = positions is not None or any(batch.get(k) is not None for k in _PACKED_KEYS[:2])
     if positions is None and any(batch.get(k) is not None for k in ("cu_seq_lens_q", "cu_seq_lens_k")):
         if b != 1:
             raise ValueError("shard_batch: cu_seq_lens describe one packed row; pass position_ids for B > 1")
@@ -175,7 +176,7 @@ def shard_batch(
     starts = document_starts(positions)
     if starts is not None:
         return _shard_packed(batch, key, x, positions, starts, labels, mask, group, size, rank, dp_size, full_logits,
-                             pad_token_id)  # fmt: skip
+                             pad_token_id)  # fmt: skip  (packed positions are always given)
     if pad:
         step = torch.arange(1, pad + 1, device=x.device)
         positions = torch.cat((positions, positions[:, -1:] + step), dim=1)
@@ -193,8 +194,9 @@ def shard_batch(
         out["labels"] = local
         out["shift_labels"] = local
     out[KEY] = RingContext(
-        group, size, rank, grad_scale=float(size * dp_size), labelled=labels is not None, full_logits=full_logits
-    )
+        group, size, rank, grad_scale=float(size * dp_size), labelled=labels is not None, full_logits=full_logits,
+        positions_given=positions_given,
+    )  # fmt: skip
     return out
 
 

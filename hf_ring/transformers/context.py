@@ -54,6 +54,8 @@ class RingContext:
         labelled: the batch has labels, so the model computes a loss that ``hf_ring`` sums over
             the CP group.
         full_logits: compute full logits even on a model with ``enable_chunked_loss``.
+        positions_given: the batch brought its own ``position_ids`` (else ``shard_batch`` numbered
+            the tokens 0, 1, 2, ..., which models that number positions otherwise must refuse).
         schedule: for packed documents, this rank's ring schedule cut along the document
             boundaries (``hf_ring.ops.schedule.layout_schedule``); ``None``: one sequence per row.
         index: for packed documents, ``[P, B, S_local]``: the global position of every local row of
@@ -69,6 +71,7 @@ class RingContext:
     grad_scale: float = 1.0
     labelled: bool = False
     full_logits: bool = False
+    positions_given: bool = True
     schedule: Schedule | None = field(default=None, repr=False)
     index: Tensor | None = field(default=None, repr=False)
     length: int = 0

@@ -22,10 +22,11 @@ from .support import RingNeverRan
 __all__ = ["wrap_causal_lm_loss"]
 
 _NEVER_RAN = (
-    "a batch sharded by hf_ring.shard_batch went through a model that never called ring "
-    'attention, so its tokens attended only their own shard. Load the model with '
-    'attn_implementation="ring" (or call model.set_attn_implementation("ring")); models '
-    "that do not use transformers' attention registry are not supported."
+    "a batch sharded by hf_ring.shard_batch went through a model that never called ring attention with "
+    "that batch, so its tokens may have attended only their own shard. Load the model with "
+    'attn_implementation="ring" (or call model.set_attn_implementation("ring")). Models that do not use '
+    "transformers' attention registry, or whose layers do not pass the batch's keyword arguments "
+    "(ring_context) on to attention, are not supported."
 )
 
 

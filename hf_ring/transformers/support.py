@@ -14,14 +14,19 @@ raises ``RingNotSupported`` -- naming the model, the reason and the alternative 
   causal-LM loss, from this rank's router logits only;
 - dropout, soft-capping, sinks, additive bias, KV-cache decoding, dynamic RoPE.
 
+``check_layer`` also refuses, at CP > 1, causal LMs that compute their loss themselves (hf_ring sums
+the loss over the CP group through transformers' loss registry), and RoBERTa-style models that
+number positions from the padding index when ``shard_batch`` had to number them.
 ``refuse_at_build`` covers models that pick their attention class from their own table and would
-fail with ``KeyError: 'ring'`` while they are built. The sweep in ``tests/test_model_sweep.py``
+fail with ``KeyError: 'ring'`` while they are built, and the few that call neither registry (XLM,
+XLNet, CPM-Ant, ProphetNet): their ``__init__`` raises when the config asks for the ring. The sweep in ``tests/test_model_sweep.py``
 builds every causal-LM family of the installed transformers and holds each to "exact or refused".
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 import re
 import sys
 from typing import Any
@@ -49,7 +54,8 @@ def model_name(config: Any) -> str:
 
 # Class names of token-mixing modules that do not go through transformers' attention registry.
 _MIXERS = re.compile(
-    r"Mamba|Mixer|DeltaNet|Lightning|LinearAttention|ShortConv|Rglru|RecurrentBlock|Rwkv|xLSTM|Lstm|Retention"
+    r"Mamba|Mixer|DeltaNet|DeltaAttention|Lightning|LinearAttention|ShortConv|CausalConv|CCAProjection|Rglru"
+    r"|RecurrentBlock|Rwkv|xLSTM|Lstm|Retention"
 )
 _NOT_TEXT = re.compile(r"Audio|Vision|VQVAE|Image|Video")
 
@@ -73,6 +79,56 @@ def sequence_mixers(modeling_module: str) -> tuple[str, ...]:
     )
 
 
+def _model_classes(modeling_module: str) -> list[type]:
+    from transformers import PreTrainedModel
+
+    mod = sys.modules.get(modeling_module)
+    return [
+        obj
+        for obj in (vars(mod).values() if mod is not None else ())
+        if isinstance(obj, type) and issubclass(obj, PreTrainedModel) and obj.__module__ == modeling_module
+    ]
+
+
+@functools.cache
+def computes_own_loss(modeling_module: str) -> tuple[str, ...]:
+    """Causal-LM classes of a modeling module whose forward computes the loss itself instead of
+    calling transformers' loss registry (``self.loss_function``), which hf_ring sums over CP."""
+    own = []
+    for cls in _model_classes(modeling_module):
+        if not cls.__name__.endswith(("ForCausalLM", "LMHeadModel")):
+            continue
+        try:
+            src = inspect.getsource(cls.forward)
+        except (OSError, TypeError):
+            continue
+        if "labels" in src and "loss_function" not in src:
+            own.append(cls.__name__)
+    return tuple(sorted(own))
+
+
+@functools.cache
+def numbers_positions_from_ids(modeling_module: str) -> bool:
+    """The module's embeddings derive positions from the input ids (``padding_idx + 1 + ...``)
+    when no ``position_ids`` are given (RoBERTa and its relatives)."""
+    mod = sys.modules.get(modeling_module)
+    if mod is None:
+        return False
+    return hasattr(mod, "create_position_ids_from_input_ids") or any(
+        isinstance(o, type) and hasattr(o, "create_position_ids_from_input_ids") for o in vars(mod).values()
+    )
+
+
+def router_loss_coefficient(config: Any) -> float:
+    """The weight of the MoE load-balancing loss, under any of the names transformers' models use."""
+    for holder in (config, getattr(config, "ffn_config", None)):
+        for name in ("router_aux_loss_coef", "aux_loss_coef", "moe_loss_weight"):
+            value = getattr(holder, name, None) if holder is not None else None
+            if isinstance(value, (int, float)) and value:
+                return float(value)
+    return 0.0
+
+
 def _layer_type(module: nn.Module, config: Any) -> str | None:
     types = getattr(config, "layer_types", None)
     idx = getattr(module, "layer_idx", None)
@@ -94,12 +150,15 @@ def _mask_window(module: nn.Module, config: Any) -> int | None:
     return window
 
 
-def check_layer(module: nn.Module, kwargs: dict[str, Any], n_global: int, labelled: bool, cp_size: int) -> None:
+def check_layer(
+    module: nn.Module, kwargs: dict[str, Any], n_global: int, labelled: bool, cp_size: int, positions_given: bool = True
+) -> None:
     """Raise ``RingNotSupported`` if this attention call cannot be computed exactly by the ring.
 
     ``module``: the attention module transformers called us from; ``kwargs``: the keyword
     arguments it passed (``sliding_window``, ``softcap``, ``output_router_logits``, ...);
-    ``n_global``: the whole sequence's length; ``labelled``: the batch computes a loss.
+    ``n_global``: the whole sequence's length; ``labelled``: the batch computes a loss;
+    ``positions_given``: the batch came with its own ``position_ids`` (or from no ``shard_batch``).
     """
     config = getattr(module, "config", None)
     name = model_name(config)
@@ -110,6 +169,19 @@ def check_layer(module: nn.Module, kwargs: dict[str, Any], n_global: int, labell
             "layers would run on each rank's zigzag shard as if it were the whole sequence. Hybrid models "
             "need a context-parallel form of each mixer, which hf_ring does not have; train this model "
             "without context parallelism (cp_size=1) or with another attn_implementation."
+        )
+    own_loss = computes_own_loss(type(module).__module__)
+    if own_loss and labelled and cp_size > 1:
+        raise RingNotSupported(
+            f'attn_implementation="ring": {name} computes its loss itself ({", ".join(own_loss)}) instead of '
+            "through transformers' loss registry, so each rank would report the loss of its own shard. "
+            "Compute the loss outside the model from its logits (hf_ring.unshard), or train it with cp_size=1."
+        )
+    if not positions_given and numbers_positions_from_ids(type(module).__module__):
+        raise RingNotSupported(
+            f'attn_implementation="ring": {name} numbers positions from the padding index when it is given no '
+            "position_ids, and shard_batch would pass 0, 1, 2, ... instead. Pass the position_ids the model "
+            "uses (padding_idx + 1 + offset) in the batch to shard_batch."
         )
     window = kwargs.get("sliding_window")
     if window is None and config is not None:
@@ -140,11 +212,11 @@ def check_layer(module: nn.Module, kwargs: dict[str, Any], n_global: int, labell
             f"computed from local positions, which differ from the global ones beyond {int(floor)} tokens. "
             "Set config.attn_temperature_tuning = False, or keep sequences within floor_scale tokens."
         )
-    coef = getattr(config, "router_aux_loss_coef", 0.0) or 0.0
+    coef = router_loss_coefficient(config)
     if kwargs.get("output_router_logits") and coef and labelled and cp_size > 1:
         raise RingNotSupported(
             f'attn_implementation="ring": {name} adds the router load-balancing loss '
-            f"(router_aux_loss_coef={coef}) after the language-model loss, computed from this rank's "
+            f"(coefficient {coef}) after the language-model loss, computed from this rank's "
             "router logits only, so each rank would train on a different loss. Set "
             "config.output_router_logits = False (or router_aux_loss_coef = 0) for context-parallel training."
         )
@@ -161,6 +233,14 @@ def check_layer(module: nn.Module, kwargs: dict[str, Any], n_global: int, labell
 _OWN_TABLES = {
     "transformers.models.falcon.modeling_falcon": "FALCON_ATTENTION_CLASSES",
     "transformers.models.gpt_neo.modeling_gpt_neo": "GPT_NEO_ATTENTION_CLASSES",
+}
+# Models that call neither the attention nor the loss registry: nothing of hf_ring would run in
+# their forward, so they are refused when they are built with the ring.
+_BYPASS_BOTH = {
+    "transformers.models.xlm.modeling_xlm": ("XLMWithLMHeadModel",),
+    "transformers.models.xlnet.modeling_xlnet": ("XLNetLMHeadModel",),
+    "transformers.models.cpmant.modeling_cpmant": ("CpmAntForCausalLM",),
+    "transformers.models.prophetnet.modeling_prophetnet": ("ProphetNetForCausalLM",),
 }
 
 
@@ -187,3 +267,27 @@ def refuse_at_build(name: str) -> None:
             continue
         if isinstance(classes, dict):
             classes.setdefault(name, _refusing_class(module_name.rsplit(".", 1)[-1].removeprefix("modeling_")))
+    for module_name, class_names in _BYPASS_BOTH.items():
+        try:
+            mod = importlib.import_module(module_name)
+        except ImportError:
+            continue
+        for cls_name in class_names:
+            cls = getattr(mod, cls_name, None)
+            if cls is not None and not getattr(cls.__init__, "_hf_ring_refuses", False):
+                cls.__init__ = _refusing_init(cls.__init__, name, cls_name)
+
+
+def _refusing_init(init: Any, name: str, cls_name: str) -> Any:
+    @functools.wraps(init)
+    def __init__(self: Any, config: Any, *args: Any, **kwargs: Any) -> None:
+        if getattr(config, "_attn_implementation", None) == name:
+            raise RingNotSupported(
+                f'attn_implementation="ring": {cls_name} computes attention and its loss itself, outside '
+                "transformers' registries, so ring attention cannot run it. Use a model that calls the "
+                "attention registry (Llama, Qwen, Mistral, Gemma, ...)."
+            )
+        init(self, config, *args, **kwargs)
+
+    __init__._hf_ring_refuses = True  # type: ignore[attr-defined]
+    return __init__
