@@ -234,3 +234,43 @@ def test_ppl_without_a_long_document_is_refused(model_dir: Path, docs: Path, tmp
     argv = ppl_argv(model_dir, docs, tmp_path)
     with pytest.raises(SystemExit, match="no document has --seq-len 1000 tokens .the longest has 161."):
         main([*argv[:6], "1000", *argv[7:]])
+
+
+# --- adapters, plots, no matplotlib ---------------------------------------------------------------
+
+
+def test_adapter_is_applied(model_dir: Path, tmp_path: Path) -> None:
+    from peft import LoraConfig, get_peft_model
+
+    base = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="ring")
+    peft = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    peft.save_pretrained(tmp_path / "adapter")
+    argv = ["eval", "needle", str(model_dir), "--adapter", str(tmp_path / "adapter"), "--lengths", "61"]
+    assert main([*argv, "--depths", "30", "--out", str(tmp_path / "o")]) == 0
+    got = json.loads((tmp_path / "o" / "needle.json").read_text())["cells"][0]["answer_logprob"]
+    case = PasskeySource().make(61, 30, seed=0, sample=0)
+    want = float(score_answer(peft.eval(), case.ids, case.answer_at)[0].mean())  # the adapter, not merged
+    assert abs(got - want) <= 1e-5
+
+
+def test_without_matplotlib_json_only(one_process: dict, monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                      model_dir: Path, capsys: pytest.CaptureFixture) -> None:  # fmt: skip
+    from hf_ring.evaluation import plots
+
+    monkeypatch.setattr(plots, "have_matplotlib", lambda: False)
+    argv = ["eval", "needle", str(model_dir), "--lengths", "37", "--depths", "50", "--out", str(tmp_path)]
+    assert main(argv) == 0
+    assert (tmp_path / "needle.json").exists() and not (tmp_path / "needle.png").exists()
+    assert "matplotlib is not installed: wrote" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="matplotlib is not installed"):
+        main(["eval", "plot", one_process["out"], "--out", str(tmp_path / "cmp.png")])
+
+
+def test_plot_draws_results_side_by_side(one_process: dict, tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "cmp.png"
+    both = [one_process["out"], one_process["out"]]
+    assert main(["eval", "plot", *both, "--labels", "before,after", "--out", str(out)]) == 0
+    assert out.stat().st_size > 0
+    with pytest.raises(SystemExit, match="2 labels for 1 results"):
+        main(["eval", "plot", one_process["out"], "--labels", "a,b", "--out", str(out)])

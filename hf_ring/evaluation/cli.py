@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -12,7 +13,7 @@ from typing import Any
 from ..planner.settings import tokens
 from .needle import DEFAULT_ANSWER, DEFAULT_NEEDLE, DEFAULT_QUESTION, PasskeySource, TextSource, evaluate_needle
 from .needle import summarise as summarise_needle
-from .plots import needle_png, ppl_png
+from .plots import model_name, needle_comparison_png, needle_png, ppl_png
 from .ppl import documents, evaluate_ppl
 from .runtime import (
     EvalError,
@@ -109,6 +110,16 @@ def add_eval_parser(sub: Any) -> None:
     p.add_argument("--field", default="text", help="the text field of --data lines without input_ids")
     p.add_argument("--chunk-size", type=int, help="rows of logits at a time (default: about 256 MB of them)")
     p.set_defaults(func=cmd_ppl)
+    c = tasks.add_parser(
+        "plot",
+        help="needle heatmaps side by side (before / after), with accuracy vs length",
+        description="Draw the needle.json results given side by side, and their accuracy vs "
+        "length, into one PNG (e.g. before and after long-context fine-tuning).",
+    )
+    c.add_argument("results", nargs="+", help="needle.json files, or directories holding one")
+    c.add_argument("--labels", help="comma-separated titles, one per result (default: the model names)")
+    c.add_argument("--out", required=True, help="the PNG to write")
+    c.set_defaults(func=cmd_plot, task="plot")
 
 
 def _tokenizer(a: argparse.Namespace) -> Any:
@@ -218,6 +229,26 @@ def run_ppl(a: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+def run_plot(a: argparse.Namespace) -> None:
+    """``hf-ring eval plot``: several needle results in one picture."""
+    results = []
+    for r in a.results:
+        path = Path(r) / "needle.json" if Path(r).is_dir() else Path(r)
+        try:
+            results.append(json.loads(path.read_text()))
+        except (OSError, json.JSONDecodeError) as e:
+            raise EvalError(f"cannot read {path}: {e}") from None
+        if results[-1].get("task") != "needle":
+            raise EvalError(f"{path} is not a needle.json")
+    labels = a.labels.split(",") if a.labels else [model_name(r) for r in results]
+    if len(labels) != len(results):
+        raise EvalError(f"--labels: {len(labels)} labels for {len(results)} results")
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    if not needle_comparison_png(results, labels, a.out):
+        raise EvalError("matplotlib is not installed (pip install matplotlib)")
+    print(f"wrote {a.out}")
+
+
 def _run(fn: Any, a: argparse.Namespace) -> int:
     try:
         fn(a)
@@ -232,3 +263,7 @@ def cmd_needle(a: argparse.Namespace) -> int:
 
 def cmd_ppl(a: argparse.Namespace) -> int:
     return _run(run_ppl, a)
+
+
+def cmd_plot(a: argparse.Namespace) -> int:
+    return _run(run_plot, a)

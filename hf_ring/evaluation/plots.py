@@ -16,7 +16,7 @@ from typing import Any
 
 from .runtime import format_tokens
 
-__all__ = ["have_matplotlib", "needle_comparison_png", "needle_png", "ppl_png"]
+__all__ = ["have_matplotlib", "model_name", "needle_comparison_png", "needle_png", "ppl_png"]
 
 COLOURS = ["#F0496E", "#EBB839", "#0CD79F"]  # the needle-in-a-haystack palette: 0 red, 0.5 yellow, 1 green
 
@@ -61,8 +61,13 @@ def _metadata(result: dict[str, Any], metric: str) -> dict[str, str]:
     return {"Title": f"hf-ring eval needle: {result['model']}", "Description": grid_json, "Software": "hf_ring"}
 
 
+def model_name(result: dict[str, Any]) -> str:
+    """The model (or adapter) of a result, by the last two parts of its path or hub id."""
+    return "/".join(Path(str(result.get("adapter") or result["model"])).parts[-2:])
+
+
 def _title(result: dict[str, Any]) -> str:
-    name = Path(str(result.get("adapter") or result["model"])).name or str(result["model"])
+    name = model_name(result)
     return f"{name}: mean accuracy {result['summary']['accuracy']:.0%}"
 
 
@@ -94,13 +99,15 @@ def needle_comparison_png(results: list[dict[str, Any]], labels: list[str], path
     for ax, result, label in zip(axes, results, labels):
         _heatmap(ax, fig, result, f"{label}: mean accuracy {result['summary']['accuracy']:.0%}")
     ax = axes[-1]
+    every: set[int] = set()
     for result, label in zip(results, labels):
         by_len = result["summary"]["accuracy_by_length"]
         ns = sorted(int(n) for n in by_len)
+        every.update(ns)
         ax.plot(ns, [by_len[str(n)] for n in ns], marker="o", label=label)
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(ns, [format_tokens(n) for n in ns])
-        ax.minorticks_off()
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sorted(every), [format_tokens(n) for n in sorted(every)])
+    ax.minorticks_off()
     ax.set_ylim(-0.05, 1.05)
     ax.set_xlabel("context length (tokens)")
     ax.set_ylabel("accuracy (mean over depths)")
@@ -123,10 +130,8 @@ def ppl_png(result: dict[str, Any], path: str | Path) -> bool:
     ax.plot([(b["start"] + b["end"]) / 2 for b in rows], [b["loss"] for b in rows], marker="o")
     ax.set_xlabel("position in the document (tokens; bucket midpoints)")
     ax.set_ylabel("loss (nats per token)")
-    name = Path(str(result.get("adapter") or result["model"])).name or str(result["model"])
-    ax.set_title(
-        f"{name}: loss by position at {format_tokens(result['seq_len'])} tokens ({result['documents']} documents)"
-    )
+    at = format_tokens(result["seq_len"])
+    ax.set_title(f"{model_name(result)}: loss by position at {at} tokens ({result['documents']} documents)")
     ax.grid(alpha=0.3)
     fig.savefig(path, dpi=120)
     return True
