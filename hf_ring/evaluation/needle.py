@@ -242,6 +242,8 @@ def evaluate_needle(
     source.check_model(model)
     for n in lengths:  # every length must fit before any model call
         source.make(n, 0, seed, 0)
+        if n < 2 * rt.cp_size:
+            raise EvalError(f"length {n} is shorter than 2 x the CP size ({rt.cp_size}): use fewer processes")
     cells = sorted(((n, d) for n in lengths for d in depths), key=lambda c: (-c[0], c[1]))
     local = []
     for n, d in progress(rt.mine(cells), rt, "needle"):
