@@ -1,5 +1,6 @@
 """``hf-ring`` command line. ``hf-ring plan MODEL --seq-len 1M --gpus 8``: per-rank memory table,
 the smallest CP size that fits, and whether the ring's transfers hide behind compute.
+``hf-ring eval needle|ppl MODEL ...``: long-context evaluation (``hf_ring.evaluation.cli``).
 
 The options of ``hf-ring plan`` are the fields of ``hf_ring.planner.PlanSettings`` (their metadata
 gives flag, help and parsing); an option given on the command line overrides a recipe's setting.
@@ -115,6 +116,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true")
     p.add_argument("--write", action="store_true", help="write the figures into the recipe's memory_gb line")
     p.set_defaults(func=cmd_plan)
+    from .evaluation.cli import add_eval_parser
+
+    add_eval_parser(sub)
     a = ap.parse_args(argv)
     return a.func(a)
 

@@ -19,8 +19,9 @@ the loss over the CP group through transformers' loss registry), and RoBERTa-sty
 number positions from the padding index when ``shard_batch`` had to number them.
 ``refuse_at_build`` covers models that pick their attention class from their own table and would
 fail with ``KeyError: 'ring'`` while they are built, and the few that call neither registry (XLM,
-XLNet, CPM-Ant, ProphetNet): their ``__init__`` raises when the config asks for the ring. The sweep in ``tests/test_model_sweep.py``
-builds every causal-LM family of the installed transformers and holds each to "exact or refused".
+XLNet, CPM-Ant, ProphetNet): their ``__init__`` raises when the config asks for the ring. The sweep
+in ``tests/test_model_sweep.py`` builds every causal-LM family of the installed transformers and
+holds each to "exact or refused".
 """
 
 from __future__ import annotations

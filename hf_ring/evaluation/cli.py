@@ -1,0 +1,269 @@
+"""``hf-ring eval needle`` and ``hf-ring eval ppl``: the subcommands, and the functions they run
+(``run_needle``, ``run_ppl``: the same in one process and on every rank under ``torchrun`` /
+``accelerate launch``; rank 0 writes the files)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from ..planner.settings import tokens
+from .needle import DEFAULT_ANSWER, DEFAULT_NEEDLE, DEFAULT_QUESTION, PasskeySource, TextSource, evaluate_needle
+from .needle import summarise as summarise_needle
+from .plots import model_name, needle_comparison_png, needle_png, ppl_png
+from .ppl import documents, evaluate_ppl
+from .runtime import (
+    EvalError,
+    Runtime,
+    format_tokens,
+    load_model,
+    load_tokenizer,
+    parse_depths,
+    parse_lengths,
+    write_json,
+)
+
+__all__ = ["add_eval_parser", "run_needle", "run_ppl"]
+
+SCORING = (
+    "teacher-forced: one prefill of the whole sequence, answer tokens scored from the logits before them "
+    "(accuracy: every answer token is the argmax; answer_logprob: their mean log-probability); no generation"
+)
+NO_MATPLOTLIB = "matplotlib is not installed: wrote {json} only (pip install matplotlib for {png})"
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="a model directory or hub id (loaded with attn_implementation='ring')")
+    p.add_argument("--adapter", help="a PEFT adapter directory, merged into the model")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--tokenizer", help="tokenizer directory or id (default: the adapter's, else MODEL's)")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="weights dtype (auto: bfloat16 on CUDA, float32 on CPU)",
+    )
+    p.add_argument("--cp-size", type=int, help="processes per CP group under a launcher (default: all of them)")
+
+
+def add_eval_parser(sub: Any) -> None:
+    """Add ``eval needle`` and ``eval ppl`` to the ``hf-ring`` subparsers ``sub``."""
+    ev = sub.add_parser(
+        "eval",
+        help="long-context evaluation: needle heatmap, loss by position",
+        description="Long-context evaluation with context-parallel prefill: run in one process, or "
+        "under torchrun / accelerate launch (CP groups prefill one sequence; DP replicas split the "
+        "work). See docs/evaluation.md.",
+    )
+    tasks = ev.add_subparsers(dest="task", required=True)
+    n = tasks.add_parser(
+        "needle",
+        help="needle-in-a-haystack length x depth heatmap",
+        description="For each (length, depth) cell, a needle holding a random key is placed at that "
+        "depth of a haystack, followed by the question; the answer is scored teacher-forced (no "
+        "generation). Writes OUT/needle.json and OUT/needle.png.",
+    )
+    _common(n)
+    n.add_argument(
+        "--lengths",
+        required=True,
+        help="sequence lengths in tokens: 1K,2K,...,1M ('...' continues the ratio; 1K = 1024)",
+    )
+    n.add_argument(
+        "--depths",
+        default="0,10,...,100",
+        help="needle depths in percent of the haystack: 0,10,...,100 ('...' continues the step; default 0,10,...,100)",
+    )
+    n.add_argument("--samples", type=int, default=1, help="sequences (keys) per cell (default 1)")
+    n.add_argument("--seed", type=int, default=0)
+    n.add_argument(
+        "--mode",
+        choices=["auto", "passkey", "text"],
+        default="auto",
+        help="passkey: the built-in task in the demo's token ids (no tokenizer); text: a tokenizer and a "
+        "text haystack; auto: text when a tokenizer is found, else passkey",
+    )
+    n.add_argument("--haystack", help="a text file to use as the haystack (default: a generated filler)")
+    n.add_argument("--needle", help=f"the needle text, with {{key}} for the key (default {DEFAULT_NEEDLE!r})")
+    n.add_argument("--question", help=f"the question after the haystack (default {DEFAULT_QUESTION!r})")
+    n.add_argument("--answer", help=f"the expected answer, with {{key}} (default {DEFAULT_ANSWER!r})")
+    n.set_defaults(func=cmd_needle)
+    p = tasks.add_parser(
+        "ppl",
+        help="loss by position bucket over long documents",
+        description="Next-token loss by position bucket over the first SEQ_LEN tokens of each "
+        "document of at least that length (chunked LM head: no full logits). Writes OUT/ppl.json "
+        "and OUT/ppl.png.",
+    )
+    _common(p)
+    p.add_argument(
+        "--data",
+        required=True,
+        help="JSON lines: input_ids per line (scripts/tokenize_jsonl.py), or text under --field with a tokenizer",
+    )
+    p.add_argument("--seq-len", required=True, type=tokens, help="tokens per document: 32K, 128K, 1M")
+    p.add_argument("--buckets", type=int, default=16, help="position buckets (default 16)")
+    p.add_argument("--docs", type=int, help="at most this many documents (default: every long enough one)")
+    p.add_argument("--field", default="text", help="the text field of --data lines without input_ids")
+    p.add_argument("--chunk-size", type=int, help="rows of logits at a time (default: about 256 MB of them)")
+    p.set_defaults(func=cmd_ppl)
+    c = tasks.add_parser(
+        "plot",
+        help="needle heatmaps side by side (before / after), with accuracy vs length",
+        description="Draw the needle.json results given side by side, and their accuracy vs "
+        "length, into one PNG (e.g. before and after long-context fine-tuning).",
+    )
+    c.add_argument("results", nargs="+", help="needle.json files, or directories holding one")
+    c.add_argument("--labels", help="comma-separated titles, one per result (default: the model names)")
+    c.add_argument("--out", required=True, help="the PNG to write")
+    c.set_defaults(func=cmd_plot, task="plot")
+
+
+def _tokenizer(a: argparse.Namespace) -> Any:
+    """``--tokenizer``'s tokenizer, else the adapter's or the model's, else ``None``."""
+    if a.tokenizer:
+        tok = load_tokenizer(a.tokenizer)
+        if tok is None:
+            raise EvalError(f"--tokenizer {a.tokenizer}: no tokenizer found there")
+        return tok
+    for name in (a.adapter, a.model):
+        tok = load_tokenizer(name)
+        if tok is not None:
+            return tok
+    return None
+
+
+def _needle_source(a: argparse.Namespace) -> PasskeySource | TextSource:
+    texts = {"--haystack": a.haystack, "--needle": a.needle, "--question": a.question, "--answer": a.answer}
+    given = [k for k, v in texts.items() if v is not None]
+    tok = _tokenizer(a) if a.mode != "passkey" else None
+    if a.mode == "text" and tok is None:
+        raise EvalError(f"--mode text needs a tokenizer; none found at {a.model} (give --tokenizer)")
+    if tok is None:
+        if given:
+            raise EvalError(
+                f"{', '.join(given)} need a tokenizer (the built-in passkey task is token ids); none "
+                f"found at {a.model}: give --tokenizer, or drop {', '.join(given)}"
+            )
+        return PasskeySource()
+    return TextSource(tok, a.haystack, a.needle, a.question, a.answer)
+
+
+def run_needle(a: argparse.Namespace) -> dict[str, Any]:
+    """``hf-ring eval needle``: the result (``needle.json``'s content) on every rank."""
+    start = time.perf_counter()
+    lengths, depths = parse_lengths(a.lengths), parse_depths(a.depths)
+    if a.samples < 1:
+        raise EvalError(f"--samples {a.samples}: at least 1")
+    source = _needle_source(a)
+    for n in lengths:  # before loading the model: every length must hold needle, question and answer
+        source.make(n, 0, a.seed, 0)
+    rt = Runtime.start(a.cp_size)
+    model = load_model(a.model, a.adapter, a.dtype, rt)
+    cells = evaluate_needle(model, source, lengths, depths, rt, a.samples, a.seed)
+    result = {
+        "task": "needle",
+        "model": a.model,
+        "adapter": a.adapter,
+        "lengths": lengths,
+        "depths": depths,
+        "settings": {
+            **source.settings(),
+            "samples": a.samples,
+            "seed": a.seed,
+            "dtype": str(model.dtype),
+            **rt.as_dict(),
+            "scoring": SCORING,
+        },
+        "summary": summarise_needle(cells),
+        "seconds": round(time.perf_counter() - start, 2),
+        "cells": cells,
+    }
+    if rt.is_main:
+        out = Path(a.out)
+        write_json(out / "needle.json", result)
+        png = needle_png(result, out / "needle.png")
+        by_len = result["summary"]["accuracy_by_length"]
+        print("accuracy by length: " + ", ".join(f"{format_tokens(int(n))} {v:.0%}" for n, v in by_len.items()))
+        print(f"wrote {out / 'needle.json'}" + (f" and {out / 'needle.png'}" if png else ""))
+        if not png:
+            print(NO_MATPLOTLIB.format(json=out / "needle.json", png=out / "needle.png"))
+    return result
+
+
+def run_ppl(a: argparse.Namespace) -> dict[str, Any]:
+    """``hf-ring eval ppl``: the result (``ppl.json``'s content) on every rank."""
+    start = time.perf_counter()
+    if a.docs is not None and a.docs < 1:
+        raise EvalError(f"--docs {a.docs}: at least 1")
+    docs, counts = documents(a.data, a.seq_len, _tokenizer(a), a.field, a.docs)
+    rt = Runtime.start(a.cp_size)
+    model = load_model(a.model, a.adapter, a.dtype, rt)
+    table = evaluate_ppl(model, docs, counts["documents"], a.seq_len, a.buckets, rt, a.chunk_size)
+    result = {
+        "task": "ppl",
+        "model": a.model,
+        "adapter": a.adapter,
+        "data": str(a.data),
+        "seq_len": a.seq_len,
+        "documents": counts["documents"],
+        "skipped_short": counts["skipped_short"],
+        "settings": {"dtype": str(model.dtype), **rt.as_dict(), "chunk_size": a.chunk_size},
+        **table,
+        "seconds": round(time.perf_counter() - start, 2),
+    }
+    if rt.is_main:
+        out = Path(a.out)
+        write_json(out / "ppl.json", result)
+        png = ppl_png(result, out / "ppl.png")
+        print(
+            f"loss {result['loss']:.4f} (ppl {result['ppl']:.2f}) over {counts['documents']} documents of "
+            f"{format_tokens(a.seq_len)} tokens; {counts['skipped_short']} shorter ones skipped"
+        )
+        print(f"wrote {out / 'ppl.json'}" + (f" and {out / 'ppl.png'}" if png else ""))
+        if not png:
+            print(NO_MATPLOTLIB.format(json=out / "ppl.json", png=out / "ppl.png"))
+    return result
+
+
+def run_plot(a: argparse.Namespace) -> None:
+    """``hf-ring eval plot``: several needle results in one picture."""
+    results = []
+    for r in a.results:
+        path = Path(r) / "needle.json" if Path(r).is_dir() else Path(r)
+        try:
+            results.append(json.loads(path.read_text()))
+        except (OSError, json.JSONDecodeError) as e:
+            raise EvalError(f"cannot read {path}: {e}") from None
+        if results[-1].get("task") != "needle":
+            raise EvalError(f"{path} is not a needle.json")
+    labels = a.labels.split(",") if a.labels else [model_name(r) for r in results]
+    if len(labels) != len(results):
+        raise EvalError(f"--labels: {len(labels)} labels for {len(results)} results")
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    if not needle_comparison_png(results, labels, a.out):
+        raise EvalError("matplotlib is not installed (pip install matplotlib)")
+    print(f"wrote {a.out}")
+
+
+def _run(fn: Any, a: argparse.Namespace) -> int:
+    try:
+        fn(a)
+    except ValueError as e:  # EvalError, RingNotSupported, shard_batch's checks: bad input, said clearly
+        raise SystemExit(f"hf-ring eval {a.task}: {e}") from None
+    return 0
+
+
+def cmd_needle(a: argparse.Namespace) -> int:
+    return _run(run_needle, a)
+
+
+def cmd_ppl(a: argparse.Namespace) -> int:
+    return _run(run_ppl, a)
+
+
+def cmd_plot(a: argparse.Namespace) -> int:
+    return _run(run_plot, a)
