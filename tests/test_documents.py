@@ -276,3 +276,15 @@ def packed_unshard_roundtrip() -> bool:
 
 def test_context_unshard_restores_a_packed_batch() -> None:
     assert all(run_ranks(3, packed_unshard_roundtrip))
+
+
+def test_right_padding_positions_do_not_start_documents() -> None:
+    """Collators give padding arbitrary positions (0 or 1 here): they continue the last document."""
+    import hf_ring
+
+    ids = torch.arange(1, 9)[None]
+    mask = torch.tensor([[1, 1, 1, 1, 1, 0, 0, 0]])
+    for pad_pos in (0, 1):
+        positions = torch.tensor([[0, 1, 2, 0, 1, pad_pos, pad_pos, pad_pos]])
+        out = hf_ring.shard_batch({"input_ids": ids, "attention_mask": mask, "position_ids": positions})
+        assert out["position_ids"].tolist() == [[0, 1, 2, 0, 1, 2, 3, 4]]

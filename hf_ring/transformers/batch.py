@@ -173,6 +173,12 @@ def shard_batch(
     if positions is None:
         positions = torch.arange(n, device=x.device).expand(b, n)
     positions = positions.expand(b, n)
+    if mask is not None and batch.get("position_ids") is not None:
+        # whatever positions the right padding carries, it continues the last document
+        idx = torch.arange(n, device=x.device)
+        real = mask.bool().sum(1, keepdim=True)
+        last = positions.gather(1, real - 1)
+        positions = torch.where(idx >= real, last + idx - real + 1, positions)
     starts = document_starts(positions)
     if starts is not None:
         return _shard_packed(batch, key, x, positions, starts, labels, mask, group, size, rank, dp_size, full_logits,
