@@ -59,9 +59,11 @@ def lengths_to_starts(lengths: list[int]) -> list[int]:
     return out
 
 
-def balanced_shards(starts: list[list[int]], n: int, size: int, rank: int) -> tuple[Tensor, list]:
+def balanced_shards(
+    starts: list[list[int]], n: int, size: int, rank: int, split_from: int | None = None
+) -> tuple[Tensor, list]:
     """This rank's rows ([B, local] global indices, n for padding) and schedule, per-document zigzag."""
-    layouts = [balanced_layout(s, n, size) for s in starts]
+    layouts = [balanced_layout(s, n, size, split_from) for s in starts]
     local = max(length for _, length in layouts)
     index = torch.full((len(starts), local), n, dtype=torch.long)
     per_row = []
@@ -72,7 +74,7 @@ def balanced_shards(starts: list[list[int]], n: int, size: int, rank: int) -> tu
     return index, [tuple(blk for row in per_row for blk in row[step]) for step in range(size)]
 
 
-def balanced_errors(case: str, hq: int, hkv: int, d: int) -> dict[str, float]:
+def balanced_errors(case: str, hq: int, hkv: int, d: int, split_from: int | None = None) -> dict[str, float]:
     """The per-document zigzag layout (shard_batch's for packed batches) against float64."""
     size, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
     lengths = CASES[case]
@@ -82,7 +84,7 @@ def balanced_errors(case: str, hq: int, hkv: int, d: int) -> dict[str, float]:
     b = len(lengths)
     q, dout = (torch.randn(b, n, hq, d, generator=g) for _ in range(2))
     k, v = (torch.randn(b, n, hkv, d, generator=g) for _ in range(2))
-    index, sched = balanced_shards(starts, n, size, rank)
+    index, sched = balanced_shards(starts, n, size, rank, split_from)
 
     def take(t: Tensor) -> Tensor:
         full = torch.cat((t, t.new_zeros(t.shape[0], 1, *t.shape[2:])), dim=1)
@@ -107,16 +109,19 @@ def balanced_errors(case: str, hq: int, hkv: int, d: int) -> dict[str, float]:
         parts = [torch.empty_like(got) for _ in range(size)]
         torch.distributed.all_gather(parts, got.contiguous())
         for r, part in enumerate(parts):
-            idx_r = balanced_shards(starts, n, size, r)[0]
+            idx_r = balanced_shards(starts, n, size, r, split_from)[0]
             full.scatter_(1, idx_r[..., None, None].expand_as(part), part.double())
         errs[name] = rel_err(full[:, :n], want)
     return errs
 
 
+@pytest.mark.parametrize("split_from", [1, 6], ids=["split_all", "short_ones_whole"])
 @pytest.mark.parametrize("world", [2, 3, 4])
 @pytest.mark.parametrize("case", ["shorter_than_2p", "spanning_ranks", "length_one_and_many_small", "rows_differ"])
-def test_per_document_layout_matches_float64(world: int, case: str) -> None:
-    for r in run_ranks(world, balanced_errors, case, 6, 2, 80):
+def test_per_document_layout_matches_float64(world: int, case: str, split_from: int) -> None:
+    """Every document cut in 2P pieces, or only those of 6 tokens or more (the shorter ones fill the
+    ranks whole, cut only where they cross from one rank to the next)."""
+    for r in run_ranks(world, balanced_errors, case, 6, 2, 80, split_from):
         assert max(r.values()) <= 1e-5, r
 
 

@@ -114,16 +114,29 @@ def zigzag_layout(starts: list[int], n: int, size: int) -> Layout:
     return layout
 
 
-def balanced_layout(starts: list[int], n: int, size: int) -> tuple[Layout, int]:
-    """A layout that gives every rank ``1/P`` of every document's causal work: each document is cut
-    into ``2P`` pieces of near-equal length and rank ``r`` holds pieces ``r`` and ``2P-1-r`` (the
-    zigzag applied per document). A document's leftover tokens (length mod ``2P``) go to the ranks
-    with the fewest tokens so far. Returns the layout and the local length (the most tokens any rank
-    holds; the others are padded up to it with rows that belong to no document)."""
+def balanced_layout(starts: list[int], n: int, size: int, split_from: int | None = None) -> tuple[Layout, int]:
+    """A layout that balances attention work over the ranks without cutting short documents up.
+
+    Documents of at least ``split_from`` tokens (default: a quarter of a zigzag chunk, ``n / 8P``;
+    ``benchmarks/bench_packed.py`` measured the trade-off between balance and kernel calls) -- the ones
+    whose quadratic work would unbalance the ranks -- are cut into ``2P`` pieces of near-equal
+    length and rank ``r`` holds pieces ``r`` and ``2P-1-r`` (the zigzag applied per document), so
+    every rank holds ``1/P`` of each one's work. The shorter documents, in order, then fill the
+    ranks up to the same token count, rank 0 first (a document that crosses from one rank to the
+    next is cut there); each costs one kernel call on the diagonal. Returns the layout and the
+    local length (the most tokens any rank holds; the others are padded up to it with rows that
+    belong to no document, at most ``P - 1`` in all).
+    """
+    if split_from is None:
+        split_from = max(1, n // (8 * size))
     held = [0] * size
     layout: Layout = [[] for _ in range(size)]
+    short: list[tuple[int, int, int]] = []
     for d, (s, e) in enumerate(_documents(starts, n)):
         length = e - s
+        if length < split_from:
+            short.append((d, s, e))
+            continue
         sizes = [length // (2 * size)] * (2 * size)
         for _ in range(length % (2 * size)):  # a leftover token to the emptiest rank's first free piece
             r = min(range(size), key=lambda x: (held[x] + sizes[x] + sizes[2 * size - 1 - x], x))
@@ -135,6 +148,16 @@ def balanced_layout(starts: list[int], n: int, size: int) -> tuple[Layout, int]:
                 layout[r].append(Segment(d, pos, pos + k, held[r]))
                 held[r] += k
                 pos += k
+    target = -(-n // size)
+    r = 0
+    for d, s, e in short:
+        while s < e:
+            while r < size - 1 and held[r] >= target:
+                r += 1
+            k = e - s if r == size - 1 else min(e - s, target - held[r])
+            layout[r].append(Segment(d, s, s + k, held[r]))
+            held[r] += k
+            s += k
     return layout, max(held)
 
 
