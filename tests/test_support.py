@@ -97,7 +97,7 @@ def refusal(model_type: str, n: int = 29, **overrides) -> str:
     [
         ("lfm2", "Lfm2ShortConv"),
         ("qwen3_next", "Qwen3NextGatedDeltaNet"),
-        ("mixtral", "router_aux_loss_coef=0.001"),
+        ("mixtral", "coefficient 0.001"),
         ("qwen2_moe", "sliding window of 8 tokens"),
         ("llama4_text", "chunks of 8 tokens"),
         ("mpt", "uses the attention mask itself"),
