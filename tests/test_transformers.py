@@ -148,6 +148,23 @@ def test_left_padding_raises() -> None:
         hf_ring.shard_batch(batch)
 
 
+def test_packed_documents_are_refused() -> None:
+    """position_ids that restart inside a sequence (packed documents) are refused with the fix named,
+    rather than letting every token attend across the documents; offsets, and restarts inside the
+    right padding, are fine."""
+    batch = tiny_batch(2, 12)
+    packed = torch.cat((torch.arange(5), torch.arange(7))).expand(2, 12)
+    with pytest.raises(ValueError, match=r"restart inside sequence 0 .*at token 5: 4 -> 0.*Pad each document"):
+        hf_ring.shard_batch({**batch, "position_ids": packed})
+    out = hf_ring.shard_batch({**batch, "position_ids": torch.arange(100, 112)[None]})  # an offset: one document
+    assert out["position_ids"][0, :3].tolist() == [100, 101, 102]
+    mask = (torch.arange(12) < 8).long().expand(2, 12)
+    padded = torch.cat((torch.arange(8), torch.zeros(4, dtype=torch.long))).expand(2, 12)  # collator padding
+    hf_ring.shard_batch({**batch, "attention_mask": mask, "position_ids": padded})
+    with pytest.raises(ValueError, match="restart inside sequence 1"):
+        hf_ring.shard_batch({**batch, "position_ids": torch.stack((torch.arange(12), packed[0]))})
+
+
 def test_kv_cache_decoding_raises() -> None:
     model = tiny_model("llama", "ring").eval()
     ids = tiny_batch(1, 8)["input_ids"]

@@ -42,6 +42,23 @@ def _check_right_padding(mask: Tensor) -> None:
         raise ValueError("shard_batch: a sequence of the batch is empty (its attention_mask is all 0)")
 
 
+def _check_one_document(positions: Tensor, mask: Tensor | None) -> None:
+    """Refuse ``position_ids`` that restart inside a sequence (packed documents): the ring does not
+    honour document boundaries yet, and attending across them would be silently wrong."""
+    bad = positions[:, 1:] != positions[:, :-1] + 1
+    if mask is not None:
+        bad &= mask[:, 1:].bool()  # positions inside the right padding do not matter
+    if bad.any():
+        row, t = (int(i) for i in bad.nonzero()[0])
+        raise ValueError(
+            f"shard_batch: position_ids restart inside sequence {row} of the batch (at token {t + 1}: "
+            f"{int(positions[row, t])} -> {int(positions[row, t + 1])}), the transformers convention for packed "
+            "documents. Ring attention does not honour document boundaries yet, so every token would attend "
+            "across them. Pad each document into its own sequence instead (hf_ring recipes: data.boundaries: "
+            "pad), or wait for packed-document support; position_ids must count up by one within a sequence."
+        )
+
+
 def next_token_targets(labels: Tensor, attention_mask: Tensor | None = None) -> Tensor:
     """``[B, N]`` Hugging Face labels (unshifted, ``-100`` where there is no target) -> the target
     of each position, ``[B, N]``: ``labels[:, t + 1]``, ``-100`` at the end and wherever the
@@ -64,7 +81,8 @@ def shard_batch(
     Args:
         batch: ``input_ids [B, N]`` (or ``inputs_embeds [B, N, H]``); optional ``labels [B, N]``
             (Hugging Face convention: unshifted, ``-100`` where there is no target),
-            ``attention_mask [B, N]`` (right padding only), ``position_ids [B, N]``,
+            ``attention_mask [B, N]`` (right padding only), ``position_ids [B, N]`` (counting up
+            by one within each sequence: packed documents, whose positions restart, are refused),
             ``num_items_in_batch`` (valid targets of the whole step, e.g. over gradient
             accumulation and DP replicas; counted here otherwise).
         group: the CP group (default: that of ``setup_context_parallel``, else the world).
@@ -125,6 +143,7 @@ def shard_batch(
     if positions is None:
         positions = torch.arange(n, device=x.device).expand(b, n)
     positions = positions.expand(b, n)
+    _check_one_document(positions, mask)
     step = torch.arange(1, pad + 1, device=x.device)
     positions = torch.cat((positions, positions[:, -1:] + step), dim=1) if pad else positions
 
