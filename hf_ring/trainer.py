@@ -325,7 +325,7 @@ class RingTrainer(Trainer):
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
         """``Trainer.train``; first checks, when checkpoints are written or read by several processes,
         that every rank sees the same ``output_dir`` (a filesystem shared by all nodes)."""
-        saves = str(self.args.save_strategy) != "no" and not self.args.save_on_each_node
+        saves = self.args.save_strategy != "no" and not self.args.save_on_each_node
         if _launched() and dist.is_initialized() and (saves or resume_from_checkpoint):
             from .training.checks import check_shared_output_dir
 

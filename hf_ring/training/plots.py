@@ -8,19 +8,21 @@ from typing import Any
 __all__ = ["plot_loss", "smooth"]
 
 
-def smooth(values: list[float], weight: float = 0.8) -> list[float]:
-    """Exponential moving average (TensorBoard's smoothing), bias-corrected from the first value."""
-    out, avg, norm = [], 0.0, 0.0
-    for v in values:
-        avg = weight * avg + (1 - weight) * v
-        norm = weight * norm + (1 - weight)
-        out.append(avg / norm)
+def smooth(values: list[float], window: int = 9) -> list[float]:
+    """Centred rolling median over ``window`` points (fewer at the ends): single spikes -- one
+    sample the model gets wrong -- drop out, the trend stays."""
+    half = window // 2
+    out = []
+    for i in range(len(values)):
+        part = sorted(values[max(0, i - half) : i + half + 1])
+        m = len(part) // 2
+        out.append(part[m] if len(part) % 2 else (part[m - 1] + part[m]) / 2)
     return out
 
 
 def plot_loss(history: list[dict[str, Any]], path: str | Path, title: str) -> bool:
-    """Plot ``loss`` per optimizer step, one smoothed curve per stage (``seq_len``) over the raw
-    values; returns False (and writes nothing) when matplotlib is not installed."""
+    """Plot ``loss`` per logged step, one smoothed curve (``smooth``) per stage (``seq_len``) over
+    the raw values; returns False (and writes nothing) when matplotlib is not installed."""
     try:
         import matplotlib
 
@@ -43,7 +45,7 @@ def plot_loss(history: list[dict[str, Any]], path: str | Path, title: str) -> bo
         ax.plot(steps, smooth(loss), color=color, lw=2, label=label)
     ax.set(xlabel="optimizer step", ylabel="loss (mean over target tokens)", title=title, yscale="log")
     if any(s[0].get("seq_len") for s in stages):
-        ax.legend(title="smoothed, per stage")
+        ax.legend(title="rolling median, per stage")
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
