@@ -101,7 +101,7 @@ def test_sources_files_folders_and_save_to_disk(tmp_path: Path) -> None:
     _jsonl(folder / "b.jsonl", rows[2:])
     datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "docs.parquet"))
     datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "saved"))
-    for path in (folder, tmp_path / "docs.parquet", tmp_path / "saved"):
+    for path in (folder, folder / "*.jsonl", tmp_path / "docs.parquet", tmp_path / "saved"):
         got = _col(tokenize(load_documents({"path": str(path)}), {}), "input_ids")
         assert got == want, path
     with pytest.raises(ValueError, match="one kind"):

@@ -9,7 +9,7 @@ A recipe's ``data`` section is either the passkey task::
 or documents::
 
     data:
-      path: data/long.jsonl   # json/jsonl/parquet/arrow/csv/txt file(s) or a folder of them, a folder
+      path: data/long.jsonl   # json/jsonl/parquet/arrow/csv/txt file, glob or folder of them, a folder
                               # written by Dataset.save_to_disk, or a dataset name on the hub
       split: train
       text_field: text        # tokenised with `tokenizer` (default: the model's) through map(num_proc),
@@ -26,6 +26,7 @@ sees exactly the batches of an uninterrupted one.
 
 from __future__ import annotations
 
+import glob
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -60,7 +61,10 @@ def stages_of(data: dict[str, Any]) -> list[dict[str, int]]:
 
 
 def load_documents(data: dict[str, Any]) -> Any:
-    """The documents a data section names, as a ``datasets.Dataset`` (memory-mapped)."""
+    """The documents a data section names, as a ``datasets.Dataset`` (memory-mapped): ``path`` is a
+    ``save_to_disk`` folder (``split`` picks from a ``DatasetDict``), a file, a glob or a folder of
+    json/jsonl/parquet/arrow/csv/txt files (cached as Arrow by ``load_dataset``), or else a hub
+    dataset (``name``: its configuration, ``split``)."""
     import datasets
 
     source = data.get("path")
@@ -71,8 +75,11 @@ def load_documents(data: dict[str, Any]) -> Any:
     if p.is_dir() and ((p / "dataset_info.json").exists() or (p / "dataset_dict.json").exists()):
         ds = datasets.load_from_disk(str(p))
         return ds[split] if isinstance(ds, datasets.DatasetDict) else ds
-    files = sorted(f for f in p.iterdir() if f.suffix in _BUILDERS) if p.is_dir() else [p]
-    if p.exists():
+    if any(c in str(source) for c in "*?["):  # a glob: data/part-*.jsonl
+        files = sorted(Path(f) for f in glob.glob(str(source)))
+    else:
+        files = sorted(f for f in p.iterdir() if f.suffix in _BUILDERS) if p.is_dir() else [p]
+    if p.exists() or files != [p]:
         kinds = {_BUILDERS.get(f.suffix) for f in files}
         if not files or len(kinds) != 1 or None in kinds:
             raise ValueError(f"data.path {source!r}: expected files ending in {sorted(_BUILDERS)} (one kind)")
