@@ -4,7 +4,7 @@
     python -m benchmarks.bench_model --out /tmp/model.jsonl --quick              # N=512, P in {1,2}: < 30 s
     python -m benchmarks.bench_model --out /tmp/model_4k.jsonl --Ns 4096         # one N of the full grid
 
-The step is what ``hf_ring.train.Trainer`` runs: forward + backward + gradient clipping (max norm 1)
+The step is what ``RingTrainer`` runs per optimizer step: forward + backward + gradient clipping (max norm 1)
 + AdamW (lr 1e-3) + ``zero_grad(set_to_none=True)``, on one sequence of N tokens (batch 1; labels
 from ``testkit.models.tiny_batch``, the first fifth masked), with activation checkpointing of every
 decoder layer (``hf_ring.enable_activation_checkpointing``) and the chunked loss

@@ -12,16 +12,20 @@ the rest is data parallelism (DP). Compared with ``Trainer``, ``RingTrainer``
   averaging are those of one device running the whole step;
 * refuses a model whose ``attn_implementation`` is not ``"ring"`` when ``cp_size > 1``.
 
-Everything else (optimizers, schedulers, logging through ``report_to``, checkpoints, callbacks)
-is ``Trainer``'s. See docs/trainer.md.
+``RingTrainingArguments`` adds the model-side options of long sequences, applied to the model
+``RingTrainer`` is given: ``chunked_loss`` (default on), ``tiled_mlp``, ``activation_offload``
+(with ``Trainer``'s own ``activation_checkpointing``, alias ``gradient_checkpointing``). Logs also
+carry ``seq_len`` and ``tokens_per_second``. Everything else (optimizers, schedulers, logging
+through ``report_to``, progress bar, checkpoints and resume, FSDP2, PEFT models, callbacks) is
+``Trainer``'s. See docs/trainer.md.
 """
 
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -31,23 +35,10 @@ from transformers import Trainer, TrainingArguments
 
 from .data.loader import count_targets, prepare_dataloader
 from .parallel import ContextParallel, context_parallel_state, setup_context_parallel, unshard
+from .training.arguments import RingTrainingArguments, apply_model_options
 from .transformers.batch import shard_batch
 
 __all__ = ["RingTrainer", "RingTrainingArguments"]
-
-
-@dataclass
-class RingTrainingArguments(TrainingArguments):
-    """``TrainingArguments`` with ``cp_size`` (so that ``HfArgumentParser`` accepts ``--cp_size``)."""
-
-    cp_size: int = field(
-        default=1,
-        metadata={
-            "help": "Context-parallel group size: each sequence is split over this many processes "
-            '(needs attn_implementation="ring" when > 1). The world size must be a multiple of it; '
-            "world_size / cp_size is the number of data-parallel replicas."
-        },
-    )
 
 
 def _attn_implementation(model: nn.Module) -> str | None:
@@ -104,6 +95,8 @@ class RingTrainer(Trainer):
             )
         if args is not None and args.label_smoothing_factor:
             raise NotImplementedError("RingTrainer: label_smoothing_factor is not supported.")
+        if model is not None and args is not None:
+            apply_model_options(model, args)
         super().__init__(model, args, *rest, **kwargs)
 
         self._cp: ContextParallel | None = None
@@ -117,6 +110,12 @@ class RingTrainer(Trainer):
                     f"cp_size={state.cp_size}; pass the same size (or omit cp_size to use it)."
                 )
             self._cp = state
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() != self.args.world_size:
+            raise RuntimeError(
+                f"RingTrainer: {dist.get_world_size()} processes were launched, but Trainer runs as if there were "
+                f"{self.args.world_size} (accelerate state {self.accelerator.distributed_type}): on a machine without "
+                "a GPU, pass use_cpu=True (--use_cpu true) so that Trainer uses the launched processes over gloo."
+            )
         pc = getattr(self.accelerator, "parallelism_config", None)
         if pc is not None and cp_size > 1:
             raise ValueError(
@@ -131,6 +130,7 @@ class RingTrainer(Trainer):
         # compute_loss normalises by the targets of the whole accumulation window itself.
         self.loss_is_scaled_for_ga = True
         self._unshard_logits = False
+        self._window = _Throughput()
 
     # --- layout -------------------------------------------------------------------------------
     @property
@@ -160,6 +160,10 @@ class RingTrainer(Trainer):
                 'sequence. Use from_pretrained(..., attn_implementation="ring") after `import hf_ring`, '
                 'or model.set_attn_implementation("ring").'
             )
+
+    def call_model_init(self, trial: Any = None) -> nn.Module:
+        model = super().call_model_init(trial)
+        return apply_model_options(model, self.args)
 
     def get_total_train_batch_size(self, args: TrainingArguments) -> int:
         """Samples per optimizer step: the CP ranks of a replica share their batch."""
@@ -256,7 +260,10 @@ class RingTrainer(Trainer):
             {**inputs, "num_items_in_batch": num_items_in_batch},
             group=self._cp_group,
             pad_token_id=pad if isinstance(pad, int) else 0,
+            full_logits=self._unshard_logits,
         )
+        if model.training:
+            self._window.add(inputs)
         outputs = model(**kwargs)
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs[0]
         if self.dp_size > 1:
@@ -314,6 +321,31 @@ class RingTrainer(Trainer):
             self.gather_function = self._gather_over_dp  # Trainer resets it after the loop
         return super().evaluation_loop(*args, **kwargs)
 
+    # --- training, logging ---------------------------------------------------------------------
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
+        """``Trainer.train``; first checks, when checkpoints are written or read by several processes,
+        that every rank sees the same ``output_dir`` (a filesystem shared by all nodes)."""
+        saves = self.args.save_strategy != "no" and not self.args.save_on_each_node
+        if _launched() and dist.is_initialized() and (saves or resume_from_checkpoint):
+            from .training.checks import check_shared_output_dir
+
+            check_shared_output_dir(self.args.output_dir)
+        self._window = _Throughput()
+        return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """``Trainer.log``, with ``seq_len`` (of the last training batch) and ``tokens_per_second``
+        (all DP replicas, each CP group's tokens once, since the previous log) added to training logs."""
+        if "loss" in logs and self._window.tokens:
+            tokens, seconds, seq_len = self._window.take()
+            if self.dp_size > 1:
+                t = torch.tensor([tokens], dtype=torch.float64, device=self.args.device)
+                dist.all_reduce(t, group=self._dp_group)
+                tokens = int(t.item())
+            logs["seq_len"] = seq_len
+            logs["tokens_per_second"] = round(tokens / max(seconds, 1e-9), 1)
+        super().log(logs, start_time)
+
     # --- bookkeeping --------------------------------------------------------------------------
     def floating_point_ops(self, inputs: dict[str, Any]) -> int:
         """This rank's share: Trainer sums the estimate over all processes."""
@@ -323,3 +355,24 @@ class RingTrainer(Trainer):
         before = self.state.num_input_tokens_seen
         super()._track_num_input_tokens(inputs)  # gathered over all processes: cp_size copies of each batch
         self.state.num_input_tokens_seen = before + (self.state.num_input_tokens_seen - before) // self.cp_size
+
+
+class _Throughput:
+    """Tokens of this replica's training batches since the last log, and the last sequence length."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        self.tokens = 0
+        self.seq_len = 0
+
+    def add(self, inputs: dict[str, Any]) -> None:
+        x = inputs.get("input_ids", inputs.get("inputs_embeds"))
+        if x is not None:
+            self.tokens += int(x.shape[0] * x.shape[1])
+            self.seq_len = int(x.shape[1])
+
+    def take(self) -> tuple[int, float, int]:
+        now = time.perf_counter()
+        out = (self.tokens, now - self.start, self.seq_len)
+        self.start, self.tokens = now, 0
+        return out

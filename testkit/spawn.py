@@ -110,6 +110,15 @@ class Pool:
             os.unlink(self._init_file)
 
 
+def launcher_env() -> None:
+    """In a pool worker (whose gloo group is up), set the variables a launcher would (``RANK``,
+    ``WORLD_SIZE``, ...), so that accelerate and ``Trainer`` see the distributed run."""
+    import torch.distributed as dist
+
+    world, rank = str(dist.get_world_size()), str(dist.get_rank())
+    os.environ.update(RANK=rank, WORLD_SIZE=world, LOCAL_RANK=rank, LOCAL_WORLD_SIZE=world, MASTER_ADDR="127.0.0.1")
+
+
 _POOLS: dict[int, Pool] = {}
 
 

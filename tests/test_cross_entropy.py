@@ -122,6 +122,52 @@ def test_frozen_head_and_no_targets():
         chunked_causal_lm_loss(hidden, head, none[:, :5])
 
 
+def test_a_shard_without_targets_stays_in_the_graph():
+    """A rank whose shard holds no target (answer-only SFT, passkey data) must still run a backward
+    that reaches the head and the hidden states, with zero gradients, whatever the head: else DDP and
+    FSDP, which reduce gradients across ranks, would raise or hang on that rank."""
+
+    class Wrapped(torch.nn.Module):  # a head that is not an nn.Linear: the checkpointed path
+        def __init__(self):
+            super().__init__()
+            self.inner = torch.nn.Linear(8, 11)
+
+        def forward(self, x):
+            return self.inner(x)
+
+    class SubLinear(torch.nn.Linear):  # a subclass with the stock forward, like FSDP2's FSDPLinear
+        pass
+
+    none = torch.full((1, 9), -100)
+    for head in (torch.nn.Linear(8, 11), SubLinear(8, 11), Wrapped()):
+        hidden = torch.randn(1, 9, 8, requires_grad=True)
+        loss = chunked_causal_lm_loss(hidden, head, none, num_items_in_batch=5)
+        assert loss.item() == 0.0 and loss.requires_grad, type(head).__name__
+        loss.backward()
+        assert hidden.grad is not None and hidden.grad.abs().max() == 0
+        grads = [p.grad for p in head.parameters()]
+        assert all(g is not None and g.abs().max() == 0 for g in grads), type(head).__name__
+
+
+def test_linear_subclasses_take_the_fused_path():
+    """An nn.Linear subclass with the stock forward (FSDP2's FSDPLinear) reads its weight directly;
+    one whose forward is replaced on the instance runs as a module."""
+
+    class SubLinear(torch.nn.Linear):
+        pass
+
+    torch.manual_seed(0)
+    head = SubLinear(16, 101)
+    hidden = torch.randn(1, 29, 16, requires_grad=True)
+    labels = _labels((1, 29), 101, seed=2)
+    ref, *_ = _reference(hidden, head.weight, head.bias, labels, None)
+    loss = chunked_causal_lm_loss(hidden, head, labels, chunk_size=6)
+    assert loss.grad_fn.name().startswith("_ChunkedLinearCE") and rel_err(loss, ref) < 1e-6
+    head.forward = lambda x: F.linear(x, head.weight, head.bias) * 2.0  # an instance-level forward
+    doubled = chunked_causal_lm_loss(hidden, head, labels, chunk_size=6)
+    assert not doubled.grad_fn.name().startswith("_ChunkedLinearCE") and abs(doubled.item() - ref.item()) > 0.1
+
+
 # --- inside a model ---------------------------------------------------------------------------
 
 

@@ -3,7 +3,8 @@
 - ``hf_ring/ops``: torch and the standard library only, imports inside ``ops`` only, no process
   globals (no ``global`` statement, no thread-locals);
 - ``hf_ring/parallel.py``: torch and ``ops``;
-- only ``hf_ring/transformers``, the trainers and ``hf_ring/evaluation`` import transformers or peft
+- only ``hf_ring/transformers``, ``hf_ring/trainer.py``, ``hf_ring/training`` and ``hf_ring/evaluation``
+  import transformers, peft, datasets or trl
   (``hf_ring/data`` may use accelerate's data loader);
 - no runtime module imports the test or benchmark helpers; ``testkit`` imports neither ``tests``
   nor ``benchmarks``; ``benchmarks`` does not import ``tests``.
@@ -75,9 +76,10 @@ def test_parallel_imports_only_torch_and_ops() -> None:
 
 def test_only_the_glue_imports_transformers() -> None:
     """transformers is imported by the glue, the trainers and the evaluation only; accelerate also by ``data``."""
-    glue = {PKG / "trainer.py", PKG / "train.py", PKG / "__init__.py"}
+    glue = {PKG / "trainer.py", PKG / "__init__.py"}
+    # hf_ring/training: the recipe runner around RingTrainer (recipes, datasets, PEFT export, TRL)
     for path in files(PKG):
-        if path.is_relative_to(PKG / "transformers") or path in glue:
+        if path.is_relative_to(PKG / "transformers") or path.is_relative_to(PKG / "training") or path in glue:
             continue
         if path.is_relative_to(PKG / "evaluation"):  # loads models, tokenizers and PEFT adapters, as the trainers do
             continue

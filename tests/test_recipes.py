@@ -1,5 +1,5 @@
 """Recipes (``hf_ring.recipes``): shipped as package data and found through importlib.resources, read
-by path or by name in one place (the trainer's config uses the same reader), and their stated memory
+by path or by name in one place (the training runner uses the same reader), and their stated memory
 rewritten from the planner."""
 
 from __future__ import annotations
@@ -16,12 +16,13 @@ from hf_ring.recipes import (
     packaged_recipes,
     read_recipe,
     recipe_model,
+    recipe_model_config,
     recipe_path,
     recipe_plan,
     recipe_settings,
     write_recipe_memory,
 )
-from hf_ring.train import TrainConfig
+from hf_ring.training.recipe import parse_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 NAMES = ["llama-3.1-8b-128k", "llama-3.1-8b-1m", "qwen2.5-7b-256k", "tiny-cpu-demo", "tiny-cpu-demo-pretrain"]
@@ -61,11 +62,59 @@ def test_recipe_path_by_name_or_file(tmp_path: Path, monkeypatch: pytest.MonkeyP
         read_recipe(bad)
 
 
-def test_train_config_reads_recipes_through_the_shared_reader(tmp_path: Path) -> None:
-    by_name = TrainConfig.from_yaml("llama-3.1-8b-128k")
-    assert by_name == TrainConfig.from_yaml(RECIPES_DIR / "llama-3.1-8b-128k.yaml")
-    assert by_name == TrainConfig(**read_recipe("llama-3.1-8b-128k"))
-    assert TrainConfig.from_yaml("tiny-cpu-demo", output_dir=str(tmp_path)).output_dir == str(tmp_path)
+def test_training_runner_reads_recipes_through_the_shared_reader(tmp_path: Path) -> None:
+    by_name = parse_recipe(source="llama-3.1-8b-128k")
+    by_path = parse_recipe(source=RECIPES_DIR / "llama-3.1-8b-128k.yaml")
+    raw = read_recipe("llama-3.1-8b-128k")
+    assert by_name.args.to_dict() == by_path.args.to_dict()
+    assert (by_name.model, by_name.lora, by_name.data) == (raw["model"], raw["lora"], raw["data"])
+    assert by_name.args.learning_rate == raw["learning_rate"] and by_name.args.cp_size == raw["cp_size"]
+    assert parse_recipe(["--output_dir", str(tmp_path)], source="tiny-cpu-demo").args.output_dir == str(tmp_path)
+
+
+@pytest.mark.parametrize("path", packaged_recipes(), ids=lambda p: p.name)
+def test_every_recipe_parses_and_builds_its_model_config(path: Path) -> None:
+    """Each recipe parses into RingTrainingArguments (its fields, with transformers' own validation)
+    and its model section into a transformers config, nothing downloaded: hub models from the
+    planner's catalogue, an ``init_from`` run from the recipe that writes it; the model is then
+    built on the meta device, which checks the overrides (RoPE scaling, ...) too."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from hf_ring.trainer import RingTrainingArguments
+    from hf_ring.training.data import stages_of
+    from hf_ring.training.recipe import model_config
+
+    r = parse_recipe(["--output_dir", "runs/parse-test"], source=path)
+    assert isinstance(r.args, RingTrainingArguments) and r.args.max_steps > 0
+    assert r.args.train_batch_size >= 1 and r.args.cp_size >= 1
+    for stage in stages_of(r.data):
+        assert stage["seq_len"] >= 2 * r.args.cp_size
+    fields = recipe_model_config(path)
+    config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    if "config" in r.model and not r.model.get("init_from"):
+        assert model_config(r.model).to_dict() == config.to_dict()  # the runner's own builder agrees
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="ring")
+    assert model.config.vocab_size == config.vocab_size
+    if r.lora:
+        from peft import LoraConfig
+
+        assert set(LoraConfig(**r.lora).target_modules) <= {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
+
+
+def test_recipe_flags_override_fields_and_sections(tmp_path: Path) -> None:
+    r = parse_recipe(
+        ["--max_steps", "4", "--output_dir", str(tmp_path), "--data.seq_len", "4096", "--lora.r=8"]
+        + ["--tiled_mlp", "1024"],
+        source="llama-3.1-8b-128k",
+    )
+    assert (r.args.max_steps, r.args.output_dir, r.args.tiled_mlp) == (4, str(tmp_path), 1024)
+    assert r.data["seq_len"] == 4096 and r.lora["r"] == 8 and r.lora["lora_alpha"] == 32
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: {name_or_path: x}\ndata: {seq_len: 64}\nmax_steps: 1\nbatch_size: 4\noutput_dir: o\n")
+    with pytest.raises(ValueError, match=r"\['batch_size'\] are neither RingTrainingArguments fields"):
+        parse_recipe(source=bad)
 
 
 def test_recipe_settings_and_model() -> None:

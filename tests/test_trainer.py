@@ -135,3 +135,34 @@ def test_cp_size_without_launcher_raises(monkeypatch) -> None:
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     with pytest.raises(RuntimeError, match="torchrun --nproc_per_node 2"):
         RingTrainer(model=None, cp_size=2)
+
+
+def test_model_side_options_train_like_plain_trainer(tmp_path) -> None:
+    """RingTrainingArguments' model-side options (chunked loss, tiled MLP, activation checkpointing
+    with offload) are put on the model by RingTrainer and leave the training unchanged: one process,
+    3 steps, against plain Trainer on the same data."""
+    from transformers import Trainer, TrainingArguments
+
+    from hf_ring.trainer import RingTrainer, RingTrainingArguments
+    from testkit.models import tiny_model
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from trainer_run import Samples
+
+    common = dict(max_steps=3, per_device_train_batch_size=2, learning_rate=0.1, optim="sgd", logging_steps=1,
+                  report_to="none", use_cpu=True, disable_tqdm=True, save_strategy="no", seed=0)  # fmt: skip
+    plain = Trainer(model=tiny_model("llama", "sdpa"), args=TrainingArguments(str(tmp_path / "a"), **common),
+                    train_dataset=Samples(12, 1))  # fmt: skip
+    plain.train()
+    options = dict(tiled_mlp=8, activation_checkpointing=True, activation_offload=True)
+    ring = RingTrainer(model=tiny_model("llama", "ring"), args=RingTrainingArguments(str(tmp_path / "b"), **common,
+                       **options), train_dataset=Samples(12, 1))  # fmt: skip
+    lm = ring.model
+    assert hasattr(lm, "_hf_ring_chunked") and hasattr(lm, "_hf_ring_offload")
+    assert all(hasattr(layer.mlp, "_hf_ring_tiled") for layer in lm.model.layers)
+    ring.train()
+    assert lm.is_activation_checkpointing
+    losses = [[h["loss"] for h in t.state.log_history if "loss" in h] for t in (ring, plain)]
+    assert len(losses[0]) == 3 and losses[0] == pytest.approx(losses[1], rel=1e-5)
+    with pytest.raises(ValueError, match="activation_offload=True needs activation_checkpointing"):
+        RingTrainingArguments(str(tmp_path / "c"), activation_offload=True, use_cpu=True)

@@ -1,9 +1,14 @@
-"""Training under DP x CP: exact optimizer steps with DDP, CP=4 against CP=1 over 20 steps,
-exact resume, data for DP x CP, and the accelerate configs of the recipes."""
+"""Training under DP x CP through the one training path (``RingTrainer``, driven by the recipe
+runner ``hf_ring.training.run``): CP=4 against CP=1 over 20 steps of a two-stage curriculum, exact
+resume from the last checkpoint of ``output_dir``, a documents recipe (datasets, tokeniser, padding,
+TensorBoard), gradients of torch's DDP and FSDP2 against one process, data for DP x CP, and the
+accelerate configs of the recipes (one launched as two "nodes" on loopback)."""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -11,15 +16,14 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+import yaml
 from torch.utils.data import DataLoader
 
 import hf_ring
 from hf_ring.data.passkey import VOCAB, PasskeyDataset
-from hf_ring.recipes import packaged_recipes
-from hf_ring.train import TrainConfig, Trainer, run
 from testkit.models import tiny_model
 from testkit.oracle import rel_err
-from testkit.spawn import run_ranks
+from testkit.spawn import launcher_env, run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = {
@@ -35,63 +39,113 @@ TINY = {
 }
 
 
-def _launcher_env() -> None:
-    """Pool workers already share a gloo group; tell accelerate about it as a launcher would."""
-    os.environ.update(
-        RANK=str(dist.get_rank()),
-        WORLD_SIZE=str(dist.get_world_size()),
-        LOCAL_RANK=str(dist.get_rank()),
-        LOCAL_WORLD_SIZE=str(dist.get_world_size()),
-        MASTER_ADDR="127.0.0.1",
-        OMP_NUM_THREADS="1",
+def _recipe(path: Path, data: dict, **fields) -> Path:
+    base = dict(
+        per_device_train_batch_size=2,
+        learning_rate=3e-3,
+        lr_scheduler_type="cosine_with_min_lr",
+        lr_scheduler_kwargs={"min_lr_rate": 0.1},
+        warmup_steps=2,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        seed=0,
+        output_dir=str(path.parent / "out"),
     )
+    path.write_text(yaml.safe_dump({"model": {"config": TINY}, "data": data, **base, **fields}))
+    return path
 
 
-def _config(**kw) -> TrainConfig:
-    base = dict(model={"config": TINY}, stages=[{"seq_len": 37, "steps": 3}], lr=1e-3, max_grad_norm=None)
-    return TrainConfig(**{**base, **kw})
+def recipe_run(recipe: str, argv: list[str]) -> dict:
+    """The recipe runner on this rank; returns its summary and logged steps."""
+    from hf_ring.training.recipe import parse_recipe
+    from hf_ring.training.run import run
+
+    launcher_env()
+    parsed = parse_recipe(argv, source=recipe)
+    summary = run(parsed)
+    path = Path(parsed.args.output_dir) / "metrics.jsonl"
+    logs = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return {"summary": summary, "logs": logs}
 
 
-# --- one optimizer step under DP=2 x CP=2 equals one process on both sequences ------------------
+# --- CP=4 against CP=1 over 20 steps; exact resume ----------------------------------------------
 
 
-def _reference_step(cfg: TrainConfig, samples: list[dict]) -> tuple[dict, dict]:
-    """One AdamW step of one process, float64, on all ``samples`` as one batch:
-    (gradients, parameters after the step)."""
-    from hf_ring.train import build_model
-
-    model = build_model(cfg, attn="sdpa").double()
-    batch = {k: torch.stack([s[k] for s in samples]) for k in samples[0]}
-    model(**batch).loss.backward()
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-    torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay).step()
-    return grads, {n: p.detach() for n, p in model.named_parameters()}
-
-
-def dp_cp_step(grad_accum: int) -> dict[str, dict[str, float]]:
-    """Through hf_ring.train.Trainer (accelerate's DDP over all 4 ranks): the gradients of the
-    step (after DDP's averaging) and the parameters after AdamW, against one float64 process."""
-    _launcher_env()
-    cfg = _config(cp_size=2, grad_accum=grad_accum, lr=1e-3)
-    trainer = Trainer(cfg)
-    model = trainer.accelerator.unwrap_model(trainer.model)
-    trainer.forward_backward()
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-    trainer.optimizer_step()
-    ds = PasskeyDataset(seq_len=37, seed=0)  # the trainer's first stage: samples 0, 1, ... in step order
-    want_grads, want_params = _reference_step(cfg, [ds[i] for i in range(2 * grad_accum)])
-    return {
-        "grad": {n: rel_err(grads[n], g) for n, g in want_grads.items()},
-        "param": {n: rel_err(p, want_params[n]) for n, p in model.named_parameters()},
-    }
+def test_cp4_losses_match_cp1_over_20_steps(tmp_path: Path) -> None:
+    stages = [{"seq_len": 48, "steps": 10}, {"seq_len": 64, "steps": 10}]
+    recipe = str(_recipe(tmp_path / "r.yaml", {"task": "passkey", "stages": stages}))
+    ring = run_ranks(4, recipe_run, recipe, ["--cp_size", "4", "--output_dir", str(tmp_path / "cp4")], timeout=400)
+    one = run_ranks(1, recipe_run, recipe, ["--cp_size", "1", "--output_dir", str(tmp_path / "cp1")], timeout=400)
+    ring_logs, one_logs = ring[0]["logs"], one[0]["logs"]
+    assert [h["step"] for h in ring_logs] == [h["step"] for h in one_logs] == list(range(1, 21))
+    assert [h["seq_len"] for h in ring_logs] == [48] * 10 + [64] * 10  # the curriculum, step by step
+    for h1, h2 in zip(ring_logs, one_logs):
+        assert abs(h1["loss"] - h2["loss"]) <= 1e-4, f"step {h1['step']}: CP=4 loss {h1['loss']}, CP=1 {h2['loss']}"
+        assert h1["tokens_per_second"] > 0
+    assert ring_logs[-1]["loss"] < ring_logs[0]["loss"]  # it trains
+    assert ring[0]["summary"]["cp_size"] == 4 and ring[0]["summary"]["dp_size"] == 1
+    assert (tmp_path / "cp4" / "final" / "model.safetensors").exists()
 
 
-@pytest.mark.parametrize("grad_accum", [1, 2])
-def test_dp2_cp2_step_equals_single_process(grad_accum: int) -> None:
-    for rank, errs in enumerate(run_ranks(4, dp_cp_step, grad_accum)):
-        for kind in ("grad", "param"):
-            for name, e in errs[kind].items():
-                assert e <= 1e-5, f"rank {rank}: {kind} of {name} rel err {e:.2e}"
+def test_runner_resumes_from_the_last_checkpoint_exactly(tmp_path: Path) -> None:
+    """Stopped after step 4 (mid-way through the second stage), a run picks up its last checkpoint
+    and logs exactly the losses of the uninterrupted run: model, optimizer, schedule, RNG and the
+    position in the staged data are restored."""
+    stages = [{"seq_len": 40, "steps": 3}, {"seq_len": 48, "steps": 5}]
+    recipe = str(_recipe(tmp_path / "r.yaml", {"task": "passkey", "stages": stages}, cp_size=2))
+    args = ["--save_strategy", "steps", "--save_steps", "4"]
+    whole = run_ranks(2, recipe_run, recipe, [*args, "--output_dir", str(tmp_path / "whole")], timeout=300)[0]
+    split = tmp_path / "split"
+    split.mkdir()
+    shutil.copytree(tmp_path / "whole" / "checkpoint-4", split / "checkpoint-4")  # as if preempted after step 4
+    resumed = run_ranks(2, recipe_run, recipe, [*args, "--output_dir", str(split)], timeout=300)[0]
+    assert "accuracy_before" not in resumed["summary"]
+    want = {h["step"]: h["loss"] for h in whole["logs"] if h["step"] > 4}
+    got = {h["step"]: h["loss"] for h in resumed["logs"] if h["step"] > 4}
+    assert list(want) == [5, 6, 7, 8] and got == want, f"resumed {got} vs uninterrupted {want}"
+
+
+def test_documents_recipe_in_one_process(tmp_path: Path) -> None:
+    """Text documents, tokenised with the recipe's tokenizer, one document per padded window;
+    TensorBoard logs; metrics with sequence length and throughput; the final model."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "</s>": 1, "<unk>": 2, **{f"w{i}": i + 3 for i in range(VOCAB - 3)}}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="</s>", pad_token="<pad>", unk_token="<unk>")
+    tok.save_pretrained(tmp_path / "tok")
+    g = torch.Generator().manual_seed(0)
+    docs = [" ".join(f"w{int(i)}" for i in torch.randint(0, VOCAB - 3, (int(n),), generator=g))
+            for n in torch.randint(20, 90, (24,), generator=g)]  # fmt: skip
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    data = {"path": str(tmp_path / "docs.jsonl"), "text_field": "text", "tokenizer": str(tmp_path / "tok"),
+            "seq_len": 64, "boundaries": "pad"}  # fmt: skip
+    recipe = str(_recipe(tmp_path / "r.yaml", data, max_steps=3, report_to="tensorboard"))
+    res = run_ranks(1, recipe_run, recipe, [], timeout=300)[0]
+    logs, out = res["logs"], tmp_path / "out"
+    assert [h["step"] for h in logs] == [1, 2, 3] and all(h["seq_len"] == 64 for h in logs)
+    assert list(out.glob("runs/*/events.out.tfevents.*")), "report_to tensorboard wrote no event file"
+    assert (out / "final" / "config.json").exists() and (out / "final" / "tokenizer.json").exists()
+    assert json.loads((out / "summary.json").read_text())["steps"] == 3
+
+
+def test_plots_are_optional(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from hf_ring.training.plots import plot_loss, smooth
+
+    history = [{"step": i, "loss": 1.0 / i, "seq_len": 24 if i < 5 else 64} for i in range(1, 10)]
+    assert smooth([1.0, 1.0, 9.0, 1.0, 1.0], window=3) == [1.0, 1.0, 1.0, 1.0, 1.0]  # a spike drops out
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # not installed
+    assert plot_loss(history, tmp_path / "loss.png", "t") is False and not (tmp_path / "loss.png").exists()
+    monkeypatch.delitem(sys.modules, "matplotlib")
+    pytest.importorskip("matplotlib")
+    assert plot_loss(history, tmp_path / "loss.png", "t") and (tmp_path / "loss.png").exists()
+
+
+# --- gradients of torch's DDP and FSDP2 against one process ----------------------------------------
 
 
 def ddp_cp_step() -> dict[str, float]:
@@ -141,45 +195,6 @@ def test_fsdp2_gradients_equal_single_process() -> None:
         assert max(errs.values()) <= 1e-5, max(errs.items(), key=lambda kv: kv[1])
 
 
-# --- CP=4 against CP=1 over 20 steps; exact resume ----------------------------------------------
-
-
-def losses(cp_size: int, out: str, steps: int, stop_after: int | None = None) -> list[float]:
-    _launcher_env()
-    cfg = _config(
-        cp_size=cp_size,
-        stages=[{"seq_len": 64, "steps": steps}],
-        batch_size=2,
-        lr=3e-3,
-        warmup_steps=2,
-        schedule="cosine",
-        max_grad_norm=1.0,
-        output_dir=out,
-        stop_after=stop_after,
-    )
-    return [h["loss"] for h in run(cfg)["history"]]
-
-
-def test_cp4_losses_match_cp1_over_20_steps(tmp_path: Path) -> None:
-    ring = run_ranks(4, losses, 4, str(tmp_path / "cp4"), 20)[0]
-    one = run_ranks(1, losses, 1, str(tmp_path / "cp1"), 20)[0]
-    assert len(ring) == len(one) == 20
-    for step, (a, b) in enumerate(zip(ring, one), 1):
-        assert abs(a - b) <= 1e-4, f"step {step}: CP=4 loss {a:.6f}, CP=1 loss {b:.6f}"
-    assert ring[-1] < ring[0]  # it trains
-
-
-def test_resume_continues_exactly(tmp_path: Path) -> None:
-    whole = run_ranks(2, losses, 2, str(tmp_path / "whole"), 8)[0]
-    first = run_ranks(2, losses, 2, str(tmp_path / "split"), 8, 4)[0]
-    assert (tmp_path / "split" / "step-4" / "trainer_state.pt").exists()
-    resumed = run_ranks(2, losses, 2, str(tmp_path / "split"), 8)[0]
-    assert first == whole[:4]
-    assert resumed == whole, f"resumed {resumed[4:]} vs uninterrupted {whole[4:]}"
-    saved = sorted(p.name for p in (tmp_path / "split").iterdir())
-    assert "final" in saved and "adapter_config.json" not in saved
-
-
 # --- data for DP x CP ----------------------------------------------------------------------------
 
 
@@ -217,42 +232,20 @@ def test_accelerate_config_parses(path: Path) -> None:
 @pytest.mark.timeout(400)
 def test_two_node_launch_on_loopback(tmp_path: Path) -> None:
     """recipes/accelerate/cpu-2node.yaml: two 'nodes' of 2 processes each, DP=2 x CP=2."""
-    recipe = tmp_path / "tiny.yaml"
-    out = tmp_path / "out"
-    stages = "[{seq_len: 48, steps: 2}]"
-    recipe.write_text(f"model: {{config: {TINY}}}\ncp_size: 2\nstages: {stages}\noutput_dir: {out}\n")
+    recipe = _recipe(tmp_path / "tiny.yaml", {"task": "passkey", "stages": [{"seq_len": 48, "steps": 2}]}, cp_size=2)
     launch = [sys.executable, "-m", "accelerate.commands.launch"]
     cmd = [*launch, "--config_file", str(ROOT / "recipes/accelerate/cpu-2node.yaml")]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     nodes = [
         subprocess.Popen([*cmd, "--machine_rank", str(r), str(ROOT / "recipes/train.py"), str(recipe)], env=env,
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for r in (0, 1)
     ]  # fmt: skip
-    outs = [n.communicate(timeout=360)[0] for n in nodes]
+    try:
+        outs = [n.communicate(timeout=360)[0] for n in nodes]
+    finally:
+        for n in nodes:
+            n.kill()
     for n, out in zip(nodes, outs):
         assert n.returncode == 0, out[-3000:]
     assert '"dp_size": 2' in (tmp_path / "out" / "summary.json").read_text()
-
-
-@pytest.mark.parametrize("path", packaged_recipes(), ids=lambda p: p.name)
-def test_recipe_config_loads(path: Path) -> None:
-    cfg = TrainConfig.from_yaml(path)
-    assert cfg.total_steps > 0 and cfg.cp_size >= 1
-    for stage in cfg.stages:
-        assert stage["seq_len"] >= 2 * cfg.cp_size
-
-
-def test_tokens_task_packs_documents(tmp_path: Path) -> None:
-    import json
-
-    data = tmp_path / "docs.jsonl"
-    data.write_text("".join(json.dumps({"input_ids": list(range(i, i + 50))}) + "\n" for i in range(10)))
-    cfg = _config(data={"task": "tokens", "path": str(data)}, stages=[{"seq_len": 64, "steps": 2}],
-                  output_dir=str(tmp_path / "out"))  # fmt: skip
-    summary = run(cfg)
-    assert summary["steps"] == 2 and summary["final_loss"] > 0
-    from hf_ring.data.text import PackedTokens
-
-    ds = PackedTokens(data, seq_len=64)
-    assert len(ds) == 500 // 64 and ds[0]["input_ids"].shape == (64,)

@@ -148,6 +148,18 @@ def test_left_padding_raises() -> None:
         hf_ring.shard_batch(batch)
 
 
+def test_position_offsets_and_padding_positions_are_one_document() -> None:
+    """Offset positions and collator positions inside the right padding are not packed documents
+    (packed ones are tested in tests/test_documents.py)."""
+    batch = tiny_batch(2, 12)
+    out = hf_ring.shard_batch({**batch, "position_ids": torch.arange(100, 112)[None]})  # an offset: one document
+    assert out["position_ids"][0, :3].tolist() == [100, 101, 102] and out["ring_context"].schedule is None
+    mask = (torch.arange(12) < 8).long().expand(2, 12)
+    padded = torch.cat((torch.arange(8), torch.zeros(4, dtype=torch.long))).expand(2, 12)  # collator padding
+    out = hf_ring.shard_batch({**batch, "attention_mask": mask, "position_ids": padded})
+    assert out["ring_context"].schedule is None
+
+
 def test_kv_cache_decoding_raises() -> None:
     model = tiny_model("llama", "ring").eval()
     ids = tiny_batch(1, 8)["input_ids"]

@@ -95,6 +95,12 @@ class _ChunkedLinearCE(torch.autograd.Function):
         )
 
 
+def _plain_linear(head: nn.Module) -> bool:
+    """``head`` computes ``F.linear(x, head.weight, head.bias)``: an ``nn.Linear`` (or a subclass such
+    as FSDP2's ``FSDPLinear``) whose forward is ``nn.Linear.forward``, not replaced on the instance."""
+    return isinstance(head, nn.Linear) and type(head).forward is nn.Linear.forward and "forward" not in vars(head)
+
+
 def _head_ce_sum(head: nn.Module, h: Tensor, target: Tensor) -> Tensor:
     logits = head(h).float()
     return F.cross_entropy(logits, target, reduction="sum")
@@ -113,9 +119,10 @@ def chunked_causal_lm_loss(
 
     Args:
         hidden: ``[..., T, H]``, the last hidden states (after the final norm).
-        head: the LM head. An ``nn.Linear`` (the usual case, tied or not) takes a fused path that
-            saves only a float32 log-sum-exp per row; any other module (a LoRA-wrapped head, say)
-            is run per chunk under activation checkpointing.
+        head: the LM head. An ``nn.Linear`` with the stock forward (the usual case, tied or not;
+            also an FSDP2-sharded one, whose weight is unsharded while the model runs) takes a fused
+            path that reads its weight directly and saves only a float32 log-sum-exp per row; any
+            other module (a LoRA-wrapped head, say) is run per chunk under activation checkpointing.
         shift_labels: ``[..., T]`` targets already shifted (``shift_labels[t]`` is the token
             after position ``t``), ``ignore_index`` where there is none.
         num_items_in_batch: the divisor of the summed loss (as in transformers); ``None``: the
@@ -124,7 +131,9 @@ def chunked_causal_lm_loss(
 
     Returns:
         a float32 scalar equal to ``ForCausalLMLoss`` on the full logits, with the same gradients
-        for ``hidden`` and the head's parameters.
+        for ``hidden`` and the head's parameters. It is connected to ``hidden`` and the head even
+        when no row has a target (zero loss, zero gradients), so that every rank of a DDP or FSDP
+        world runs the same backward.
     """
     h = hidden.reshape(-1, hidden.shape[-1])
     y = shift_labels.reshape(-1).to(h.device)
@@ -145,8 +154,10 @@ def chunked_causal_lm_loss(
         h, y = h.index_select(0, keep), y.index_select(0, keep)
     vocab = getattr(head, "out_features", None) or getattr(getattr(head, "weight", None), "shape", [0])[0]
     chunk = int(chunk_size or default_chunk_size(int(vocab)))
-    if type(head) is nn.Linear:
+    if _plain_linear(head):
         return _ChunkedLinearCE.apply(h, head.weight, head.bias, y, scale, chunk)
+    if h.shape[0] == 0:  # no target here: a zero that keeps the head and the hidden states in the graph
+        return head(h).float().sum() * 0.0
     total = hidden.new_zeros((), dtype=torch.float32)
     for s in range(0, h.shape[0], chunk):
         total = total + checkpoint(_head_ce_sum, head, h[s : s + chunk], y[s : s + chunk], use_reentrant=False)

@@ -10,7 +10,7 @@ input of a plan besides the model; ``terms``: the per-token activation terms; ``
 command line (``hf_ring.cli``). Background and measurements: docs/memory.md.
 """
 
-from .models import KNOWN_MODELS, LORA_TARGETS, ModelShape, model_shape
+from .models import KNOWN_MODELS, LORA_TARGETS, ModelShape, known_config, model_shape
 from .plan import GiB, Plan, max_seq_len, plan, smallest_cp
 from .settings import PlanSettings, tokens
 from .terms import activation_terms, ring_buffer_bytes
@@ -23,6 +23,7 @@ __all__ = [
     "Plan",
     "PlanSettings",
     "activation_terms",
+    "known_config",
     "max_seq_len",
     "model_shape",
     "plan",

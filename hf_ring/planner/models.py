@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["KNOWN_MODELS", "LORA_TARGETS", "ModelShape", "model_shape"]
+__all__ = ["KNOWN_MODELS", "LORA_TARGETS", "ModelShape", "known_config", "model_shape"]
 
 # Plain dicts of the published config.json fields that matter here (nothing is downloaded).
 KNOWN_MODELS: dict[str, dict[str, Any]] = {
@@ -115,6 +115,12 @@ class ModelShape:
         """Parameters of rank-``rank`` LoRA adapters on the ``targets`` linear layers of every layer."""
         shapes = self.linear_shapes()
         return self.layers * rank * sum(a + b for t, (a, b) in shapes.items() if t in targets)
+
+
+def known_config(name: str) -> dict[str, Any] | None:
+    """The catalogued config fields of a known model name (with or without its hub prefix), or None."""
+    key = _ALIASES.get(str(name).lower())
+    return dict(KNOWN_MODELS[key]) if key is not None else None
 
 
 def model_shape(source: str | dict[str, Any] | ModelShape) -> ModelShape:

@@ -1,18 +1,21 @@
 """Recipes: the YAML files that configure a run, read in one place.
 
-A recipe names a model (``model: {config | name_or_path | init_from, dtype, overrides}``), its
-stages (``[{seq_len, steps}]``), ``cp_size``, ``batch_size``, LoRA, checkpointing, offload and the
-other fields of ``hf_ring.train.TrainConfig``, and states the planner's memory per GPU in
-``memory_gb``. The recipes shipped with hf_ring live in this package (``hf_ring/recipes/*.yaml``,
-package data, found through ``importlib.resources``), so a bare name works from an installed wheel:
+A recipe holds ``RingTrainingArguments`` fields (``cp_size``, ``per_device_train_batch_size``,
+``activation_checkpointing``, ``tiled_mlp``, ``learning_rate``, ``output_dir``, ...) and the sections
+``model`` (``config | name_or_path | init_from``, ``dtype``, ``overrides``), ``lora`` (PEFT
+``LoraConfig`` fields), ``data`` (``seq_len`` or ``stages: [{seq_len, steps}]``, the source; see
+``hf_ring.training.data``) and ``memory_gb``, the planner's memory per GPU. The recipes shipped with
+hf_ring live in this package (``hf_ring/recipes/*.yaml``, package data, found through
+``importlib.resources``), so a bare name works from an installed wheel:
 
     hf-ring plan llama-3.1-8b-128k                 # or a path: hf-ring plan my-run.yaml
     hf-ring plan llama-3.1-8b-128k --write         # refresh its memory_gb line
+    accelerate launch ... recipes/train.py llama-3.1-8b-128k --max_steps 4
 
-``read_recipe`` parses one (``TrainConfig.from_yaml`` uses it); ``recipe_model``,
-``recipe_settings`` and ``recipe_plan`` give the planner's view of it; ``write_recipe_memory``
-writes the planner's figures back. Imports neither torch nor transformers (the package
-``hf_ring`` itself does).
+``read_recipe`` parses one (the training runner, ``hf_ring.training.recipe``, uses it);
+``recipe_model``, ``recipe_model_config``, ``recipe_settings`` and ``recipe_plan`` give the
+planner's view of it; ``write_recipe_memory`` writes the planner's figures back. Imports neither
+torch nor transformers (the package ``hf_ring`` itself does).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from typing import Any
 
 import yaml
 
-from ..planner import LORA_TARGETS, GiB, ModelShape, Plan, PlanSettings, model_shape, plan
+from ..planner import LORA_TARGETS, GiB, ModelShape, Plan, PlanSettings, known_config, model_shape, plan
 
 __all__ = [
     "RECIPES_DIR",
@@ -34,6 +37,7 @@ __all__ = [
     "read_recipe",
     "recipe_memory",
     "recipe_model",
+    "recipe_model_config",
     "recipe_path",
     "recipe_plan",
     "recipe_settings",
@@ -119,22 +123,61 @@ def recipe_model(source: Source) -> ModelShape:
     return _model(_load(path), path)
 
 
+def _seq_len(r: dict[str, Any]) -> int:
+    data = r.get("data") or {}
+    if data.get("stages"):
+        return max(int(s["seq_len"]) for s in data["stages"])
+    if "seq_len" not in data:
+        raise ValueError("a recipe's data section gives seq_len or stages: [{seq_len, steps}]")
+    return int(data["seq_len"])
+
+
+def _config_dict(recipe: dict[str, Any], where: Path) -> dict[str, Any]:
+    m = recipe["model"]
+    overrides = m.get("overrides") or {}
+    if "config" in m and not m.get("init_from"):
+        return {**m["config"], **overrides}
+    ref = m.get("init_from") or m.get("name_or_path")
+    cfg = _config_json(ref)
+    if cfg.exists():
+        return {**json.loads(cfg.read_text()), **overrides}
+    for other in sorted(where.parent.glob("*.yaml")):
+        r = _yaml(other)
+        out = r.get("output_dir") if isinstance(r, dict) else None
+        if out and other != where and str(Path(ref)).startswith(str(Path(out))):
+            return {**_config_dict(r, other), **overrides}
+    known = known_config(ref)
+    if known is None:
+        raise ValueError(f"{where.name}: no config for model {ref!r} without downloading it")
+    return {**known, **overrides}
+
+
+def recipe_model_config(source: Source) -> dict[str, Any]:
+    """The transformers config fields of a recipe's model (``model_type`` included), found as
+    ``recipe_model`` finds its shape, nothing downloaded: the inline config, a saved model's
+    ``config.json``, the recipe that writes an ``init_from`` run, or the catalogue's fields of a
+    known name; the recipe's ``overrides`` on top."""
+    path = _find(source)
+    return _config_dict(_load(path), path)
+
+
 def _settings(r: dict[str, Any]) -> PlanSettings:
     lora = r.get("lora")
     cp = int(r.get("cp_size", 1))
     stated = r.get("memory_gb") or {}
+    checkpointing = r.get("activation_checkpointing", r.get("gradient_checkpointing", False))
     return PlanSettings(
-        seq_len=max(s["seq_len"] for s in r["stages"]),
+        seq_len=_seq_len(r),
         gpus=int(stated.get("gpus", cp)),
         cp=cp,
         mode="lora" if lora else "full",
         lora_rank=(lora or {}).get("r", 16),
         lora_targets=tuple((lora or {}).get("target_modules", LORA_TARGETS)),
         dtype=r["model"].get("dtype", "float32"),
-        checkpointing=bool(r.get("gradient_checkpointing", False)),
+        checkpointing=bool(checkpointing),
         offload=bool(r.get("activation_offload", False)),
         chunked_loss=bool(r.get("chunked_loss", True)),
-        micro_batch=int(r.get("batch_size", 1)),
+        micro_batch=int(r.get("per_device_train_batch_size", 8)),
         tiled_mlp=r.get("tiled_mlp"),
         sharding=stated.get("sharding", "none"),
         gpu_gib=float(stated.get("gpu", 80)),
@@ -143,10 +186,12 @@ def _settings(r: dict[str, Any]) -> PlanSettings:
 
 
 def recipe_settings(source: Source) -> PlanSettings:
-    """The planner's settings of a recipe: its longest stage, ``cp_size``, ``batch_size``, dtype, LoRA
-    or full fine-tuning, checkpointing, offload, chunked loss and tiled MLP. The number of GPUs, the
-    sharding and the GPU size come from the launch, which the recipe states in ``memory_gb: {gpus,
-    sharding, gpu}`` (default: ``cp_size`` GPUs, no sharding, 80 GiB); no runtime reserve."""
+    """The planner's settings of a recipe: its ``data.seq_len`` (or longest stage), ``cp_size``,
+    ``per_device_train_batch_size``, dtype, LoRA or full fine-tuning, ``activation_checkpointing``
+    (or its alias ``gradient_checkpointing``), ``activation_offload``, ``chunked_loss`` and
+    ``tiled_mlp``. The number of GPUs, the sharding and the GPU size come from the launch, which the
+    recipe states in ``memory_gb: {gpus, sharding, gpu}`` (default: ``cp_size`` GPUs, no sharding,
+    80 GiB); no runtime reserve."""
     return _settings(read_recipe(source))
 
 

@@ -1,0 +1,71 @@
+"""``RingTrainingArguments``: ``TrainingArguments`` plus context parallelism and the model-side
+options of long sequences, and ``apply_model_options``, which puts those options on a model.
+``hf_ring.trainer`` re-exports both."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch import nn
+from transformers import TrainingArguments
+
+from ..transformers.patches import enable_activation_checkpointing, enable_chunked_loss, enable_tiled_mlp
+
+__all__ = ["RingTrainingArguments", "apply_model_options"]
+
+
+@dataclass
+class RingTrainingArguments(TrainingArguments):
+    """``TrainingArguments`` plus context parallelism and the model-side options of long sequences
+    (all accepted by ``HfArgumentParser``: ``--cp_size 4 --tiled_mlp 8192``)."""
+
+    cp_size: int = field(
+        default=1,
+        metadata={
+            "help": "Context-parallel group size: each sequence is split over this many processes "
+            '(needs attn_implementation="ring" when > 1). The world size must be a multiple of it; '
+            "world_size / cp_size is the number of data-parallel replicas."
+        },
+    )
+    chunked_loss: bool = field(
+        default=True,
+        metadata={
+            "help": "Compute the training loss from the last hidden states in chunks, never holding "
+            "[tokens, vocab] logits (hf_ring.enable_chunked_loss). Predictions still get full logits."
+        },
+    )
+    tiled_mlp: int | None = field(
+        default=None,
+        metadata={"help": "Run every gated MLP over tiles of this many tokens (hf_ring.enable_tiled_mlp); None: off."},
+    )
+    activation_offload: bool = field(
+        default=False,
+        metadata={
+            "help": "Keep the activations that checkpointed layers save in host memory "
+            "(hf_ring.enable_activation_checkpointing(offload=True)); needs activation_checkpointing."
+        },
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.activation_offload and not self.activation_checkpointing:
+            raise ValueError(
+                "RingTrainingArguments: activation_offload=True needs activation_checkpointing=True "
+                "(alias gradient_checkpointing): what is offloaded are the checkpointed layers' inputs."
+            )
+        if self.tiled_mlp is not None and self.tiled_mlp < 1:
+            raise ValueError(f"RingTrainingArguments: tiled_mlp must be >= 1 (tokens) or None, not {self.tiled_mlp}")
+
+
+def apply_model_options(model: nn.Module, args: TrainingArguments) -> nn.Module:
+    """Apply the model-side options of ``args`` (a ``RingTrainingArguments``; plain
+    ``TrainingArguments`` have none) to ``model``: chunked loss, tiled MLP, activation offload.
+    Idempotent; works on plain and PEFT models. Returns ``model``."""
+    if getattr(args, "chunked_loss", False):
+        enable_chunked_loss(model)
+    if getattr(args, "tiled_mlp", None):
+        enable_tiled_mlp(model, args.tiled_mlp)
+    if getattr(args, "activation_offload", False):
+        kwargs = dict(args.activation_checkpointing_kwargs or {})
+        enable_activation_checkpointing(model, offload=True, every_n_layers=kwargs.get("every_n_layers", 1))
+    return model
