@@ -138,9 +138,9 @@ def test_plots_are_optional(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
 
     history = [{"step": i, "loss": 1.0 / i, "seq_len": 24 if i < 5 else 64} for i in range(1, 10)]
     assert smooth([1.0, 1.0, 9.0, 1.0, 1.0], window=3) == [1.0, 1.0, 1.0, 1.0, 1.0]  # a spike drops out
-    monkeypatch.setitem(sys.modules, "matplotlib", None)  # not installed
-    assert plot_loss(history, tmp_path / "loss.png", "t") is False and not (tmp_path / "loss.png").exists()
-    monkeypatch.delitem(sys.modules, "matplotlib")
+    with monkeypatch.context() as m:  # matplotlib not installed; restored (submodules included) after
+        m.setitem(sys.modules, "matplotlib", None)
+        assert plot_loss(history, tmp_path / "loss.png", "t") is False and not (tmp_path / "loss.png").exists()
     pytest.importorskip("matplotlib")
     assert plot_loss(history, tmp_path / "loss.png", "t") and (tmp_path / "loss.png").exists()
 
