@@ -129,5 +129,6 @@ def shard(x: Tensor, *, dim: int = 1, group: dist.ProcessGroup | None = None) ->
 
 def unshard(x: Tensor, *, dim: int = 1, group: dist.ProcessGroup | None = None) -> Tensor:
     """Gather the zigzag shards of the CP group and restore global order along ``dim`` (inverse of
-    ``shard``; not differentiable): ``hf_ring.ops.zigzag.unshard`` with the default CP group."""
+    ``shard``; not differentiable): ``hf_ring.ops.zigzag.unshard`` with the default CP group. A packed
+    batch from ``shard_batch`` is laid out per document: gather it with ``ring_context.unshard``."""
     return _zigzag.unshard(x, dim=dim, group=default_group() if group is None else group)

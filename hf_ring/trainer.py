@@ -34,9 +34,10 @@ from torch import nn
 from transformers import Trainer, TrainingArguments
 
 from .data.loader import count_targets, prepare_dataloader
-from .parallel import ContextParallel, context_parallel_state, setup_context_parallel, unshard
+from .parallel import ContextParallel, context_parallel_state, setup_context_parallel
 from .training.arguments import RingTrainingArguments, apply_model_options
 from .transformers.batch import shard_batch
+from .transformers.context import KEY
 
 __all__ = ["RingTrainer", "RingTrainingArguments"]
 
@@ -269,7 +270,8 @@ class RingTrainer(Trainer):
         if self.dp_size > 1:
             loss = loss * self.dp_size
         if return_outputs and self._unshard_logits and "logits" in outputs:
-            outputs["logits"] = unshard(outputs["logits"], group=self._cp_group)[:, : inputs["labels"].shape[1]]
+            # the batch's context knows its layout (zigzag, or per document for packed batches)
+            outputs["logits"] = kwargs[KEY].unshard(outputs["logits"])[:, : inputs["labels"].shape[1]]
         return (loss, outputs) if return_outputs else loss
 
     # --- evaluation ---------------------------------------------------------------------------
@@ -287,8 +289,9 @@ class RingTrainer(Trainer):
             inputs = self._prepare_inputs(inputs)
             key = "input_ids" if "input_ids" in inputs else "inputs_embeds"
             with torch.no_grad():
-                out = model(**shard_batch(dict(inputs), group=self._cp_group))
-            logits = unshard(out["logits"], group=self._cp_group)[:, : inputs[key].shape[1]]
+                kwargs = shard_batch(dict(inputs), group=self._cp_group)
+                out = model(**kwargs)
+            logits = kwargs[KEY].unshard(out["logits"])[:, : inputs[key].shape[1]]
             return (None, logits, None)
         self._unshard_logits = not prediction_loss_only
         try:

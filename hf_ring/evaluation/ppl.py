@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from ..ops.cross_entropy import default_chunk_size
 from ..transformers.batch import shard_batch
 from ..transformers.context import KEY as CONTEXT_KEY
-from ..transformers.patches import _LOGIT_POSTPROCESSING, causal_lm, decoder
+from ..transformers.patches import causal_lm, decoder, logit_postprocessing
 from .runtime import EvalError, Runtime, check_ring, progress, read_jsonl
 
 __all__ = ["bucket_table", "documents", "evaluate_ppl", "position_nll"]
@@ -70,13 +70,12 @@ def documents(
 def check_head(model: nn.Module) -> None:
     """Raise ``EvalError`` for a model whose logits are not ``lm_head(hidden)``."""
     lm = causal_lm(model, "hf-ring eval ppl")
-    for name in _LOGIT_POSTPROCESSING:
-        value = getattr(lm.config, name, None)
-        if value not in (None, 1, 1.0):
-            raise EvalError(
-                f"{type(lm).__name__} post-processes its logits ({name}={value}); eval ppl computes "
-                "lm_head(hidden) in chunks and would not reproduce that"
-            )
+    post = logit_postprocessing(lm)
+    if post is not None:
+        raise EvalError(
+            f"{type(lm).__name__} post-processes its logits ({post}); eval ppl computes "
+            "lm_head(hidden) in chunks and would not reproduce that"
+        )
 
 
 class _LastHidden:

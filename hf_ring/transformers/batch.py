@@ -221,8 +221,9 @@ def _shard_packed(
     index = torch.full((size, b, local), n, dtype=torch.long)
     for i, (layout, _) in enumerate(layouts):
         for r, segs in enumerate(layout):
-            rows = [j for seg in segs for j in range(seg.start, seg.stop)]
-            index[r, i, : len(rows)] = torch.tensor(rows, dtype=torch.long)
+            if segs:
+                rows = torch.cat([torch.arange(seg.start, seg.stop) for seg in segs])
+                index[r, i, : rows.numel()] = rows
     if len({tuple(s) for s in starts}) == 1:
         schedule = layout_schedule(layouts[0][0], rank)
     else:

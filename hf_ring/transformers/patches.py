@@ -50,6 +50,16 @@ def decoder(lm: PreTrainedModel, caller: str) -> nn.Module:
 _LOGIT_POSTPROCESSING = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
 
 
+def logit_postprocessing(lm: PreTrainedModel) -> str | None:
+    """``"name=value"`` of the config field by which ``lm``'s logits differ from ``lm_head(hidden)``,
+    or ``None`` when they do not (then computing the head in chunks reproduces them)."""
+    for name in _LOGIT_POSTPROCESSING:
+        value = getattr(lm.config, name, None)
+        if value not in (None, 1, 1.0):
+            return f"{name}={value}"
+    return None
+
+
 class _SetAsideHiddenStates:
     """Decoder forward hook: for a labelled batch with a ``RingContext``, put the last hidden states
     on the context (the loss takes them from there) and hand the LM head zero positions."""
@@ -89,13 +99,12 @@ def enable_chunked_loss(model: nn.Module, chunk_size: int | None = None) -> nn.M
     lm = causal_lm(model, "enable_chunked_loss")
     if not isinstance(lm.get_output_embeddings(), nn.Module):
         raise TypeError(f"enable_chunked_loss: {type(lm).__name__} has no output embedding (lm_head)")
-    for name in _LOGIT_POSTPROCESSING:
-        value = getattr(lm.config, name, None)
-        if value not in (None, 1, 1.0):
-            raise ValueError(
-                f"enable_chunked_loss: {type(lm).__name__} post-processes its logits ({name}={value}), "
-                "which the chunked loss does not reproduce"
-            )
+    post = logit_postprocessing(lm)
+    if post is not None:
+        raise ValueError(
+            f"enable_chunked_loss: {type(lm).__name__} post-processes its logits ({post}), "
+            "which the chunked loss does not reproduce"
+        )
     disable_chunked_loss(model)
     lm._hf_ring_chunked = _SetAsideHiddenStates(lm, chunk_size)
     return model
