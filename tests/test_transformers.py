@@ -28,6 +28,39 @@ def test_register_is_idempotent_and_leaves_other_losses_alone() -> None:
     assert torch.allclose(model(**batch).loss, want, rtol=1e-6)
 
 
+def test_trainer_still_sees_a_causal_lm_loss(tmp_path) -> None:
+    """Trainer decides by identity (``LOSS_MAPPING[loss_type] is ForCausalLMLoss``) that position 0
+    of a row is no target; the wrapped loss must keep that answer, or plain Trainer and TRL's
+    SFTTrainer would count one extra target per row and scale every loss down."""
+    from transformers import Trainer, TrainingArguments
+    from transformers.loss import loss_utils
+
+    wrapped = LOSS_MAPPING["ForCausalLM"]
+    assert hasattr(wrapped, "hf_ring_original")
+    for key in ("ForCausalLM", "ForConditionalGeneration", "CsmForConditionalGeneration"):
+        assert LOSS_MAPPING[key] is wrapped, key
+    assert loss_utils.ForCausalLMLoss is wrapped
+    args = TrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True)
+    trainer = Trainer(model=tiny_model("llama", "sdpa"), args=args)
+    assert trainer._loss_shifts_labels
+    labels = torch.tensor([[5, 6, 7, -100], [8, -100, 9, 10]])
+    assert trainer._get_num_items_in_batch([{"labels": labels}], torch.device("cpu")) == 4
+
+
+def test_register_after_transformers_trainer_was_imported() -> None:
+    """``import hf_ring`` after ``transformers.trainer``: the name the trainer imported is rebound."""
+    import subprocess
+    import sys
+
+    code = (
+        "import transformers.trainer as t, hf_ring\n"
+        "from transformers.loss.loss_utils import LOSS_MAPPING\n"
+        "assert hasattr(t.ForCausalLMLoss, 'hf_ring_original')\n"
+        "assert LOSS_MAPPING['ForCausalLM'] is t.ForCausalLMLoss\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
 # --- shard_batch -------------------------------------------------------------------------------
 
 

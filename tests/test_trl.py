@@ -3,10 +3,8 @@ CP=2 logs the losses and gradient norms of single-process ``SFTTrainer`` with sd
 same prompt-completion data (TRL's tokenisation, completion-only labels, right padding, EOS),
 within 1e-5, in float32.
 
-(Prompt-completion data: with ``hf_ring`` imported, plain ``Trainer`` -- and so ``SFTTrainer`` --
-counts the label at position 0 of each sequence as a target when it is not -100, because its
-``_loss_shifts_labels`` test compares ``LOSS_MAPPING["ForCausalLM"]`` with ``ForCausalLMLoss`` by
-identity and hf_ring wraps that entry; ``RingTrainer`` counts next-token targets itself.)"""
+(Prompt-completion data: the first label of a row is not -100, so this also checks that, with
+``hf_ring`` imported, ``Trainer`` still counts next-token targets over ``labels[..., 1:]``.)"""
 
 from __future__ import annotations
 

@@ -10,6 +10,9 @@
 
 from __future__ import annotations
 
+import sys
+from typing import Any
+
 NAME = "ring"
 
 
@@ -31,5 +34,28 @@ def register() -> None:
     AttentionInterface.register(NAME, ring_attention_forward)
     AttentionMaskInterface.register(NAME, ring_mask)
     refuse_at_build(NAME)
-    if not hasattr(LOSS_MAPPING["ForCausalLM"], "hf_ring_original"):
-        LOSS_MAPPING["ForCausalLM"] = wrap_causal_lm_loss(LOSS_MAPPING["ForCausalLM"])
+    _wrap_causal_lm_loss(LOSS_MAPPING, wrap_causal_lm_loss)
+
+
+def _wrap_causal_lm_loss(mapping: dict, wrap: Any) -> None:
+    """Put the wrapped causal-LM loss wherever transformers refers to ``ForCausalLMLoss``.
+
+    Every ``LOSS_MAPPING`` entry that is ``ForCausalLMLoss`` (``ForCausalLM``,
+    ``ForConditionalGeneration``, ...) gets the wrapper, and so does the name ``ForCausalLMLoss``
+    itself, in ``transformers.loss.loss_utils`` and in every transformers module that imported it
+    already. Identity checks such as ``Trainer``'s ``LOSS_MAPPING[loss_type] is ForCausalLMLoss``
+    (which decides that position 0 of each row is not a target) keep their answer.
+    """
+    from transformers.loss import loss_utils
+
+    original = loss_utils.ForCausalLMLoss
+    if hasattr(original, "hf_ring_original"):
+        return
+    wrapped = wrap(original)
+    for key, fn in list(mapping.items()):
+        if fn is original:
+            mapping[key] = wrapped
+    for name, module in list(sys.modules.items()):
+        # __dict__, not getattr: transformers' lazy modules import on attribute access
+        if name.startswith("transformers") and vars(module).get("ForCausalLMLoss") is original:
+            module.ForCausalLMLoss = wrapped
