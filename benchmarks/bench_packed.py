@@ -15,7 +15,8 @@ Work of a rank = the score entries of its kernel calls (causal S x S blocks coun
 i.e. exactly the query-key pairs its tokens need. Reported per layout (median, p20, p80 over 20
 windows): ``max/mean`` rank work, padding overhead (padded tokens / tokens), the share of
 (query segment, key segment) pairs that share no document and so make no kernel call, and kernel
-calls per rank per layer.
+calls per rank per layer: block by block, and with a varlen kernel (flash-attn's, which takes a ring
+step's blocks in one call per mask kind).
 
     python -m benchmarks.bench_packed --throughput --out benchmarks/results/packed_throughput.jsonl
 
@@ -30,8 +31,10 @@ import argparse
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from benchmarks import harness as H
+from hf_ring.ops.ring import _varlen_calls
 from hf_ring.ops.schedule import Layout, Segment, balanced_layout, layout_schedule, zigzag_layout
 
 N = 128 * 1024
@@ -69,20 +72,23 @@ def contiguous_layout(starts: list[int], n: int, size: int) -> Layout:
     return layout
 
 
-def rank_work(layout: Layout) -> tuple[list[float], int, int]:
-    """Score entries per rank, and (calls made, segment pairs that share no document)."""
-    work, calls, skipped = [], 0, 0
+def rank_work(layout: Layout) -> tuple[list[float], int, int, int]:
+    """Score entries per rank, and (calls made, segment pairs that share no document, calls made by a
+    varlen kernel such as flash-attn's, which takes a step's blocks in one call per mask kind)."""
+    work, calls, skipped, varlen = [], 0, 0, 0
+    local = max((s.local + s.stop - s.start for segs in layout for s in segs), default=0)
     for r in range(len(layout)):
         total = 0.0
         for step, blocks in enumerate(layout_schedule(layout, r)):
             src = (r - step) % len(layout)
             skipped += sum(1 for q in layout[r] for k in layout[src] if q.doc != k.doc)
+            varlen += len(blocks) if len(blocks) < 2 else len(_varlen_calls(blocks, local, 1, torch.device("cpu")))
             for b in blocks:
                 sq, sk = b.q[1] - b.q[0], b.kv[1] - b.kv[0]
                 total += sq * (sq + 1) / 2 if b.causal else sq * sk
                 calls += 1
         work.append(total)
-    return work, calls, skipped
+    return work, calls, skipped, varlen
 
 
 def layouts(ls: list[int], size: int) -> dict[str, tuple[Layout, float]]:
@@ -109,15 +115,19 @@ def run(windows: int, sizes: tuple[int, ...]) -> list[dict]:
             acc: dict[str, dict[str, list[float]]] = {}
             for ls in samples:
                 for name, (layout, pad) in layouts(ls, p).items():
-                    work, calls, skipped = rank_work(layout)
-                    a = acc.setdefault(name, {"balance": [], "padding": [], "skipped": [], "calls": []})
+                    work, calls, skipped, varlen = rank_work(layout)
+                    a = acc.setdefault(
+                        name, {"balance": [], "padding": [], "skipped": [], "calls": [], "varlen_calls": []}
+                    )
+                    a["varlen_calls"].append(varlen / p)
                     a["balance"].append(max(work) / np.mean(work))
                     a["padding"].append(pad)
                     a["skipped"].append(skipped / max(1, skipped + calls))
                     a["calls"].append(calls / p)
             for name, a in acc.items():
                 for metric, unit in (("balance", "max/mean"), ("padding", "fraction"), ("skipped", "fraction"),
-                                     ("calls", "kernel calls per rank per layer")):  # fmt: skip
+                                     ("calls", "kernel calls per rank per layer"),
+                                     ("varlen_calls", "varlen kernel calls per rank per layer")):  # fmt: skip
                     med, p20, p80 = H.stats(a[metric])
                     rows.append({"name": f"packed_{metric}", "provider": name, "metric": unit, "x": mix, "P": p,
                                  "N": N, "median": med, "p20": p20, "p80": p80, "unit": unit, **meta,

@@ -200,6 +200,109 @@ def flash_attn_backward_26(
     return dq, dk, dv, softmax_d
 
 
+def _fa_check_varlen(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int) -> list:
+    """``mha_varlen_fwd``/``_bwd``'s checks on ``[total, H, D]`` tensors; returns the sequences' row spans.
+    Beyond the CUDA checks: a length above ``max_seqlen`` or ``cu_seqlens`` past the rows raise here (the
+    kernel would read out of bounds or skip rows silently)."""
+    for name, cu in (("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k)):
+        _check(cu.dtype == torch.int32, f"{name} must have dtype int32")
+        _check(cu.dim() == 1 and cu.is_contiguous(), f"{name} must be contiguous")
+    _check(cu_q.numel() == cu_k.numel(), "CHECK_SHAPE(cu_seqlens_k, batch_size + 1)")
+    for t in (q, k, v):
+        _check(t.dim() == 3 and t.stride(-1) == 1, "Input tensor must have contiguous last dimension")
+    _fa_check_inputs(q[None], k[None], v[None])
+    spans = []
+    for i in range(cu_q.numel() - 1):
+        q0, q1, k0, k1 = int(cu_q[i]), int(cu_q[i + 1]), int(cu_k[i]), int(cu_k[i + 1])
+        _check(0 <= q0 <= q1 <= q.shape[0] and 0 <= k0 <= k1 <= k.shape[0], "cu_seqlens beyond the rows")
+        _check(q1 - q0 <= max_q and k1 - k0 <= max_k, "a sequence longer than max_seqlen")
+        spans.append((q0, q1, k0, k1))
+    return spans
+
+
+def flash_attn_varlen_forward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float,
+    softmax_scale: float,
+    causal: bool,
+    window_size_left: int = -1,
+    window_size_right: int = -1,
+    softcap: float = 0.0,
+    alibi_slopes: Tensor | None = None,
+    return_softmax: bool = False,
+    block_table: Tensor | None = None,
+    leftpad_k: Tensor | None = None,
+    seqused_k: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``flash_attn_interface._flash_attn_varlen_forward`` of 2.7+: ``[total, H, D]`` rows,
+    ``softmax_lse [H, total_q]``; each sequence as the dense forward (bottom-right causal)."""
+    spans = _fa_check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    _check(block_table is None and leftpad_k is None and seqused_k is None and not return_softmax, "options")
+    out, lse = torch.zeros_like(q), torch.full((q.shape[1], q.shape[0]), float("inf"), dtype=torch.float32)
+    for q0, q1, k0, k1 in spans:
+        o, l_, _, _ = flash_attn_forward(
+            q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], dropout_p, softmax_scale, causal,
+            window_size_left, window_size_right, softcap, alibi_slopes, False,
+        )  # fmt: skip
+        out[q0:q1], lse[:, q0:q1] = o[0], l_[0]
+    return out, lse, torch.empty((0,), dtype=q.dtype), torch.empty((2,), dtype=torch.int64)
+
+
+def flash_attn_varlen_backward(
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    softmax_lse: Tensor,
+    dq: Tensor | None,
+    dk: Tensor | None,
+    dv: Tensor | None,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float,
+    softmax_scale: float,
+    causal: bool,
+    window_size_left: int,
+    window_size_right: int,
+    softcap: float,
+    alibi_slopes: Tensor | None,
+    deterministic: bool,
+    rng_state: Tensor | None = None,
+) -> Tensor:
+    """``flash_attn_interface._flash_attn_varlen_backward`` of 2.7+: fills ``dq, dk, dv`` (rows of no
+    sequence get zeros) from ``softmax_lse [H, total_q]``; returns ``softmax_d``."""
+    spans = _fa_check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    h, tq = q.shape[1], q.shape[0]
+    _check(softmax_lse.dtype == torch.float32, "softmax_lse must be float32")
+    _check(tuple(softmax_lse.shape) == (h, tq) and softmax_lse.is_contiguous(), "softmax_lse [H, total_q]")
+    grads = []
+    for name, g, ref in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
+        g = torch.empty_like(ref) if g is None else g
+        _check(g.shape == ref.shape and g.dtype == q.dtype and g.stride(-1) == 1, f"{name} shape/dtype")
+        g.zero_()
+        grads.append(g)
+    for t in (out, dout):
+        _check(t.shape == q.shape and t.dtype == q.dtype and t.stride(-1) == 1, "out/dout shape")
+    for q0, q1, k0, k1 in spans:
+        gq, gk, gv = (torch.empty_like(t[None, a:b]) for t, a, b in ((q, q0, q1), (k, k0, k1), (v, k0, k1)))
+        flash_attn_backward(
+            dout[None, q0:q1], q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], out[None, q0:q1],
+            softmax_lse[None, :, q0:q1].contiguous(), gq, gk, gv, dropout_p, softmax_scale, causal,
+            window_size_left, window_size_right, softcap, alibi_slopes, deterministic, rng_state,
+        )  # fmt: skip
+        grads[0][q0:q1], grads[1][k0:k1], grads[2][k0:k1] = gq[0], gk[0], gv[0]
+    return torch.zeros(h, tq + 128 * len(spans), dtype=torch.float32)
+
+
 def flash_attn_forward_25(q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slopes, return_softmax):
     raise AssertionError("not called: FlashAttnKernel refuses flash-attn without softcap")
 
@@ -216,9 +319,32 @@ _bwd_op = torch.library.custom_op(
     device_types="cpu",
 )
 
+_varlen_fwd_op = torch.library.custom_op(
+    "hf_ring_tests::flash_attn_varlen_forward",
+    flash_attn_varlen_forward,
+    mutates_args=("q", "k", "v"),
+    device_types="cpu",
+)
+_varlen_bwd_op = torch.library.custom_op(
+    "hf_ring_tests::flash_attn_varlen_backward",
+    flash_attn_varlen_backward,
+    mutates_args=("dq", "dk", "dv"),
+    device_types="cpu",
+)
+
 FAKES = {
-    "2.8-custom-op": SimpleNamespace(_flash_attn_forward=_fwd_op, _flash_attn_backward=_bwd_op),
-    "2.7-plain": SimpleNamespace(_flash_attn_forward=flash_attn_forward, _flash_attn_backward=flash_attn_backward),
+    "2.8-custom-op": SimpleNamespace(
+        _flash_attn_forward=_fwd_op,
+        _flash_attn_backward=_bwd_op,
+        _flash_attn_varlen_forward=_varlen_fwd_op,
+        _flash_attn_varlen_backward=_varlen_bwd_op,
+    ),
+    "2.7-plain": SimpleNamespace(
+        _flash_attn_forward=flash_attn_forward,
+        _flash_attn_backward=flash_attn_backward,
+        _flash_attn_varlen_forward=flash_attn_varlen_forward,
+        _flash_attn_varlen_backward=flash_attn_varlen_backward,
+    ),
     "2.6": SimpleNamespace(_flash_attn_forward=flash_attn_forward_26, _flash_attn_backward=flash_attn_backward_26),
 }
 

@@ -74,8 +74,45 @@ def balanced_shards(
     return index, [tuple(blk for row in per_row for blk in row[step]) for step in range(size)]
 
 
-def balanced_errors(case: str, hq: int, hkv: int, d: int, split_from: int | None = None) -> dict[str, float]:
-    """The per-document zigzag layout (shard_batch's for packed batches) against float64."""
+def kernel_for(backend: str) -> str | object:
+    """A backend name, or ``flash_attn:<version>``: FlashAttnKernel over a stand-in (varlen calls)."""
+    if backend.startswith("flash_attn:"):
+        from testkit.cuda_standins import make_kernel
+
+        return CountingKernel(make_kernel(backend))
+    return backend
+
+
+class CountingKernel:
+    """A kernel that counts its dense and varlen calls (forward and backward)."""
+
+    def __init__(self, inner: object) -> None:
+        self.inner, self.calls = inner, {"dense": 0, "varlen": 0}
+        self.name, self.heads_major = inner.name, inner.heads_major
+        self.varlen = getattr(inner, "varlen", False)
+
+    def forward(self, *a, **kw):  # type: ignore[no-untyped-def]
+        self.calls["dense"] += 1
+        return self.inner.forward(*a, **kw)
+
+    def backward(self, *a, **kw):  # type: ignore[no-untyped-def]
+        self.calls["dense"] += 1
+        return self.inner.backward(*a, **kw)
+
+    def varlen_forward(self, *a, **kw):  # type: ignore[no-untyped-def]
+        self.calls["varlen"] += 1
+        return self.inner.varlen_forward(*a, **kw)
+
+    def varlen_backward(self, *a, **kw):  # type: ignore[no-untyped-def]
+        self.calls["varlen"] += 1
+        return self.inner.varlen_backward(*a, **kw)
+
+
+def balanced_errors(
+    case: str, hq: int, hkv: int, d: int, split_from: int | None = None, backend: str = "auto"
+) -> dict[str, float]:
+    """The per-document zigzag layout (shard_batch's for packed batches) against float64; with a
+    counting kernel, also its ``dense_calls``/``varlen_calls`` and the schedule's ``steps``."""
     size, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
     lengths = CASES[case]
     n = sum(lengths[0])
@@ -91,7 +128,8 @@ def balanced_errors(case: str, hq: int, hkv: int, d: int, split_from: int | None
         return full.gather(1, index[..., None, None].expand(-1, -1, *t.shape[2:])).contiguous()
 
     loc = [take(t).requires_grad_(i < 3) for i, t in enumerate((q, k, v, dout))]
-    out = ring_attention(*loc[:3], schedule=sched)
+    kernel = kernel_for(backend)
+    out = ring_attention(*loc[:3], schedule=sched, backend=kernel)
     out.backward(loc[3])
     ref_in = [t.double().requires_grad_() for t in (q, k, v)]
     ref = oracle(*ref_in, doc_mask(starts, n))
@@ -104,7 +142,8 @@ def balanced_errors(case: str, hq: int, hkv: int, d: int, split_from: int | None
         # a rank may hold only one-token documents, whose exact dq is 0: judge those absolutely
         errs[name] = rel_err(got_r, want_r) if want_r.norm() > 1e-9 else float(got_r.norm())
     # dk, dv of a row are complete only after the ring: compare the gathered whole
-    for name, got, want in (("dk_all", loc[1].grad, ref_in[1].grad), ("dv_all", loc[2].grad, ref_in[2].grad)):
+    grads = zip(("dq_all", "dk_all", "dv_all"), (t.grad for t in loc[:3]), (t.grad for t in ref_in))
+    for name, got, want in grads:
         full = torch.zeros(b, n + 1, *got.shape[2:], dtype=torch.float64)
         parts = [torch.empty_like(got) for _ in range(size)]
         torch.distributed.all_gather(parts, got.contiguous())
@@ -112,6 +151,8 @@ def balanced_errors(case: str, hq: int, hkv: int, d: int, split_from: int | None
             idx_r = balanced_shards(starts, n, size, r, split_from)[0]
             full.scatter_(1, idx_r[..., None, None].expand_as(part), part.double())
         errs[name] = rel_err(full[:, :n], want)
+    if isinstance(kernel, CountingKernel):
+        errs.update(dense_calls=kernel.calls["dense"], varlen_calls=kernel.calls["varlen"], steps=len(sched))
     return errs
 
 
@@ -173,6 +214,27 @@ def test_document_ring_bf16_within_twice_sdpa(world: int) -> None:
     for r in run_ranks(world, documents_errors, "spanning_ranks", "bfloat16", 4, 2, 16):
         for k in ("out", "dq", "dk", "dv"):
             assert r[k] <= 2 * r[f"sdpa_{k}"] + 1e-3, (k, r)
+
+
+@pytest.mark.parametrize("version", ["2.8-custom-op", "2.7-plain"])
+@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("case", ["shorter_than_2p", "spanning_ranks", "length_one_and_many_small", "rows_differ"])
+def test_documents_through_flash_attn_varlen(world: int, case: str, version: str) -> None:
+    """flash-attn's varlen functions (stand-ins with the real signatures and checks): every step's
+    document blocks in at most two calls (causal, unmasked), forward and backward, no dense call;
+    exact against float64 with GQA and head_dim 80 (padded to 88 for the op). dQ is judged gathered: a
+    rank holding only 1-3 token documents has a near-zero dQ whose relative error measures the
+    stand-in's float32 cancellation (1.1e-5 with dense calls too)."""
+    for r in run_ranks(world, balanced_errors, case, 6, 2, 80, 1, f"flash_attn:{version}"):
+        assert max(r[k] for k in ("out", "dq_all", "dk_all", "dv_all")) <= 1e-5, r
+        assert r["dense_calls"] == 0 and 0 < r["varlen_calls"] <= 2 * 2 * r["steps"], r
+
+
+def test_flash_attn_26_documents_fall_back_to_dense_calls() -> None:
+    """flash-attn 2.6 (one window_size tuple): no varlen calls, still exact."""
+    (r,) = run_ranks(1, balanced_errors, "spanning_ranks", 4, 2, 16, 1, "flash_attn:2.6")
+    assert max(r[k] for k in ("out", "dq", "dk", "dv")) <= 1e-5, r
+    assert r["varlen_calls"] == 0 and r["dense_calls"] > 0, r
 
 
 def test_chunk_pairs_without_a_shared_document_make_no_call() -> None:

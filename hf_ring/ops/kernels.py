@@ -49,6 +49,10 @@ class BlockKernel(Protocol):
 
     ``heads_major``: the kernel reads K/V faster from ``[B, H, S, D]`` memory; the ring then keeps
     the K/V message it sends around in that order and hands the kernel ``[B, S, H, D]`` views of it.
+
+    Optional: a kernel with ``varlen = True`` also has ``varlen_forward``/``varlen_backward`` over
+    sequences packed along rows (``[T, H, D]`` with int32 cumulative lengths; ``FlashAttnKernel``),
+    and the ring then makes a step's packed-document blocks one call per mask kind.
     """
 
     name: str

@@ -197,6 +197,15 @@ class FlashAttnKernel:
     ``(out, q, k, v, out_padded, softmax_lse, S_dmask, rng_state)`` and its backward
     ``(dq, dk, dv, softmax_d)``. Both forms are handled; older releases (no ``softcap``) are not.
 
+    Packed documents (2.7+): ``_flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k,
+    max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_size_left, window_size_right,
+    softcap, alibi_slopes, return_softmax, ...) -> (out, softmax_lse [H, total_q], S_dmask, rng_state)``
+    on ``[total, H, D]`` tensors with int32 cumulative lengths, and ``_flash_attn_varlen_backward(dout,
+    q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+    dropout_p, softmax_scale, causal, window_size_left, window_size_right, softcap, alibi_slopes,
+    deterministic, rng_state) -> softmax_d``. The ring hands a step's document blocks to them in one call
+    per mask kind (``varlen = True``); with 2.6.x it calls the dense functions block by block.
+
     Layout is ``[B, S, H, D]`` natively and fewer K/V heads are accepted. Since 2.7 the CUDA op
     takes only head dims that are multiples of 8 (``flash_attn_func`` pads in Python), so other
     head dims are zero-padded here (the scale is passed explicitly, so scores do not change); above 256
@@ -215,6 +224,7 @@ class FlashAttnKernel:
         except (TypeError, ValueError):
             params = set()
         self.legacy = "window_size" in params  # 2.6.x
+        self.varlen = not self.legacy and hasattr(self.fa, "_flash_attn_varlen_forward")
         if "softmax_scale" in params and "softcap" not in params:
             raise ImportError(
                 "flash-attn is too old for hf_ring (its _flash_attn_forward has no softcap "
@@ -252,4 +262,35 @@ class FlashAttnKernel:
                 dout, q, k, v, out, lse, dq, dk, dv,
                 0.0, scale, causal, -1, -1, 0.0, None, False, None,
             )  # fmt: skip
+        return dq[..., :d], dk[..., :d], dv[..., :d]
+
+    def varlen_forward(
+        self, q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int, *, causal: bool,
+        scale: float,
+    ) -> tuple[Tensor, Tensor]:  # fmt: skip
+        """Sequences packed along rows: ``q [Tq, Hq, D]``, ``k, v [Tk, Hkv, D]``, ``cu_q/cu_k`` int32
+        ``[n + 1]`` -> ``out [Tq, Hq, D]``, ``lse [Tq, Hq]`` float32 (causal: square sequences only)."""
+        d = q.shape[-1]
+        _check_flash_head_dim(d, "flash-attn")
+        q, k, v = _pad8(q), _pad8(k), _pad8(v)
+        out, lse, _, _ = self.fa._flash_attn_varlen_forward(
+            q, k, v, cu_q, cu_k, max_q, max_k, 0.0, scale, causal, -1, -1, 0.0, None, False
+        )
+        return out[..., :d], lse.transpose(0, 1)
+
+    def varlen_backward(
+        self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, cu_q: Tensor, cu_k: Tensor,
+        max_q: int, max_k: int, *, causal: bool, scale: float,
+    ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+        """Gradients shaped like ``q, k, v`` (``[T, H, D]``) of ``varlen_forward``; ``out``/``lse``
+        (``[Tq, Hq]``) may be those of the merged attention."""
+        d = q.shape[-1]
+        _check_flash_head_dim(d, "flash-attn")
+        dout, q, k, v, out = (_pad8(t).contiguous() for t in (dout, q, k, v, out))
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        lse = lse.transpose(0, 1).to(torch.float32).contiguous()  # [H, Tq]
+        self.fa._flash_attn_varlen_backward(
+            dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_k, max_q, max_k,
+            0.0, scale, causal, -1, -1, 0.0, None, False, None,
+        )  # fmt: skip
         return dq[..., :d], dk[..., :d], dv[..., :d]

@@ -7,6 +7,11 @@ the dK/dV accumulators (float32) travel with the blocks and arrive back at their
 ``P`` hops. Each step's block results are freed before the next kernel call. One rank makes a
 single kernel call: no accumulators, no merge.
 
+Kernels with variable-length entry points (flash-attn's ``varlen`` functions: ``kernel.varlen``) get a
+step's many small blocks -- packed documents -- as at most two calls: one for the causal blocks on the
+diagonal and one for the unmasked ones (blocks with the same query rows share one key list). The rows
+are gathered into ``[total, H, D]`` and the results merged back row by row (``_VarlenCall``).
+
 The op is a pure function of its arguments: the ring it runs on (``Ring``, or a process group) and
 the block kernel (an object, or a backend name) are passed in; ``group=None`` is the world group.
 Defaults such as "the CP group of ``setup_context_parallel``" are resolved by the layers above
@@ -15,7 +20,9 @@ Defaults such as "the CP group of ``setup_context_parallel``" are resolved by th
 
 from __future__ import annotations
 
+import functools
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -70,6 +77,93 @@ def _single_block(steps: list[tuple[Block, ...]]) -> bool:
     return b.unit == 2 and b.q == (0, 2) and b.kv == (0, 2) and b.batch is None
 
 
+@dataclass(frozen=True, eq=False)
+class _VarlenCall:
+    """Several blocks of one ring step as one variable-length kernel call.
+
+    Sequence ``i`` is query rows ``q_idx[cu_q[i]:cu_q[i+1]]`` against key rows
+    ``k_idx[cu_k[i]:cu_k[i+1]]``, both indices into the ``B * S_local`` rows of a flattened
+    ``[B, S_local, H, D]`` tensor; no query row belongs to two sequences.
+    """
+
+    causal: bool
+    q_idx: Tensor  # int64 [Tq]
+    k_idx: Tensor  # int64 [Tk]
+    cu_q: Tensor  # int32 [n + 1]
+    cu_k: Tensor  # int32 [n + 1]
+    max_q: int
+    max_k: int
+
+
+@functools.lru_cache(maxsize=32)  # a batch's P steps, for a few batches
+def _varlen_calls(
+    blocks: tuple[Block, ...], n: int, batch: int, device: torch.device
+) -> tuple[Block | _VarlenCall, ...]:
+    """A step's blocks as at most two ``_VarlenCall`` (causal, unmasked), or the blocks themselves
+    when they do not fit that form (query rows shared by two sequences of one call, or a causal
+    block that is not square). Cached: a batch's schedule is the same for every layer."""
+    seqs: dict[bool, dict[tuple[int, int, int], list[tuple[int, int]]]] = {True: {}, False: {}}
+    for b in blocks:
+        qs, ks = b.rows(b.q, n), b.rows(b.kv, n)
+        if qs.stop <= qs.start or ks.stop <= ks.start:
+            continue
+        if b.causal and qs.stop - qs.start != ks.stop - ks.start:
+            return blocks
+        for row in range(*b.batch) if b.batch else range(batch):
+            seqs[b.causal].setdefault((row, qs.start, qs.stop), []).append((ks.start, ks.stop))
+    calls: list[Block | _VarlenCall] = []
+    for causal, group in seqs.items():
+        if not group:
+            continue
+        spans = sorted(group)
+        if any(a[0] == b[0] and b[1] < a[2] for a, b in zip(spans, spans[1:])):
+            return blocks  # overlapping query rows would be merged twice in one call
+        if causal and any(len(kv) > 1 for kv in group.values()):
+            return blocks
+        q_idx, k_idx, cu_q, cu_k = [], [], [0], [0]
+        for (row, q0, q1), kv in group.items():
+            q_idx.append(torch.arange(row * n + q0, row * n + q1))
+            k_idx.extend(torch.arange(row * n + k0, row * n + k1) for k0, k1 in kv)
+            cu_q.append(cu_q[-1] + q1 - q0)
+            cu_k.append(cu_k[-1] + sum(k1 - k0 for k0, k1 in kv))
+        lens_q = [b - a for a, b in zip(cu_q, cu_q[1:])]
+        lens_k = [b - a for a, b in zip(cu_k, cu_k[1:])]
+        calls.append(
+            _VarlenCall(
+                causal,
+                torch.cat(q_idx).to(device),
+                torch.cat(k_idx).to(device),
+                torch.tensor(cu_q, dtype=torch.int32, device=device),
+                torch.tensor(cu_k, dtype=torch.int32, device=device),
+                max(lens_q),
+                max(lens_k),
+            )
+        )
+    return tuple(calls)
+
+
+def _step_calls(
+    blocks: tuple[Block, ...], kernel: BlockKernel, n: int, batch: int, device: torch.device
+) -> tuple[Block | _VarlenCall, ...]:
+    """The kernel calls of one step: its blocks, or ``_VarlenCall``s for a varlen kernel."""
+    if len(blocks) < 2 or not getattr(kernel, "varlen", False) or kernel.heads_major:
+        return blocks
+    return _varlen_calls(blocks, n, batch, device)
+
+
+def _rows(t: Tensor) -> Tensor:
+    """``[B, S, ...]`` -> ``[B * S, ...]``, a view of contiguous ``t`` (the accumulators, K/V messages)."""
+    return t.view(t.shape[0] * t.shape[1], *t.shape[2:])
+
+
+def _take(t: Tensor, idx: Tensor) -> Tensor:
+    """Rows ``idx`` of the flattened ``[B * S, ...]`` rows of ``t [B, S, ...]``, without copying all of ``t``."""
+    if t.is_contiguous():
+        return _rows(t)[idx]
+    n = t.shape[1]
+    return t[idx // n, idx % n]
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, scale, schedule, kernel, ring):  # type: ignore[override]
@@ -98,7 +192,18 @@ class _RingAttention(torch.autograd.Function):
                 comm.send_recv(cur, bufs[(step + 1) % 2])
                 comm.commit()
             kvv = _kv_view(cur, hm)
-            for b in blocks:
+            for b in _step_calls(blocks, kernel, s_loc, q.shape[0], q.device):
+                if isinstance(b, _VarlenCall):
+                    o_b, l_b = kernel.varlen_forward(
+                        _take(q, b.q_idx), _take(kvv[0], b.k_idx), _take(kvv[1], b.k_idx),
+                        b.cu_q, b.cu_k, b.max_q, b.max_k, causal=b.causal, scale=scale,
+                    )  # fmt: skip
+                    o_acc, l_acc = _rows(out)[b.q_idx], _rows(lse)[b.q_idx]
+                    merge_(o_acc, l_acc, o_b, l_b)
+                    _rows(out).index_copy_(0, b.q_idx, o_acc)
+                    _rows(lse).index_copy_(0, b.q_idx, l_acc)
+                    del o_b, l_b, o_acc, l_acc
+                    continue
                 bs, qr, kr = _slices(b, s_loc)
                 o_b, l_b = kernel.forward(q[bs, qr], kvv[0, bs, kr], kvv[1, bs, kr], causal=b.causal, scale=scale)
                 merge_(out[bs, qr], lse[bs, qr], o_b, l_b)
@@ -137,7 +242,16 @@ class _RingAttention(torch.autograd.Function):
                 kv_comm.commit()
             grads = []
             kvv = _kv_view(cur, hm)
-            for b in blocks:
+            for b in _step_calls(blocks, kernel, s_loc, q.shape[0], q.device):
+                if isinstance(b, _VarlenCall):
+                    dq_b, dk_b, dv_b = kernel.varlen_backward(
+                        *(_take(t, b.q_idx) for t in (dout, q)), _take(kvv[0], b.k_idx), _take(kvv[1], b.k_idx),
+                        *(_take(t, b.q_idx) for t in (out, lse)), b.cu_q, b.cu_k, b.max_q, b.max_k,
+                        causal=b.causal, scale=ctx.scale,
+                    )  # fmt: skip
+                    _rows(dq).index_add_(0, b.q_idx, dq_b.to(acc_dtype))
+                    grads.append((b.k_idx, None, dk_b, dv_b))
+                    continue
                 bs, qr, kr = _slices(b, s_loc)
                 dq_b, dk_b, dv_b = kernel.backward(
                     dout[bs, qr], q[bs, qr], kvv[0, bs, kr], kvv[1, bs, kr], out[bs, qr], lse[bs, qr],
@@ -150,6 +264,10 @@ class _RingAttention(torch.autograd.Function):
             if dkv_comm is not None and step > 0:
                 dkv_comm.wait()  # acc now holds what earlier ranks added for this K/V block
             for bs, kr, dk_b, dv_b in grads:
+                if kr is None:  # a varlen call: bs holds its key rows
+                    _rows(accv[0]).index_add_(0, bs, dk_b.to(acc_dtype))
+                    _rows(accv[1]).index_add_(0, bs, dv_b.to(acc_dtype))
+                    continue
                 accv[0, bs, kr] += dk_b
                 accv[1, bs, kr] += dv_b
             grads = dq_b = dk_b = dv_b = None  # free this step's block gradients before the next kernel call
