@@ -107,7 +107,7 @@ def train_run(kind: str, out: str, save_steps: int = 0, resume: str | None = Non
             ids = PasskeyDataset(seq_len=SEQ, length=4, seed=7)[0]["input_ids"][None]
             res["logits"] = _logits(trainer, ids)
             res["ids"] = ids.numpy()
-            save_final(trainer, Path(out) / "final")
+            save_final(trainer, Path(out) / "final", merged=True)
     return res
 
 
@@ -166,6 +166,21 @@ def test_fsdp2_final_adapter_loads_with_peft(fsdp_whole) -> None:
     assert any(
         float(p.abs().sum()) > 0 for n, p in untrained.named_parameters() if "lora_B" in n
     )  # the adapter trained (lora_B starts at zero)
+
+
+def test_fsdp2_merged_model_loads_without_peft(fsdp_whole) -> None:
+    """``save_final(merged=True)``: the base model with the adapter merged in, from FSDP2 shards."""
+    from transformers import AutoModelForCausalLM
+
+    out, whole = fsdp_whole
+    merged = out / "final" / "merged"
+    model = AutoModelForCausalLM.from_pretrained(str(merged), attn_implementation="sdpa").eval()
+    assert not any("lora" in n for n, _ in model.named_parameters())
+    with torch.no_grad():
+        got = model(input_ids=torch.as_tensor(whole[0]["ids"])).logits.numpy()
+    want = whole[0]["logits"]
+    err = float(np.linalg.norm(got - want) / np.linalg.norm(want))
+    assert err <= 1e-5, f"logits of the merged model differ from the trained model's: rel err {err:.2e}"
 
 
 def different_dirs(root: str) -> str:

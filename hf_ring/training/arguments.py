@@ -46,6 +46,14 @@ class RingTrainingArguments(TrainingArguments):
         },
     )
 
+    save_merged_model: bool = field(
+        default=False,
+        metadata={
+            "help": "With LoRA, also write the final model with the adapter merged into the base weights "
+            "to output_dir/final/merged (loads with from_pretrained, without peft)."
+        },
+    )
+
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.activation_offload and not self.activation_checkpointing:

@@ -1,6 +1,7 @@
 """The final model of a run, in the formats that load without hf_ring: a LoRA adapter in PEFT's
 format (``PeftModel.from_pretrained(base, path)``), or a full model (``save_pretrained``), whatever
-the FSDP state-dict type of the checkpoints (``SHARDED_STATE_DICT`` checkpoints are for resume)."""
+the FSDP state-dict type of the checkpoints (``SHARDED_STATE_DICT`` checkpoints are for resume).
+Optionally also the base model with the adapter merged in (``from_pretrained`` without peft)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["full_state_dict", "save_final"]
+__all__ = ["full_state_dict", "merged_state_dict", "save_final"]
 
 
 def _is_main() -> bool:
@@ -40,9 +41,49 @@ def full_state_dict(model: nn.Module, trainable_only: bool) -> dict[str, torch.T
     return out
 
 
-def save_final(trainer: Any, path: str | os.PathLike) -> Path:
+def merged_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The base model's state with every LoRA ``Linear`` of the active adapter merged in:
+    ``W + scaling * B @ A`` (in float32, stored in ``W``'s dtype), keys as the base model names them.
+
+    ``model``: a ``PeftModel`` (sharded or not; only its module structure and LoRA scalings are read);
+    ``state``: its full state dict (``full_state_dict(model, trainable_only=False)``). DoRA and LoRA
+    on layers other than ``Linear`` are refused with ``ValueError``.
+    """
+    from peft.tuners.lora import Linear as LoraLinear
+    from peft.tuners.lora import LoraLayer
+
+    adapter = model.active_adapter
+    prefix = "base_model.model."
+    merged = dict(state)
+    for name, module in model.named_modules():
+        if not isinstance(module, LoraLayer) or adapter not in module.lora_A:
+            continue
+        if not isinstance(module, LoraLinear) or module.use_dora.get(adapter, False):
+            raise ValueError(
+                f"save_final(merged=True): cannot merge the adapter of {name} ({type(module).__name__}, "
+                f"DoRA={module.use_dora.get(adapter, False)}); only LoRA on Linear layers is merged. "
+                "Load the adapter with PeftModel.from_pretrained and call merge_and_unload() instead."
+            )
+        w_key = f"{name}.base_layer.weight"
+        a = merged.pop(f"{name}.lora_A.{adapter}.weight").float()
+        b = merged.pop(f"{name}.lora_B.{adapter}.weight").float()
+        delta = (b @ a) * module.scaling[adapter]
+        w = merged[w_key]
+        merged[w_key] = (w.float() + (delta.T if module.fan_in_fan_out else delta)).to(w.dtype)
+    out = {}
+    for key, t in merged.items():
+        if ".lora_" in key or ".original_module." in key:
+            continue  # other adapters' weights; modules_to_save keeps its trained copy below
+        key = key.removeprefix(prefix).replace(".base_layer.", ".").replace(f".modules_to_save.{adapter}.", ".")
+        out[key] = t
+    return out
+
+
+def save_final(trainer: Any, path: str | os.PathLike, *, merged: bool = False) -> Path:
     """Write the trained model of ``trainer`` (a ``RingTrainer`` after ``train()``) to ``path``:
-    a PEFT model's adapter in PEFT's format, any other model with ``save_pretrained``. Collective:
+    a PEFT model's adapter in PEFT's format, any other model with ``save_pretrained``. With
+    ``merged=True`` a PEFT model is also written whole, adapter merged into the base weights, to
+    ``path / "merged"`` (``AutoModelForCausalLM.from_pretrained`` loads it without peft). Collective:
     call it on every rank. Returns ``path``."""
     from peft import PeftModel
 
@@ -51,11 +92,22 @@ def save_final(trainer: Any, path: str | os.PathLike) -> Path:
     inner = trainer.accelerator.unwrap_model(model)
     peft = isinstance(inner, PeftModel)
     state = full_state_dict(inner, trainable_only=peft)
+    whole = full_state_dict(inner, trainable_only=False) if peft and merged else {}
     if _is_main():
         path.mkdir(parents=True, exist_ok=True)
         inner.save_pretrained(path, state_dict=state, safe_serialization=True)
         if getattr(trainer, "processing_class", None) is not None:
             trainer.processing_class.save_pretrained(path)
+        if whole:
+            from huggingface_hub import save_torch_state_dict
+
+            base = inner.get_base_model()
+            base.config.save_pretrained(path / "merged")
+            if getattr(base, "generation_config", None) is not None:
+                base.generation_config.save_pretrained(path / "merged")
+            save_torch_state_dict(merged_state_dict(inner, whole), path / "merged")
+            if getattr(trainer, "processing_class", None) is not None:
+                trainer.processing_class.save_pretrained(path / "merged")
     if dist.is_initialized():
         dist.barrier()
     return path

@@ -98,7 +98,7 @@ def run(recipe: Recipe) -> dict[str, Any]:
     if evaluation:
         summary["accuracy_after"] = passkey_accuracy(trainer, evaluation["seq_len"], evaluation["samples"], args.seed)
     out = Path(args.output_dir)
-    save_final(trainer, out / "final")
+    save_final(trainer, out / "final", merged=args.save_merged_model)
     history = [h for h in trainer.state.log_history if "loss" in h]
     summary.update(
         steps=trainer.state.global_step,
