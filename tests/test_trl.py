@@ -41,7 +41,7 @@ def _examples() -> list[dict]:
     return [{"prompt": _words(g, p), "completion": " " + _words(g, c)} for p, c in sizes]
 
 
-def sft_run(kind: str, out: str, tok_dir: str) -> dict:
+def sft_run(kind: str, out: str, tok_dir: str, packing: bool = False) -> dict:
     from datasets import Dataset
     from transformers import AutoTokenizer
     from trl import SFTConfig, SFTTrainer
@@ -54,7 +54,7 @@ def sft_run(kind: str, out: str, tok_dir: str) -> dict:
         launcher_env()
     common = dict(output_dir=out, max_steps=4, per_device_train_batch_size=2, learning_rate=0.1, optim="sgd",
                   logging_steps=1, report_to="none", use_cpu=True, disable_tqdm=True, bf16=False, max_length=64,
-                  save_strategy="no", seed=0, gradient_checkpointing=True)  # fmt: skip
+                  save_strategy="no", seed=0, gradient_checkpointing=True, packing=packing)  # fmt: skip
     args = RingSFTConfig(cp_size=2, **common) if ring else SFTConfig(**common)
     cls = RingSFTTrainer if ring else SFTTrainer
     model = tiny_model("llama", "ring" if ring else "sdpa", vocab_size=VOCAB)
@@ -66,10 +66,13 @@ def sft_run(kind: str, out: str, tok_dir: str) -> dict:
     return {"loss": [h["loss"] for h in logs], "grad_norm": [h["grad_norm"] for h in logs], "cp": cp}
 
 
-def test_ring_sft_trainer_cp2_matches_single_process_sft_trainer(tmp_path: Path) -> None:
+@pytest.mark.parametrize("packing", [False, True], ids=["padded", "packed"])
+def test_ring_sft_trainer_cp2_matches_single_process_sft_trainer(tmp_path: Path, packing: bool) -> None:
+    """Padded rows, and TRL's packing (padding-free rows of several documents, position_ids restarting
+    at each; sdpa masks by them in the single-process run)."""
     _tokenizer(tmp_path / "tok")
-    ring = run_ranks(2, sft_run, "ring", str(tmp_path / "ring"), str(tmp_path / "tok"), timeout=300)
-    ref = run_ranks(1, sft_run, "ref", str(tmp_path / "ref"), str(tmp_path / "tok"), timeout=300)[0]
+    ring = run_ranks(2, sft_run, "ring", str(tmp_path / "ring"), str(tmp_path / "tok"), packing, timeout=300)
+    ref = run_ranks(1, sft_run, "ref", str(tmp_path / "ref"), str(tmp_path / "tok"), packing, timeout=300)[0]
     assert ring[0] == ring[1] and ring[0]["cp"] == 2
     assert len(ref["loss"]) == len(ring[0]["loss"]) == 4
     for step, (a, b) in enumerate(zip(ring[0]["loss"], ref["loss"]), 1):
@@ -78,8 +81,13 @@ def test_ring_sft_trainer_cp2_matches_single_process_sft_trainer(tmp_path: Path)
         assert abs(a - b) <= 1e-5 * abs(b), f"step {step}: grad norm {a} vs {b}"
 
 
-def test_ring_sft_config_refuses_packing() -> None:
-    from hf_ring.training.trl import RingSFTConfig
+def test_seq_idx_must_follow_position_ids() -> None:
+    from hf_ring.training.trl import drop_seq_idx
 
-    with pytest.raises(ValueError, match="packing"):
-        RingSFTConfig(output_dir="unused", cp_size=2, packing=True, use_cpu=True, bf16=False)
+    pos = torch.tensor([[0, 1, 2, 0, 1]])
+    good = {"input_ids": pos, "position_ids": pos, "seq_idx": torch.tensor([[0, 0, 0, 1, 1]], dtype=torch.int32)}
+    assert "seq_idx" not in drop_seq_idx(good)
+    with pytest.raises(ValueError, match="seq_idx does not follow its position_ids"):
+        drop_seq_idx({**good, "seq_idx": torch.tensor([[0, 0, 1, 1, 1]])})
+    with pytest.raises(ValueError, match="seq_idx does not follow"):
+        drop_seq_idx({"input_ids": pos, "seq_idx": good["seq_idx"]})

@@ -12,11 +12,11 @@ group, as on one device. ``RingSFTConfig`` is ``SFTConfig`` with ``RingTrainingA
     RingSFTTrainer(model=model, args=args, train_dataset=ds, processing_class=tok, peft_config=lora).train()
 
 What TRL adds to its loss is left out: the loss is the causal-LM loss (``loss_type="nll"``; no
-``dft``), and the entropy and token-accuracy metrics are not logged. Packing and padding-free
-batches put several documents in one sequence; ``shard_batch`` keeps them apart by their
-restarting ``position_ids``, but that path is not tested with TRL's collators yet: keep
-``packing=False`` and ``padding_free=False`` (the defaults). Pass the model as a module loaded with
-``attn_implementation="ring"`` (not a name).
+``dft``), and the entropy and token-accuracy metrics are not logged. ``packing=True`` (and
+``padding_free=True``) work at any ``cp_size``: TRL's padding-free batches put several documents
+in one row with ``position_ids`` restarting at each, and ``shard_batch`` keeps them apart (tested
+equal to single-process ``SFTTrainer`` with sdpa, which masks by the same ``position_ids``). Pass
+the model as a module loaded with ``attn_implementation="ring"`` (not a name).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from trl import SFTConfig, SFTTrainer
 from ..trainer import RingTrainer
 from .arguments import RingTrainingArguments
 
-__all__ = ["RingSFTConfig", "RingSFTTrainer"]
+__all__ = ["RingSFTConfig", "RingSFTTrainer", "drop_seq_idx"]
 
 
 @dataclass
@@ -38,11 +38,6 @@ class RingSFTConfig(SFTConfig, RingTrainingArguments):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.cp_size > 1 and (self.packing or self.padding_free):
-            raise ValueError(
-                "RingSFTConfig: packing / padding_free put several documents in one sequence, whose boundaries "
-                "ring attention does not honour yet; set packing=False and padding_free=False."
-            )
         if self.loss_type != "nll":
             raise ValueError(f"RingSFTConfig: loss_type={self.loss_type!r} is not supported; use 'nll'.")
 
@@ -60,4 +55,22 @@ class RingSFTTrainer(RingTrainer, SFTTrainer):
 
     def compute_loss(self, model: Any, inputs: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
         inputs = {k: v for k, v in inputs.items() if k not in ("use_cache", "output_router_logits")}
-        return RingTrainer.compute_loss(self, model, inputs, *args, **kwargs)
+        return RingTrainer.compute_loss(self, model, drop_seq_idx(inputs), *args, **kwargs)
+
+
+def drop_seq_idx(inputs: dict[str, Any]) -> dict[str, Any]:
+    """``inputs`` without TRL's padding-free ``seq_idx [1, N]`` (each token's document, for the short
+    convolutions of linear-attention layers), after checking that it says what ``position_ids`` say
+    (a document starts where they restart at 0), which is what ring attention reads."""
+    seq_idx = inputs.get("seq_idx")
+    if seq_idx is None:
+        return inputs
+    pos = inputs.get("position_ids")
+    follows = pos is not None and pos.shape == seq_idx.shape
+    if not follows or not bool(((pos == 0).cumsum(-1) - 1).eq(seq_idx.to(pos.device)).all()):
+        raise ValueError(
+            "RingSFTTrainer: the batch's seq_idx does not follow its position_ids (a document starts where "
+            "position_ids restart at 0); ring attention reads document boundaries from position_ids or "
+            "cu_seq_lens_q/k only."
+        )
+    return {k: v for k, v in inputs.items() if k != "seq_idx"}
