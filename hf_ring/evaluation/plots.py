@@ -67,8 +67,8 @@ def model_name(result: dict[str, Any]) -> str:
 
 
 def _title(result: dict[str, Any]) -> str:
-    name = model_name(result)
-    return f"{name}: mean accuracy {result['summary']['accuracy']:.0%}"
+    """Two lines, so that a long model path fits above a narrow heatmap."""
+    return f"{model_name(result)}\nmean accuracy {result['summary']['accuracy']:.0%}"
 
 
 def needle_png(result: dict[str, Any], path: str | Path) -> bool:
