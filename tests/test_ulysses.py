@@ -136,3 +136,132 @@ def test_op_with_the_world_as_ulysses_group() -> None:
     """The op itself with ``ulysses_group=None`` (the world) and no ring, GQA 8/1 over 4 ranks."""
     cases = [dict(B=1, N=4 * 9, Hq=8, Hkv=1, D=80, causal=True, dtype="fp32", seed=3)]
     check(run_ranks(4, ulysses_errors, cases, 4, direct=True)[0])
+
+
+# ------------------------------------------------------------------------------ through shard_batch
+def padded_batch_errors(ulysses_size: int, n: int) -> dict:
+    """On every rank: ``shard_batch`` pads a sequence of ``n`` tokens to the hybrid layout's multiple;
+    attention on the sharded q/k/v matches float64 attention over the real tokens, and
+    ``RingContext.unshard`` inverts the layout."""
+    world = dist.get_world_size()
+    hf_ring.setup_context_parallel(world, ulysses_size=ulysses_size)
+    g = torch.Generator().manual_seed(21)
+    ids = torch.randint(0, 50, (1, n), generator=g)
+    kw = hf_ring.shard_batch({"input_ids": ids, "labels": ids})
+    ctx = kw["ring_context"]
+    n_pad = -(-n // hybrid_multiple(world, ulysses_size)) * hybrid_multiple(world, ulysses_size)
+    back = {k: ctx.unshard(kw[k][..., None])[..., 0] for k in ("input_ids", "position_ids", "shift_labels")}
+    # q/k/v as functions of the global position, so that padded rows are whatever shard_batch put there
+    pos = kw["position_ids"].double()  # (1, S_local)
+    hq, hkv, d = 8, 2, 80
+    w = torch.randn(hq + 2 * hkv, d, generator=g, dtype=torch.float64)
+    full_pos = torch.arange(n, dtype=torch.float64)[None]
+
+    def qkv(p: torch.Tensor) -> list[torch.Tensor]:
+        x = torch.sin(p[..., None, None] * 0.37 + w)  # (1, S, hq + 2 hkv, d)
+        return list(x.split((hq, hkv, hkv), dim=2))
+
+    ref = attention(*qkv(full_pos), causal=True)
+    out = hf_ring.ring_attention(*(t.float() for t in qkv(pos)))
+    got = ctx.unshard(out)
+    return dict(
+        n_pad=got.shape[1],
+        want_pad=n_pad,
+        ids=torch.equal(back["input_ids"][:, :n], ids),
+        pad_ids=back["input_ids"][:, n:].tolist(),
+        positions=torch.equal(back["position_ids"][0], torch.arange(n_pad)),
+        targets=torch.equal(back["shift_labels"][0, : n - 1], ids[0, 1:])
+        and bool((back["shift_labels"][0, n - 1 :] == -100).all()),
+        err=rel_err(got[:, :n], ref),
+        local=tuple(kw["input_ids"].shape),
+        u=ctx.ulysses_size,
+    )
+
+
+@pytest.mark.parametrize("ulysses", [2, 4])
+def test_shard_batch_pads_and_unshards_the_hybrid_layout(ulysses: int) -> None:
+    n = 37  # not a multiple of 2P = 8, nor of R * lcm(2, U) = 4
+    for r, x in enumerate(run_ranks(4, padded_batch_errors, ulysses, n)):
+        assert x["u"] == ulysses and x["n_pad"] == x["want_pad"] == 40 and x["local"] == (1, 10), x
+        assert x["ids"] and x["positions"] and x["targets"], f"rank {r}: layout not inverted: {x}"
+        assert all(t == 0 for t in x["pad_ids"][0])
+        assert x["err"] <= 1e-5, f"rank {r}: rel err {x['err']:.2e}"
+
+
+# ------------------------------------------------------------------------------------- model level
+def _lora(model):
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(5)
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj"]
+    cfg = LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False)  # B != 0: real grads
+    return get_peft_model(model, cfg)
+
+
+def _step(family: str, attn: str, dtype: torch.dtype, batch: dict, *, lora: bool, ckpt: bool, cp: bool):
+    """Loss and gradients (by parameter name, float64) of one step; with ``cp``, the batch goes
+    through shard_batch and gradients are averaged over the group, as DDP would."""
+    from testkit.models import tiny_model
+
+    model = tiny_model(family, attn, dtype)
+    if lora:
+        model = _lora(model)
+    if ckpt:
+        model.gradient_checkpointing_enable()
+        if lora:
+            model.enable_input_require_grads()
+    model.train()
+    kwargs = hf_ring.shard_batch(batch) if cp else batch
+    if cp:
+        assert kwargs["ring_context"].ulysses_size == hf_ring.parallel.context_parallel_state().ulysses_size
+    out = model(**kwargs)
+    out.loss.backward()
+    grads = {}
+    for name, p in model.named_parameters():
+        if p.grad is None:
+            continue
+        g = p.grad.double()
+        if cp:
+            dist.all_reduce(g)
+            g /= dist.get_world_size()
+        grads[name] = g
+    return out.loss.double(), grads
+
+
+def model_errors(cases: list[dict], ulysses_size: int) -> list[dict]:
+    """On every rank, CP over the world with ``ulysses_size``: per case, this rank's loss error and
+    the worst gradient error of the ring step (fp32) against one process with sdpa in float64."""
+    from testkit.models import tiny_batch
+
+    hf_ring.setup_context_parallel(dist.get_world_size(), ulysses_size=ulysses_size)
+    results = []
+    for c in cases:
+        batch = tiny_batch(2, 37)  # not a multiple of 2P, nor of R * lcm(2, U)
+        kw = dict(lora=c["lora"], ckpt=c["ckpt"])
+        ref_loss, ref_grads = _step(c["family"], "sdpa", torch.float64, batch, cp=False, **kw)
+        loss, grads = _step(c["family"], "ring", torch.float32, batch, cp=True, **kw)
+        assert grads.keys() == ref_grads.keys() and ref_grads
+        errs = {k: rel_err(grads[k], ref_grads[k]) for k in ref_grads}
+        worst = max(errs, key=errs.get)
+        results.append({**c, "loss": rel_err(loss, ref_loss), "grad": errs[worst], "worst": worst})
+    return results
+
+
+MODEL_CASES = [
+    dict(family="llama", lora=False, ckpt=False),
+    dict(family="qwen3", lora=False, ckpt=False),
+    dict(family="llama", lora=False, ckpt=True),
+    dict(family="qwen3", lora=True, ckpt=True),
+]
+
+
+@pytest.mark.parametrize("ulysses", [2, 4], ids=["U2xR2", "U4"])
+def test_training_step_matches_single_process(ulysses: int) -> None:
+    """CP 4 as Ulysses 2 x ring 2 and as pure Ulysses 4 (4 query heads, 2 K/V heads: replicated
+    twice for U = 4): the loss on every rank and the CP-averaged gradients equal one process's."""
+    cases = MODEL_CASES if ulysses == 2 else MODEL_CASES[:2]
+    for rank, results in enumerate(run_ranks(4, model_errors, cases, ulysses)):
+        for r in results:
+            label = f"rank {rank} {r['family']} lora={r['lora']} ckpt={r['ckpt']}"
+            assert r["loss"] <= 1e-5, f"{label}: loss rel err {r['loss']:.2e}"
+            assert r["grad"] <= 1e-5, f"{label}: grad {r['worst']} rel err {r['grad']:.2e}"
