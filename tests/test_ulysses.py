@@ -265,3 +265,91 @@ def test_training_step_matches_single_process(ulysses: int) -> None:
             label = f"rank {rank} {r['family']} lora={r['lora']} ckpt={r['ckpt']}"
             assert r["loss"] <= 1e-5, f"{label}: loss rel err {r['loss']:.2e}"
             assert r["grad"] <= 1e-5, f"{label}: grad {r['worst']} rel err {r['grad']:.2e}"
+
+
+# ------------------------------------------------------------------------------------------ groups
+def _members(group: dist.ProcessGroup | None) -> list[int] | None:
+    if group is None:
+        return None
+    me = torch.tensor([dist.get_rank()])
+    got = [torch.empty_like(me) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(got, me, group=group)
+    return [int(t) for t in got]
+
+
+def grid(cp_size: int, ulysses_size: int) -> dict:
+    cp = hf_ring.setup_context_parallel(cp_size, ulysses_size=ulysses_size)
+    return dict(
+        cp=_members(cp.cp_group),
+        ulysses=_members(cp.ulysses_group),
+        ring=_members(cp.ring_group),
+        ring_size=cp.ring_size,
+        ring_rank=dist.get_rank(cp.ring_group) if cp.ring_group is not None else 0,
+    )
+
+
+@pytest.mark.parametrize(
+    "cp_size,ulysses,want",
+    [
+        (4, 2, lambda r: ([0, 1, 2, 3], [r - r % 2, r - r % 2 + 1], [r % 2, r % 2 + 2])),
+        (2, 2, lambda r: ([r - r % 2, r - r % 2 + 1], [r - r % 2, r - r % 2 + 1], None)),  # DP 2 x pure Ulysses 2
+        (4, 1, lambda r: ([0, 1, 2, 3], None, [0, 1, 2, 3])),
+        (4, 4, lambda r: ([0, 1, 2, 3], [0, 1, 2, 3], None)),
+    ],
+)
+def test_grid_of_ulysses_and_ring_groups(cp_size: int, ulysses: int, want) -> None:
+    """Ulysses groups of consecutive ranks, rings across them; CP rank = ring position * U + u."""
+    for r, g in enumerate(run_ranks(4, grid, cp_size, ulysses)):
+        assert (g["cp"], g["ulysses"], g["ring"]) == want(r), f"rank {r}: {g}"
+        assert g["ring_size"] == cp_size // ulysses
+        assert g["ring_rank"] == ((r % cp_size) // ulysses if g["ring"] is not None else 0)
+
+
+# ------------------------------------------------------------------------------------------ errors
+def test_ulysses_size_must_divide_cp_size() -> None:
+    with pytest.raises(ValueError, match=r"ulysses_size=3 does not divide cp_size=4.*Pick a divisor of 4"):
+        hf_ring.setup_context_parallel(4, ulysses_size=3)
+    with pytest.raises(ValueError, match="positive int"):
+        hf_ring.setup_context_parallel(4, ulysses_size="auto")  # type: ignore[arg-type]
+
+
+def error_messages() -> dict:
+    """On every rank (CP 4): the errors of a head count that U does not divide (at attention time,
+    op and model) and of packed documents with U > 1."""
+    from testkit.models import tiny_batch, tiny_model
+
+    out = {}
+    hf_ring.setup_context_parallel(4, ulysses_size=4)
+    q = torch.randn(1, 4, 6, 16)
+    k = torch.randn(1, 4, 2, 16)
+    try:
+        hf_ring.ring_attention(q, k, k)
+    except ValueError as e:
+        out["op"] = str(e)
+    model = tiny_model("qwen3", "ring", num_attention_heads=6, num_key_value_heads=2)
+    try:
+        model(**hf_ring.shard_batch(tiny_batch(1, 24)))
+    except ValueError as e:
+        out["model"] = str(e)
+    packed = tiny_batch(1, 24) | {"position_ids": torch.cat((torch.arange(10), torch.arange(14)))[None]}
+    try:
+        hf_ring.shard_batch(packed)
+    except ValueError as e:
+        out["packed"] = str(e)
+    hf_ring.setup_context_parallel(4, ulysses_size=2)
+    try:
+        hf_ring.shard_batch(tiny_batch(1, 3))
+    except ValueError as e:
+        out["short"] = str(e)
+    return out
+
+
+def test_clear_errors() -> None:
+    for r, msgs in enumerate(run_ranks(4, error_messages)):
+        assert set(msgs) == {"op", "model", "packed", "short"}, f"rank {r}: {msgs}"
+        for where in ("op", "model"):
+            assert "ulysses_size=4 does not divide the 6 query heads" in msgs[where], msgs[where]
+            assert "Pick a ulysses_size that divides 6" in msgs[where]
+        assert "packed documents with ulysses_size > 1 are not supported yet" in msgs["packed"]
+        assert "use ulysses_size=1" in msgs["packed"]
+        assert "shorter than the 4 pieces" in msgs["short"]
