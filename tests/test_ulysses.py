@@ -353,3 +353,14 @@ def test_clear_errors() -> None:
         assert "packed documents with ulysses_size > 1 are not supported yet" in msgs["packed"]
         assert "use ulysses_size=1" in msgs["packed"]
         assert "shorter than the 4 pieces" in msgs["short"]
+
+
+@pytest.mark.parametrize("ulysses,heads", [(3, ((6, 6), (6, 2))), (2, ((6, 3), (4, 1)))], ids=["U3xR2", "U2xR3"])
+def test_six_ranks_matches_float64_oracle(ulysses: int, heads: tuple) -> None:
+    """Six ranks as Ulysses 3 x ring 2 and Ulysses 2 x ring 3 (odd sizes on both levels; K/V
+    heads replicated 3x for Hkv = 2 over U = 3), D = 80, causal and not."""
+    cases = [
+        dict(B=1, N=hybrid_multiple(6, ulysses) * 3, Hq=hq, Hkv=hkv, D=80, causal=causal, dtype="fp32", seed=i)
+        for i, ((hq, hkv), causal) in enumerate((h, c) for h in heads for c in (True, False))
+    ]
+    check(run_ranks(6, ulysses_errors, cases, ulysses)[0])

@@ -77,6 +77,11 @@ def kv_replication(hkv: int, ulysses_size: int) -> int:
     return ulysses_size // math.gcd(hkv, ulysses_size)
 
 
+def _dims(x: Tensor) -> list[int]:
+    """The first four sizes of ``x``, ``-1`` for missing ones (and a fifth ``-2`` for extra ones)."""
+    return [*x.shape[:4], *[-1] * (4 - min(x.dim(), 4))] if x.dim() <= 4 else [*x.shape[:3], -2]
+
+
 def _check(q: Tensor, k: Tensor, v: Tensor, ulysses_size: int) -> None:
     if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape:
         raise ValueError(
@@ -148,7 +153,7 @@ def ulysses_attention(
     """
     u_size, _ = group_size_rank(ulysses_group)
     if validate:  # before the all-to-all, which would fail or hang on ranks that disagree
-        meta = [*q.shape, *k.shape, *v.shape, int(causal)]
+        meta = [*_dims(q), *_dims(k), *_dims(v), int(causal)]
         check_same_across_ranks(meta, ulysses_group, "ulysses_attention inputs [q, k, v shapes, causal]")
     _check(q, k, v, u_size)
     if ring is not None and ring_group is not None:
