@@ -364,3 +364,44 @@ def test_six_ranks_matches_float64_oracle(ulysses: int, heads: tuple) -> None:
         for i, ((hq, hkv), causal) in enumerate((h, c) for h in heads for c in (True, False))
     ]
     check(run_ranks(6, ulysses_errors, cases, ulysses)[0])
+
+
+# ---------------------------------------------------------------------------------- planner terms
+def sent_bytes(ulysses_size: int, n: int, hq: int, hkv: int, d: int) -> dict:
+    """On every rank: the bytes this rank sends in one fwd+bwd of attention, counted at the
+    torch.distributed calls (all-to-all: all but the rank's own chunk; point to point: every send)."""
+    world = dist.get_world_size()
+    hf_ring.setup_context_parallel(world, ulysses_size=ulysses_size)
+    sent = {"all_to_all": 0, "ring": 0}
+    a2a, batch = dist.all_to_all_single, dist.batch_isend_irecv
+
+    def counting_a2a(output, input, *args, **kwargs):
+        size = dist.get_world_size(kwargs.get("group"))
+        sent["all_to_all"] += input.numel() * input.element_size() * (size - 1) // size
+        return a2a(output, input, *args, **kwargs)
+
+    def counting_batch(ops):
+        sent["ring"] += sum(op.tensor.numel() * op.tensor.element_size() for op in ops if op.op is dist.isend)
+        return batch(ops)
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (hf_ring.shard(torch.randn(1, n, h, d, generator=g)).requires_grad_() for h in (hq, hkv, hkv))
+    dist.all_to_all_single, dist.batch_isend_irecv = counting_a2a, counting_batch
+    try:
+        out = hf_ring.ring_attention(q, k, v)
+        torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    finally:
+        dist.all_to_all_single, dist.batch_isend_irecv = a2a, batch
+    return sent
+
+
+@pytest.mark.parametrize("ulysses,hkv", [(1, 2), (2, 2), (4, 1), (4, 2)])
+def test_planner_comm_terms_match_the_bytes_sent(ulysses: int, hkv: int) -> None:
+    from hf_ring.planner import ModelShape, attention_comm_bytes
+
+    n, hq, d = 64, 8, 16
+    shape = ModelShape("t", hidden=hq * d, intermediate=1, layers=1, heads=hq, kv_heads=hkv, head_dim=d, vocab=1)
+    want = attention_comm_bytes(shape, 4, n, 4, ulysses)
+    for r, got in enumerate(run_ranks(4, sent_bytes, ulysses, n, hq, hkv, d)):
+        assert got["ring"] == want["ring_forward"] + want["ring_backward"], f"rank {r}: {got} vs {want}"
+        assert got["all_to_all"] == want["all_to_all_forward"] + want["all_to_all_backward"], f"rank {r}"
