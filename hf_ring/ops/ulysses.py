@@ -28,6 +28,7 @@ from torch import Tensor
 from .comm import Ring, check_same_across_ranks, group_size_rank
 from .kernels import BlockKernel
 from .ring import ring_attention
+from .schedule import Schedule
 
 __all__ = ["all_to_all", "kv_replication", "ulysses_attention"]
 
@@ -124,6 +125,7 @@ def ulysses_attention(
     validate: bool = False,
     dropout_p: float = 0.0,
     attn_mask: Tensor | None = None,
+    schedule: Schedule | None = None,
 ) -> Tensor:
     """Exact attention over a sequence sharded across a Ulysses group, or a Ulysses x ring grid.
 
@@ -142,6 +144,9 @@ def ulysses_attention(
         causal, softmax_scale, backend, validate, dropout_p, attn_mask: as for
             ``hf_ring.ops.ring.ring_attention`` (``validate`` checks that the Ulysses group agrees on
             the shapes before the all-to-all, and the ring group after it).
+        schedule: packed documents: the ring schedule of this rank's ring position over the rows
+            of that position's whole shard (what the all-to-all gathers: the ``U`` pieces of the
+            Ulysses group end to end), one step per ring rank; ``hf_ring.shard_batch`` makes it.
 
     Returns:
         ``[B, S_local, Hq, D]`` in the dtype of ``q``, differentiable in ``q``, ``k`` and ``v``.
@@ -181,6 +186,7 @@ def ulysses_attention(
         validate=validate and ring.size > 1,
         dropout_p=dropout_p,
         attn_mask=attn_mask,
+        schedule=schedule,
     )  # (B, U * S, Hq / U, D)
     return all_to_all(out, ulysses_group, scatter_dim=1, gather_dim=2)  # (B, S, Hq, D)
 

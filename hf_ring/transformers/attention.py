@@ -157,8 +157,9 @@ def ring_attention_forward(
     with torch.autocast(device, enabled=False):
         if ulysses is not None:
             out = ulysses_attention(
-                q, k, v, ulysses_group=ulysses[0], ring_group=ulysses[1], causal=causal, softmax_scale=scaling
-            )
+                q, k, v, ulysses_group=ulysses[0], ring_group=ulysses[1], causal=causal, softmax_scale=scaling,
+                schedule=schedule,
+            )  # fmt: skip
         else:
             out = ring_attention(q, k, v, group=group, causal=causal, softmax_scale=scaling, schedule=schedule)
     return (out[..., :d_v] if d_v != d_qk else out), None

@@ -136,8 +136,8 @@ def shard_batch(
         it, and padded positions have no targets. Packed documents
         are exact: every token attends only to earlier tokens of its own document (the context
         carries the ring schedule cut along document boundaries, computed once per batch), RoPE sees
-        each document's own positions, and no target crosses a document boundary (not yet with
-        Ulysses: packed documents need ``ulysses_size=1``).
+        each document's own positions, and no target crosses a document boundary (with Ulysses, the
+        schedule is the ring's over its ``R`` positions).
     """
     unknown = [
         k for k, v in batch.items() if isinstance(v, Tensor) and k not in (*_SEQ_KEYS, *_PASS_KEYS, *_PACKED_KEYS)
@@ -198,15 +198,9 @@ def shard_batch(
         last = positions.gather(1, real - 1)
         positions = torch.where(idx >= real, last + idx - real + 1, positions)
     starts = document_starts(positions)
-    if starts is not None and ulysses_size > 1:
-        raise ValueError(
-            f"shard_batch: packed documents with ulysses_size > 1 are not supported yet (this CP group has "
-            f"ulysses_size={ulysses_size}); use ulysses_size=1 in hf_ring.setup_context_parallel for packed "
-            "batches, or pass one sequence per row."
-        )
     if starts is not None:
         return _shard_packed(batch, key, x, positions, starts, labels, mask, group, size, rank, dp_size, full_logits,
-                             pad_token_id)  # fmt: skip  (packed positions are always given)
+                             pad_token_id, cp)  # fmt: skip  (packed positions are always given)
     if pad:
         step = torch.arange(1, pad + 1, device=x.device)
         positions = torch.cat((positions, positions[:, -1:] + step), dim=1)
@@ -234,26 +228,35 @@ def shard_batch(
 def _shard_packed(
     batch: dict[str, Any], key: str, x: Tensor, positions: Tensor, starts: list[list[int]], labels: Tensor | None,
     mask: Tensor | None, group: dist.ProcessGroup | None, size: int, rank: int, dp_size: int, full_logits: bool,
-    pad_token_id: int,
+    pad_token_id: int, cp: ContextParallel | None,
 ) -> dict[str, Any]:
     """``shard_batch`` for packed documents: the zigzag applied to every document
     (``balanced_layout``: each rank holds ``1/P`` of every document's work, no padding but at most
-    ``P - 1`` rows), the ring schedule cut along the documents, computed once for the batch."""
+    ``P - 1`` rows), the ring schedule cut along the documents, computed once for the batch.
+
+    With Ulysses (``cp``: ``U > 1``) the layout and schedule are those of the ``R = P / U`` ring
+    positions, and each ring position's rows (padded to a multiple of ``U``) are cut into ``U``
+    contiguous pieces, one per rank of its Ulysses group (the all-to-all puts them back together)."""
     b, n = x.shape[:2]
-    layouts = [balanced_layout(s, n, size) for s in starts]
-    local = max(length for _, length in layouts)
-    # global index of every local row of every rank, [P, B, local]; n (a pad slot) where a rank has fewer rows
-    index = torch.full((size, b, local), n, dtype=torch.long)
+    u_size = cp.ulysses_size if cp is not None else 1
+    ring, ring_pos = size // u_size, rank // u_size
+    layouts = [balanced_layout(s, n, ring) for s in starts]
+    local = -(-max(length for _, length in layouts) // u_size) * u_size
+    # global index of every row of every ring position, [R, B, local]; n (a pad slot) where it has fewer rows
+    index = torch.full((ring, b, local), n, dtype=torch.long)
     for i, (layout, _) in enumerate(layouts):
         for r, segs in enumerate(layout):
             if segs:
                 rows = torch.cat([torch.arange(seg.start, seg.stop) for seg in segs])
                 index[r, i, : rows.numel()] = rows
     if len({tuple(s) for s in starts}) == 1:
-        schedule = layout_schedule(layouts[0][0], rank)
+        schedule = layout_schedule(layouts[0][0], ring_pos)
     else:
-        per_row = [layout_schedule(layout, rank, (i, i + 1)) for i, (layout, _) in enumerate(layouts)]
-        schedule = [tuple(blk for row in per_row for blk in row[step]) for step in range(size)]
+        per_row = [layout_schedule(layout, ring_pos, (i, i + 1)) for i, (layout, _) in enumerate(layouts)]
+        schedule = [tuple(blk for row in per_row for blk in row[step]) for step in range(ring)]
+    # rank r * U + u holds piece u of ring position r's rows: [P, B, local / U]
+    index = index.view(ring, b, u_size, local // u_size).transpose(1, 2).reshape(size, b, local // u_size)
+    local //= u_size
     mine = index[rank].to(x.device)
 
     def take(t: Tensor, fill: float) -> Tensor:
@@ -272,6 +275,7 @@ def _shard_packed(
         out["labels"] = out["shift_labels"] = take(shifted, IGNORE_INDEX)
     out[KEY] = RingContext(
         group, size, rank, grad_scale=float(size * dp_size), labelled=labels is not None, full_logits=full_logits,
-        schedule=schedule, index=index, length=n,
+        schedule=schedule, index=index, length=n, ulysses_size=u_size,
+        ulysses_group=None if cp is None else cp.ulysses_group, ring_group=None if cp is None else cp.ring_group,
     )  # fmt: skip
     return out
