@@ -2,15 +2,16 @@
 
 A context-parallel group of ``P = U * R`` ranks: ``U`` consecutive ranks form a Ulysses group, the
 ranks with the same place ``u`` in their Ulysses group form a ring of ``R`` (CP rank
-``= ring_pos * U + u``). The sequence is laid out in two levels (``hf_ring.ops.zigzag.hybrid``): the zigzag over
-the ``R`` ring positions, then each ring position's shard cut into ``U`` contiguous pieces::
+``= ring_pos * U + u``). The sequence of ``N`` tokens is laid out in two levels
+(``hf_ring.ops.zigzag.hybrid``): the zigzag over the ``R`` ring positions, then each ring
+position's shard cut into ``U`` contiguous pieces::
 
     P = 4 = U 2 x R 2, sequence cut into 2R = 4 chunks c0 c1 c2 c3
     ring position 0 holds [c0 | c3]:  rank 0 = (r 0, u 0) holds its first half, rank 1 its second
     ring position 1 holds [c1 | c2]:  rank 2 = (r 1, u 0), rank 3 = (r 1, u 1) likewise
 
 Attention then runs in three moves: an all-to-all inside the Ulysses group trades this rank's
-``[S/P tokens, all heads]`` for ``[S/R tokens, H/U heads]`` -- the whole zigzag shard of its ring
+``[N/P tokens, all heads]`` for ``[N/R tokens, H/U heads]`` -- the whole zigzag shard of its ring
 position, on its ``U``-th of the heads --, exact ring attention over the ring group on those heads
 (one block kernel call when ``R = 1``: pure Ulysses), and the inverse all-to-all back. In backward
 every all-to-all is undone by its inverse. Q, K and V travel as one message. This module imports
