@@ -505,3 +505,26 @@ def test_ring_trainer_ulysses_matches_single_process_trainer(tmp_path) -> None:
     real = want["mask"].bool()
     for key in ("labelled", "unlabelled"):
         assert rel_err(got[key][real], want[key][real]) <= 1e-5, key
+
+
+def one_bad_rank(ulysses_size: int, what: str) -> str | None:
+    """On every rank (CP 4): ``validate=True`` where only rank 1 passes other shapes."""
+    hf_ring.setup_context_parallel(4, ulysses_size=ulysses_size)
+    bad = dist.get_rank() == 1
+    s = 5 if bad and what == "length" else 4
+    q, k = torch.randn(1, s, 8, 16), torch.randn(1, s, 2, 16)
+    if bad and what == "ndim":
+        q = q.flatten(2)
+    try:
+        hf_ring.ring_attention(q, k, k, validate=True)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("what", ["length", "ndim"])
+@pytest.mark.parametrize("ulysses", [2, 4], ids=["U2xR2", "U4"])
+def test_validate_with_bad_inputs_on_one_rank(ulysses: int, what: str) -> None:
+    """Every rank raises (none waits in a collective for a rank that already raised)."""
+    for r, msg in enumerate(run_ranks(4, one_bad_rank, ulysses, what, timeout=60)):
+        assert msg is not None and "ranks of the context-parallel group disagree" in msg, f"rank {r}: {msg}"

@@ -143,8 +143,8 @@ def ulysses_attention(
             attention runs on ``H / U`` heads; ``None``: no ring (``R = 1``, pure Ulysses: one block
             kernel call per rank). ``ring``: a ``Ring`` instead of ``ring_group`` (benchmarks).
         causal, softmax_scale, backend, validate, dropout_p, attn_mask: as for
-            ``hf_ring.ops.ring.ring_attention`` (``validate`` checks that the Ulysses group agrees on
-            the shapes before the all-to-all, and the ring group after it).
+            ``hf_ring.ops.ring.ring_attention`` (``validate``: every rank of the grid checks, before
+            the all-to-all, that all pass the same shapes; two all-gathers of 16 integers).
         schedule: packed documents: the ring schedule of this rank's ring position over the rows
             of that position's whole shard (what the all-to-all gathers: the ``U`` pieces of the
             Ulysses group end to end), one step per ring rank; ``hf_ring.shard_batch`` makes it.
@@ -158,14 +158,13 @@ def ulysses_attention(
     pads the sequence to a multiple of ``hf_ring.ops.zigzag.hybrid_multiple(P, U)``.
     """
     u_size, _ = group_size_rank(ulysses_group)
-    if validate:  # before the all-to-all, which would fail or hang on ranks that disagree
-        meta = [*_dims(q), *_dims(k), *_dims(v), int(causal)]
-        check_same_across_ranks(meta, ulysses_group, "ulysses_attention inputs [q, k, v shapes, causal]")
-    _check(q, k, v, u_size)
     if ring is not None and ring_group is not None:
         raise ValueError("ulysses_attention: pass ring_group or ring, not both")
     if ring is None:
         ring = Ring(ring_group) if ring_group is not None else _NoRing()
+    if validate:  # before the all-to-all, which would fail or hang on ranks that disagree
+        _validate([*_dims(q), *_dims(k), *_dims(v), int(causal)], ulysses_group, ring)
+    _check(q, k, v, u_size)
     b, s, hq, d = q.shape
     rep = kv_replication(k.shape[2], u_size)
     if rep > 1:  # fewer K/V heads than ranks: the fewest copies that split evenly
@@ -184,12 +183,31 @@ def ulysses_attention(
         causal=causal,
         softmax_scale=softmax_scale,
         backend=backend,
-        validate=validate and ring.size > 1,
+        validate=False,  # the shapes after the all-to-all follow from those checked above
         dropout_p=dropout_p,
         attn_mask=attn_mask,
         schedule=schedule,
     )  # (B, U * S, Hq / U, D)
     return all_to_all(out, ulysses_group, scatter_dim=1, gather_dim=2)  # (B, S, Hq, D)
+
+
+def _validate(meta: list[int], ulysses_group: dist.ProcessGroup | None, ring: Ring) -> None:
+    """Raise ``ValueError`` on every rank of the Ulysses x ring grid unless all pass the same ``meta``:
+    one check inside the Ulysses group, then one along the ring that also carries whether the first
+    failed (every ring meets every Ulysses group, so a mismatch anywhere reaches every rank)."""
+    what = "ulysses_attention inputs [q, k, v shapes, causal]"
+    err: ValueError | None = None
+    try:
+        check_same_across_ranks(meta, ulysses_group, what)
+    except ValueError as e:
+        err = e
+    if ring.size > 1:
+        try:
+            check_same_across_ranks([*meta, int(err is not None)], ring.group, what + " [+ Ulysses group disagreed]")
+        except ValueError as e:
+            err = err or e
+    if err is not None:
+        raise err
 
 
 class _NoRing:
