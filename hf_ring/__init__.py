@@ -9,7 +9,7 @@ tiled MLP, offload; torch only), ``hf_ring.parallel`` (process groups and the de
 
 from .data.loader import count_targets, dp_sampler, prepare_dataloader
 from .ops.cross_entropy import chunked_causal_lm_loss
-from .parallel import ContextParallel, ring_attention, setup_context_parallel, shard, unshard
+from .parallel import ContextParallel, ring_attention, setup_context_parallel, shard, ulysses_attention, unshard
 from .transformers import register
 from .transformers.batch import shard_batch
 from .transformers.context import RingContext
@@ -44,6 +44,7 @@ __all__ = [
     "setup_context_parallel",
     "shard",
     "shard_batch",
+    "ulysses_attention",
     "unshard",
 ]
 

@@ -7,6 +7,13 @@ the same piece of the sequence in different CP groups form a DP group::
 
 Consecutive ranks keep a CP group inside one node, where the ring traffic is.
 
+With ``ulysses_size = U > 1`` each CP group of ``P`` ranks is a grid of ``U`` (consecutive ranks:
+the all-to-all traffic, kept closest) x ``R = P / U`` (the ring); CP rank ``= ring_pos * U + u``::
+
+    cp_size 4, ulysses_size 2:   Ulysses groups [0 1] [2 3]     ring groups [0 2] [1 3]
+
+``U = 1`` is plain ring attention, ``U = P`` pure DeepSpeed-Ulysses.
+
 This is the one place that holds a process-wide default: the CP group of the last
 ``setup_context_parallel``. The public ``ring_attention``, ``shard`` and ``unshard`` resolve
 ``group=None`` to it and call the ops in ``hf_ring.ops``, which always take their group as an
@@ -24,16 +31,28 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .ops import ring as _ring
+from .ops import ulysses as _ulysses
 from .ops import zigzag as _zigzag
 
-__all__ = ["ContextParallel", "setup_context_parallel", "default_group", "ring_attention", "shard", "unshard"]
+__all__ = [
+    "ContextParallel",
+    "setup_context_parallel",
+    "default_group",
+    "ring_attention",
+    "ulysses_attention",
+    "shard",
+    "unshard",
+]
 
 _DEFAULT: ContextParallel | None = None
 
 
 @dataclass(frozen=True)
 class ContextParallel:
-    """This rank's place in the DP x CP grid (``cp_group``/``dp_group`` are process groups)."""
+    """This rank's place in the DP x CP grid (``cp_group``/``dp_group`` are process groups), and in
+    its CP group's Ulysses x ring grid: ``ulysses_group`` (``None`` when ``ulysses_size == 1``) and
+    ``ring_group`` (the CP group when ``ulysses_size == 1``, ``None`` when ``ulysses_size == cp_size``:
+    no ring)."""
 
     cp_group: dist.ProcessGroup
     cp_rank: int
@@ -41,17 +60,43 @@ class ContextParallel:
     dp_group: dist.ProcessGroup
     dp_rank: int
     dp_size: int
+    ulysses_size: int = 1
+    ulysses_group: dist.ProcessGroup | None = None
+    ring_group: dist.ProcessGroup | None = None
+
+    @property
+    def ring_size(self) -> int:
+        """Ranks on the ring: ``cp_size / ulysses_size``."""
+        return self.cp_size // self.ulysses_size
 
 
-def setup_context_parallel(cp_size: int, *, backend: str | None = None) -> ContextParallel:
+def setup_context_parallel(cp_size: int, *, ulysses_size: int = 1, backend: str | None = None) -> ContextParallel:
     """Build the CP and DP groups and make this rank's CP group the default ``group=None``.
 
     Initialises torch.distributed from the launcher's environment (``accelerate launch``,
     ``torchrun``: ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ...) when that has not happened yet,
     with NCCL when CUDA is available and gloo otherwise (or ``backend``). Every rank must call it,
-    with the same ``cp_size``.
+    with the same ``cp_size`` and ``ulysses_size``.
+
+    ``ulysses_size`` (an int dividing ``cp_size``; there is no ``"auto"``: the best value depends
+    on the model's head count, which setup does not see) splits each CP group into Ulysses groups
+    of ``ulysses_size`` consecutive ranks that trade sequence for attention heads with an
+    all-to-all (DeepSpeed-Ulysses), and rings of ``cp_size / ulysses_size`` ranks across them. A
+    good choice: the largest divisor of ``cp_size`` that is at most the GPUs per node (the
+    all-to-all stays on the fast links) and divides the model's query heads (checked when
+    attention runs). ``1``: plain ring attention; ``cp_size``: pure Ulysses.
     """
     global _DEFAULT
+    if isinstance(ulysses_size, bool) or not isinstance(ulysses_size, int) or ulysses_size < 1:
+        raise ValueError(
+            f"setup_context_parallel: ulysses_size must be a positive int dividing cp_size, got {ulysses_size!r}"
+        )
+    if cp_size >= 1 and cp_size % ulysses_size:
+        raise ValueError(
+            f"setup_context_parallel: ulysses_size={ulysses_size} does not divide cp_size={cp_size}; the CP "
+            f"group is a grid of ulysses_size x ring ranks. Pick a divisor of {cp_size} as ulysses_size "
+            "(1 is plain ring attention)."
+        )
     if not dist.is_initialized():
         if "RANK" not in os.environ and "WORLD_SIZE" not in os.environ:
             raise RuntimeError(
@@ -82,7 +127,25 @@ def setup_context_parallel(cp_size: int, *, backend: str | None = None) -> Conte
         if rank % cp_size == j:
             dp_group = g
     assert cp_group is not None and dp_group is not None
-    _DEFAULT = ContextParallel(cp_group, rank % cp_size, cp_size, dp_group, rank // cp_size, dp_size)
+    cp_rank, u_size = rank % cp_size, ulysses_size
+    ring_size = cp_size // u_size
+    ulysses_group, ring_group = None, cp_group
+    if u_size > 1:
+        ring_group = None
+        for i in range(dp_size):
+            base = i * cp_size
+            for r in range(ring_size):  # Ulysses: consecutive ranks
+                g = dist.new_group(list(range(base + r * u_size, base + (r + 1) * u_size)))
+                if rank // cp_size == i and cp_rank // u_size == r:
+                    ulysses_group = g
+            if ring_size > 1:
+                for u in range(u_size):  # ring: the same place u in every Ulysses group
+                    g = dist.new_group(list(range(base + u, base + cp_size, u_size)))
+                    if rank // cp_size == i and cp_rank % u_size == u:
+                        ring_group = g
+    _DEFAULT = ContextParallel(
+        cp_group, cp_rank, cp_size, dp_group, rank // cp_size, dp_size, u_size, ulysses_group, ring_group
+    )
     return _DEFAULT
 
 
@@ -105,6 +168,14 @@ def reset_context_parallel() -> None:
     _DEFAULT = None
 
 
+def _default_ulysses(group: dist.ProcessGroup | None) -> ContextParallel | None:
+    """The default CP state when ``group`` means its CP group and that group uses Ulysses."""
+    cp = _DEFAULT if dist.is_initialized() else None
+    if cp is None or cp.ulysses_size == 1 or not (group is None or group is cp.cp_group):
+        return None
+    return cp
+
+
 def ring_attention(
     q: Tensor, k: Tensor, v: Tensor, *, group: dist.ProcessGroup | None = None, **options: Any
 ) -> Tensor:
@@ -113,22 +184,47 @@ def ring_attention(
 
     ``q: [B, S_local, Hq, D]``, ``k, v: [B, S_local, Hkv, D]`` (this rank's zigzag shard) ->
     ``[B, S_local, Hq, D]``. Options: ``causal``, ``softmax_scale``, ``backend``, ``layout``,
-    ``validate``, ``ring``; see the op's docstring.
+    ``validate``, ``ring``; see the op's docstring. When that CP group was set up with
+    ``ulysses_size > 1``, this is ``ulysses_attention`` on its Ulysses x ring grid (the layout
+    ``shard`` gives; ``layout``, ``ring`` and ``schedule`` do not apply there).
     """
     if group is None and options.get("ring") is None:
+        if _default_ulysses(None) is not None:
+            return ulysses_attention(q, k, v, **options)
         group = default_group()
     return _ring.ring_attention(q, k, v, group=group, **options)
+
+
+def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, **options: Any) -> Tensor:
+    """Exact attention over the default CP group's Ulysses x ring grid (``setup_context_parallel``
+    with ``ulysses_size``): ``hf_ring.ops.ulysses.ulysses_attention`` with its groups filled in.
+
+    ``q: [B, S_local, Hq, D]``, ``k, v: [B, S_local, Hkv, D]`` (this rank's piece, from ``shard``) ->
+    ``[B, S_local, Hq, D]``. Options: ``causal``, ``softmax_scale``, ``backend``, ``validate``.
+    """
+    cp = _DEFAULT if dist.is_initialized() else None
+    if cp is None:
+        raise ValueError("ulysses_attention: call hf_ring.setup_context_parallel(cp_size, ulysses_size=...) first")
+    if cp.ulysses_size == 1:  # no Ulysses: the ring over the whole CP group
+        return _ring.ring_attention(q, k, v, group=cp.cp_group, **options)
+    return _ulysses.ulysses_attention(q, k, v, ulysses_group=cp.ulysses_group, ring_group=cp.ring_group, **options)
 
 
 def shard(x: Tensor, *, dim: int = 1, group: dist.ProcessGroup | None = None) -> Tensor:
     """This rank's zigzag shard of the full tensor ``x`` along ``dim`` (``x.shape[dim] / P`` rows):
     ``hf_ring.ops.zigzag.shard`` with ``group=None`` meaning the CP group of
-    ``setup_context_parallel``. Raises on every rank when the ranks pass different shapes."""
-    return _zigzag.shard(x, dim=dim, group=default_group() if group is None else group)
+    ``setup_context_parallel``, in its Ulysses x ring layout when it has ``ulysses_size > 1``
+    (``hf_ring.ops.zigzag.hybrid``). Raises on every rank when the ranks pass different shapes."""
+    cp = _default_ulysses(group)
+    u = cp.ulysses_size if cp is not None else 1
+    return _zigzag.shard(x, dim=dim, group=default_group() if group is None else group, ulysses_size=u)
 
 
 def unshard(x: Tensor, *, dim: int = 1, group: dist.ProcessGroup | None = None) -> Tensor:
     """Gather the zigzag shards of the CP group and restore global order along ``dim`` (inverse of
-    ``shard``; not differentiable): ``hf_ring.ops.zigzag.unshard`` with the default CP group. A packed
-    batch from ``shard_batch`` is laid out per document: gather it with ``ring_context.unshard``."""
-    return _zigzag.unshard(x, dim=dim, group=default_group() if group is None else group)
+    ``shard``, in the same layout; not differentiable): ``hf_ring.ops.zigzag.unshard`` with the default
+    CP group. A packed batch from ``shard_batch`` is laid out per document: gather it with
+    ``ring_context.unshard``."""
+    cp = _default_ulysses(group)
+    u = cp.ulysses_size if cp is not None else 1
+    return _zigzag.unshard(x, dim=dim, group=default_group() if group is None else group, ulysses_size=u)

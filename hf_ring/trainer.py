@@ -56,8 +56,9 @@ class RingTrainer(Trainer):
 
     Takes ``Trainer``'s arguments, plus ``cp_size`` (default: ``args.cp_size`` when ``args`` is a
     ``RingTrainingArguments``, else the CP size of an earlier ``setup_context_parallel`` call, else
-    1). ``per_device_train_batch_size`` is the batch of one DP replica (one CP group), and the
-    global batch of an optimizer step is ``per_device_train_batch_size * gradient_accumulation_steps
+    1) and ``ulysses_size`` (the same way; see ``setup_context_parallel``).
+    ``per_device_train_batch_size`` is the batch of one DP replica (one CP group), and the global
+    batch of an optimizer step is ``per_device_train_batch_size * gradient_accumulation_steps
     * world_size / cp_size``. The model must be a causal LM whose loss comes from transformers'
     ``ForCausalLM`` loss; ``compute_loss_func`` and label smoothing are not supported.
     """
@@ -68,8 +69,16 @@ class RingTrainer(Trainer):
         args: TrainingArguments | None = None,
         *rest: Any,
         cp_size: int | None = None,
+        ulysses_size: int | None = None,
         **kwargs: Any,
     ) -> None:
+        args_u = getattr(args, "ulysses_size", None)
+        if ulysses_size is not None and args_u is not None and ulysses_size != args_u:
+            raise ValueError(
+                f"RingTrainer: ulysses_size={ulysses_size} but args.ulysses_size={args_u}; pass one of them."
+            )
+        if ulysses_size is None:
+            ulysses_size = args_u
         args_cp = getattr(args, "cp_size", None)
         if cp_size is not None and args_cp is not None and cp_size != args_cp:
             raise ValueError(f"RingTrainer: cp_size={cp_size} but args.cp_size={args_cp}; pass one of them.")
@@ -104,11 +113,16 @@ class RingTrainer(Trainer):
         if cp_size > 1 or (dist.is_available() and dist.is_initialized()):
             state = context_parallel_state()
             if state is None:
-                state = setup_context_parallel(cp_size)
+                state = setup_context_parallel(cp_size, ulysses_size=ulysses_size or 1)
             elif state.cp_size != cp_size:
                 raise ValueError(
                     f"RingTrainer: cp_size={cp_size}, but setup_context_parallel was already called with "
                     f"cp_size={state.cp_size}; pass the same size (or omit cp_size to use it)."
+                )
+            elif ulysses_size is not None and state.ulysses_size != ulysses_size:
+                raise ValueError(
+                    f"RingTrainer: ulysses_size={ulysses_size}, but setup_context_parallel was already called with "
+                    f"ulysses_size={state.ulysses_size}; pass the same size (or omit ulysses_size to use it)."
                 )
             self._cp = state
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() != self.args.world_size:

@@ -2,8 +2,9 @@
 
     python tests/trainer_run.py ref OUT_DIR DP [DP ...]        plain Trainer, one process, sdpa:
                                                                    one run per DP (batch DP * B)
-    torchrun --nproc_per_node K tests/trainer_run.py ring OUT_DIR CP
+    torchrun --nproc_per_node K tests/trainer_run.py ring OUT_DIR CP [U]
                                                                    RingTrainer, K / CP replicas of batch B
+                                                                   (U: ulysses_size, default 1)
 
 Each run writes ``<name>.json`` (per-step loss and grad norm, eval loss, error messages checked on
 the way) and ``<name>.pt`` (final parameters) into OUT_DIR, from rank 0. The data: right-padded
@@ -135,7 +136,7 @@ def run_ref(out: Path, dps: list[int]) -> None:
         torch.save(predictions(trainer), out / f"ref_dp{dp}_pred.pt")
 
 
-def run_ring(out: Path, cp: int) -> None:
+def run_ring(out: Path, cp: int, ulysses: int = 1) -> None:
     import torch.distributed as dist
 
     from hf_ring.trainer import RingTrainer, RingTrainingArguments
@@ -149,7 +150,7 @@ def run_ring(out: Path, cp: int) -> None:
     model = tiny_model("llama", "ring")
     trainer = RingTrainer(
         model=model,
-        args=training_args(out / f"ring{world}", B, cls=RingTrainingArguments, cp_size=cp),
+        args=training_args(out / f"ring{world}", B, cls=RingTrainingArguments, cp_size=cp, ulysses_size=ulysses),
         train_dataset=Samples(TRAIN, 1),
         eval_dataset=Samples(EVAL, 2),
     )
@@ -169,9 +170,11 @@ def run_ring(out: Path, cp: int) -> None:
         first_batches=[s.tolist() for s in seen],
         total_batch=trainer.get_total_train_batch_size(trainer.args),
     )
+    name = f"ring_w{world}_cp{cp}" + (f"_u{ulysses}" if ulysses > 1 else "")
+    res["ulysses_size"] = trainer._cp.ulysses_size if trainer._cp is not None else 1
     if dist.get_rank() == 0:
-        save(out, f"ring_w{world}_cp{cp}", trainer, res)
-        torch.save(pred, out / f"ring_w{world}_cp{cp}_pred.pt")
+        save(out, name, trainer, res)
+        torch.save(pred, out / f"{name}_pred.pt")
     dist.barrier()
 
 
@@ -182,4 +185,4 @@ if __name__ == "__main__":
     if mode == "ref":
         run_ref(out, [int(a) for a in sys.argv[3:]])
     else:
-        run_ring(out, int(sys.argv[3]))
+        run_ring(out, *(int(a) for a in sys.argv[3:5]))

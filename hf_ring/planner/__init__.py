@@ -13,7 +13,7 @@ command line (``hf_ring.cli``). Background and measurements: docs/memory.md.
 from .models import KNOWN_MODELS, LORA_TARGETS, ModelShape, known_config, model_shape
 from .plan import GiB, Plan, max_seq_len, plan, smallest_cp
 from .settings import PlanSettings, tokens
-from .terms import activation_terms, ring_buffer_bytes
+from .terms import activation_terms, attention_comm_bytes, ring_buffer_bytes
 
 __all__ = [
     "GiB",
@@ -23,6 +23,7 @@ __all__ = [
     "Plan",
     "PlanSettings",
     "activation_terms",
+    "attention_comm_bytes",
     "known_config",
     "max_seq_len",
     "model_shape",

@@ -2,7 +2,8 @@
 
 Per token of a rank's shard (``T = micro_batch * seq_len / cp``), in bytes: what transformers'
 Llama/Qwen/Mistral layers save for backward (RMSNorm in float32, the ring attention Function, a
-gated MLP, LoRA adapters) and the ring's working set in attention backward. Checked with
+gated MLP, LoRA adapters) and the ring's working set in attention backward; and the bytes
+attention sends per layer, ring and Ulysses all-to-all (``attention_comm_bytes``). Checked with
 ``testkit.live_tensors.LiveTensorBytes`` on small models (``tests/test_planner.py``,
 ``benchmarks/memory.py``).
 
@@ -11,9 +12,11 @@ Imports neither torch nor transformers.
 
 from __future__ import annotations
 
+import math
+
 from .models import ModelShape
 
-__all__ = ["DTYPE_BYTES", "activation_terms", "ring_buffer_bytes"]
+__all__ = ["DTYPE_BYTES", "activation_terms", "attention_comm_bytes", "ring_buffer_bytes"]
 
 DTYPE_BYTES = {"bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "fp32": 4, "float32": 4}
 
@@ -84,3 +87,34 @@ def ring_buffer_bytes(m: ModelShape, b: int, cp: int) -> float:
         + kernel_grads  # of the block in flight (each step's are freed before the next kernel call)
         + b * q  # dOut made contiguous
     )
+
+
+def attention_comm_bytes(m: ModelShape, b: int, tokens: int, cp: int, ulysses: int = 1) -> dict[str, float]:
+    """Bytes one rank sends per decoder layer for one forward and one backward of attention, by kind.
+
+    ``tokens``: the tokens of the whole sequence (times the micro-batch); ``cp = U * R`` ranks,
+    ``ulysses = U`` of them in each Ulysses group (``hf_ring.ops.ulysses``; ``1``: plain ring).
+    ``b``: bytes per element of the model's dtype. With activation checkpointing the forward runs
+    again in backward: add ``"ring_forward"`` and ``"all_to_all_forward"`` once more.
+
+    - ring (``R = cp / U`` ranks on ``Hq / U`` heads, ``N / R`` tokens each): the K/V message makes
+      ``R - 1`` hops forward and again in backward; the float32 dK/dV accumulator makes ``R`` hops.
+    - all-to-all (``U`` ranks, ``N / P`` tokens each): before attention q, k, v (K/V heads
+      replicated ``U / gcd(Hkv, U)`` times when ``U`` does not divide ``Hkv``), after it the
+      output; backward sends their gradients back. Each rank keeps ``1 / U`` of what it sends.
+    """
+    ring = cp // ulysses
+    d = m.head_dim
+    kv_heads = m.kv_heads * (ulysses // math.gcd(m.kv_heads, ulysses))
+    kv_ring = 2 * kv_heads / ulysses * d * tokens / ring  # K and V elements of one ring position's shard
+    ring_fwd = (ring - 1) * kv_ring * b
+    ring_bwd = (ring - 1) * kv_ring * b + (ring * kv_ring * 4 if ring > 1 else 0)
+    share = (ulysses - 1) / ulysses * tokens / cp * d  # elements per head that leave this rank
+    a2a_fwd = share * (2 * m.heads + 2 * kv_heads) * b  # q, k, v in; the output back
+    return {
+        "ring_forward": ring_fwd,
+        "ring_backward": ring_bwd,
+        "all_to_all_forward": a2a_fwd,
+        "all_to_all_backward": a2a_fwd,  # the same tensors' gradients, the other way
+        "total": ring_fwd + ring_bwd + 2 * a2a_fwd,
+    }

@@ -27,6 +27,14 @@ class RingTrainingArguments(TrainingArguments):
             "world_size / cp_size is the number of data-parallel replicas."
         },
     )
+    ulysses_size: int = field(
+        default=1,
+        metadata={
+            "help": "Ulysses degree inside each CP group: cp_size = ulysses_size x ring. ulysses_size "
+            "consecutive processes trade sequence for attention heads with an all-to-all (it must divide "
+            "cp_size and the model's query heads); 1: ring attention only; cp_size: Ulysses only."
+        },
+    )
     chunked_loss: bool = field(
         default=True,
         metadata={
@@ -60,6 +68,11 @@ class RingTrainingArguments(TrainingArguments):
             raise ValueError(
                 "RingTrainingArguments: activation_offload=True needs activation_checkpointing=True "
                 "(alias gradient_checkpointing): what is offloaded are the checkpointed layers' inputs."
+            )
+        if self.ulysses_size < 1 or self.cp_size % self.ulysses_size:
+            raise ValueError(
+                f"RingTrainingArguments: ulysses_size={self.ulysses_size} does not divide cp_size={self.cp_size}; "
+                f"pick a divisor of {self.cp_size} (1 is plain ring attention)."
             )
         if self.tiled_mlp is not None and self.tiled_mlp < 1:
             raise ValueError(f"RingTrainingArguments: tiled_mlp must be >= 1 (tokens) or None, not {self.tiled_mlp}")

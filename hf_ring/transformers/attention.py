@@ -4,7 +4,9 @@ The attention function follows transformers' ``AttentionInterface`` contract: it
 ``query [B, Hq, S, D]`` and ``key``/``value [B, Hkv, S, D]`` (RoPE applied, K/V heads not expanded)
 and returns ``(out [B, S, Hq, D], None)``. It is a function of its arguments: the batch's
 ``RingContext`` (keyword ``ring_context``, from ``hf_ring.shard_batch``) says which CP group to
-run on, and the call is counted on it for the loss's "ring attention never ran" guard. Everything
+run on -- with Ulysses (``ulysses_size > 1``), its Ulysses and ring groups, and the call goes to
+``hf_ring.ops.ulysses.ulysses_attention`` --, and the call is counted on it for the loss's "ring
+attention never ran" guard. Everything
 it cannot compute exactly raises ``RingNotSupported`` (``support.py`` says what and why).
 """
 
@@ -17,7 +19,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..ops.ring import ring_attention
-from ..parallel import default_group
+from ..ops.ulysses import ulysses_attention
+from ..parallel import context_parallel_state, default_group
 from .context import RingContext
 from .support import RingMaskUsed, RingNotSupported, check_layer
 
@@ -99,7 +102,9 @@ def ring_attention_forward(
     ``query: [B, Hq, S_local, Dqk]``, ``key: [B, Hkv, S_local, Dqk]``, ``value: [B, Hkv, S_local, Dv]``,
     this rank's zigzag shard (see ``hf_ring.shard_batch``). Returns ``([B, S_local, Hq, Dv], None)``.
     The CP group is the batch's (``ring_context``); without one (a shard made by hand), the default
-    CP group. Under autocast, q/k/v are cast to the autocast dtype, as SDPA's are. A value head dim
+    CP group. With Ulysses (``setup_context_parallel(..., ulysses_size=U)``) the shard is in the
+    hybrid layout and the call runs ``ulysses_attention``, which needs ``U`` to divide ``Hq``
+    (``ValueError`` otherwise). Under autocast, q/k/v are cast to the autocast dtype, as SDPA's are. A value head dim
     that differs from the query/key one (multi-head latent attention) is zero-padded, which leaves
     scores and outputs unchanged.
     """
@@ -125,10 +130,13 @@ def ring_attention_forward(
         )
     if ring_context is not None:
         group, size, schedule = ring_context.group, ring_context.size, ring_context.schedule
+        ulysses = (ring_context.ulysses_group, ring_context.ring_group) if ring_context.ulysses_size > 1 else None
     else:
         group, schedule = default_group(), None
         size = torch.distributed.get_world_size(group) if torch.distributed.is_initialized() else 1
         _refuse_packed_positions(kwargs.get("position_ids"))
+        cp = context_parallel_state() if size > 1 else None
+        ulysses = (cp.ulysses_group, cp.ring_group) if cp is not None and cp.ulysses_size > 1 else None
     labelled = ring_context.labelled if ring_context is not None else False
     given = ring_context.positions_given if ring_context is not None else True
     check_layer(module, kwargs, query.shape[2] * size, labelled, size, given)
@@ -145,16 +153,15 @@ def ring_attention_forward(
     causal = module.is_causal if is_causal is None else is_causal
     if ring_context is not None and not _in_backward():
         ring_context.attention_calls += 1  # forward calls only: a checkpoint recompute does not count
+    q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)  # (B, S, H, D)
     with torch.autocast(device, enabled=False):
-        out = ring_attention(
-            query.transpose(1, 2),  # (B, S, Hq, D)
-            key.transpose(1, 2),  # (B, S, Hkv, D)
-            value.transpose(1, 2),
-            group=group,
-            causal=causal,
-            softmax_scale=scaling,
-            schedule=schedule,
-        )
+        if ulysses is not None:
+            out = ulysses_attention(
+                q, k, v, ulysses_group=ulysses[0], ring_group=ulysses[1], causal=causal, softmax_scale=scaling,
+                schedule=schedule,
+            )  # fmt: skip
+        else:
+            out = ring_attention(q, k, v, group=group, causal=causal, softmax_scale=scaling, schedule=schedule)
     return (out[..., :d_v] if d_v != d_qk else out), None
 
 

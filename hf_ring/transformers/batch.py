@@ -17,8 +17,8 @@ from torch import Tensor
 from ..ops.comm import check_same_across_ranks, group_size_rank
 from ..ops.cross_entropy import IGNORE_INDEX
 from ..ops.schedule import balanced_layout, layout_schedule
-from ..ops.zigzag import zigzag
-from ..parallel import default_group
+from ..ops.zigzag import hybrid, hybrid_multiple
+from ..parallel import ContextParallel, context_parallel_state, default_group
 from .context import KEY, RingContext
 
 __all__ = ["shard_batch", "next_token_targets"]
@@ -27,8 +27,16 @@ _PACKED_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"
 _PASS_KEYS = ("num_items_in_batch", "use_cache", "return_dict", "output_hidden_states", "output_attentions")
 
 
-def _zigzag(x: Tensor, size: int, rank: int) -> Tensor:
-    return zigzag(x, 1, size, rank).contiguous()  # the batch shape was checked once, above
+def _zigzag(x: Tensor, size: int, rank: int, ulysses_size: int) -> Tensor:
+    return hybrid(x, 1, size, rank, ulysses_size).contiguous()  # the batch shape was checked once, above
+
+
+def _ulysses(group: dist.ProcessGroup | None) -> ContextParallel | None:
+    """The state of ``setup_context_parallel`` when ``group`` is its CP group and it uses Ulysses."""
+    cp = context_parallel_state() if dist.is_available() and dist.is_initialized() else None
+    if cp is None or cp.ulysses_size == 1 or not (group is None or group is cp.cp_group):
+        return None
+    return cp
 
 
 def _check_right_padding(mask: Tensor) -> None:
@@ -105,8 +113,12 @@ def shard_batch(
             where a packed document begins, or ``cu_seq_lens_q/k [D + 1]`` for ``B = 1``),
             ``num_items_in_batch`` (valid targets of the whole step, e.g. over gradient
             accumulation and DP replicas; counted here otherwise).
-        group: the CP group (default: that of ``setup_context_parallel``, else the world).
-        pad_token_id: id used to pad the sequence to a multiple of ``2P`` (its targets are masked).
+        group: the CP group (default: that of ``setup_context_parallel``, else the world). The
+            CP group of ``setup_context_parallel(..., ulysses_size=U)`` (by default or by name) is
+            sharded in its Ulysses x ring layout: the zigzag over the ``R = P / U`` ring positions,
+            each ring position's shard cut into ``U`` contiguous pieces (``hf_ring.ops.zigzag.hybrid``).
+        pad_token_id: id used to pad the sequence to a multiple of ``2P`` (of ``R * lcm(2, U)`` with
+            Ulysses; its targets are masked).
         dp_size: number of data-parallel replicas that ``num_items_in_batch`` spans (it then
             counts the targets of all of them, and the backward is scaled to match DP averaging).
         full_logits: return full logits even from a model with ``enable_chunked_loss`` (whose
@@ -118,12 +130,14 @@ def shard_batch(
         ``[B, N_pad / P]`` (shifted on the full sequence before sharding, so no target is lost at
         chunk boundaries) and ``num_items_in_batch``; ``use_cache=False``; and ``ring_context``
         (a ``RingContext``: the CP group and loss policy of this batch, read by the ring attention
-        function and the model's loss, which it sums over the CP group). ``N_pad`` is ``N`` rounded up to a
-        multiple of ``2P``. Right padding is handled exactly: causal attention never lets a real
-        token see the padding after it, and padded positions have no targets. Packed documents
+        function and the model's loss, which it sums over the CP group). ``N_pad`` is ``N`` rounded up
+        to a multiple of ``2P`` (``hf_ring.ops.zigzag.hybrid_multiple(P, U)`` with Ulysses). Right
+        padding is handled exactly: causal attention never lets a real token see the padding after
+        it, and padded positions have no targets. Packed documents
         are exact: every token attends only to earlier tokens of its own document (the context
         carries the ring schedule cut along document boundaries, computed once per batch), RoPE sees
-        each document's own positions, and no target crosses a document boundary.
+        each document's own positions, and no target crosses a document boundary (with Ulysses, the
+        schedule is the ring's over its ``R`` positions).
     """
     unknown = [
         k for k, v in batch.items() if isinstance(v, Tensor) and k not in (*_SEQ_KEYS, *_PASS_KEYS, *_PACKED_KEYS)
@@ -133,9 +147,11 @@ def shard_batch(
             f"shard_batch: does not know how to shard {unknown}; it handles {list(_SEQ_KEYS)}. Remove "
             "these keys or shard them yourself with hf_ring.shard."
         )
+    cp = _ulysses(group)
     if group is None:
         group = default_group()
     size, rank = group_size_rank(group)
+    ulysses_size = cp.ulysses_size if cp is not None else 1
     key = "input_ids" if "input_ids" in batch else "inputs_embeds"
     if key not in batch:
         raise ValueError("shard_batch: the batch needs input_ids [B, N] or inputs_embeds [B, N, H]")
@@ -146,12 +162,14 @@ def shard_batch(
         v = batch.get(k)
         if v is not None and (v.dim() != 2 or v.shape[1] != n or v.shape[0] not in (1, b)):
             raise ValueError(f"shard_batch: {k} has shape {tuple(v.shape)}, expected [{b}, {n}]")
-    if n < 2 * size:
+    multiple = hybrid_multiple(size, ulysses_size)
+    if n < multiple:
+        pieces = f"2 * P = {multiple} zigzag chunks" if ulysses_size == 1 else f"the {multiple} pieces of its layout"
         raise ValueError(
-            f"shard_batch: a sequence of {n} tokens is shorter than 2 * P = {2 * size} zigzag chunks; "
+            f"shard_batch: a sequence of {n} tokens is shorter than {pieces}; "
             "context parallelism is for long sequences: use a smaller cp_size or longer sequences."
         )
-    n_pad = -(-n // (2 * size)) * 2 * size
+    n_pad = -(-n // multiple) * multiple
     pad = n_pad - n
 
     def padded(t: Tensor, value: float) -> Tensor:
@@ -182,26 +200,27 @@ def shard_batch(
     starts = document_starts(positions)
     if starts is not None:
         return _shard_packed(batch, key, x, positions, starts, labels, mask, group, size, rank, dp_size, full_logits,
-                             pad_token_id)  # fmt: skip  (packed positions are always given)
+                             pad_token_id, cp)  # fmt: skip  (packed positions are always given)
     if pad:
         step = torch.arange(1, pad + 1, device=x.device)
         positions = torch.cat((positions, positions[:, -1:] + step), dim=1)
 
     out: dict[str, Any] = {k: batch[k] for k in _PASS_KEYS if k in batch}
-    out[key] = _zigzag(padded(x, pad_token_id if key == "input_ids" else 0.0), size, rank)
-    out["position_ids"] = _zigzag(positions, size, rank)
+    out[key] = _zigzag(padded(x, pad_token_id if key == "input_ids" else 0.0), size, rank, ulysses_size)
+    out["position_ids"] = _zigzag(positions, size, rank, ulysses_size)
     out.setdefault("use_cache", False)
     if labels is not None:
         shifted = padded(next_token_targets(labels.expand(b, n), mask), IGNORE_INDEX)
         if "num_items_in_batch" not in out:
             out["num_items_in_batch"] = (shifted != IGNORE_INDEX).sum()
-        local = _zigzag(shifted, size, rank)
+        local = _zigzag(shifted, size, rank, ulysses_size)
         # ``labels`` only switches the model's loss on; ``shift_labels`` are the targets it uses.
         out["labels"] = local
         out["shift_labels"] = local
     out[KEY] = RingContext(
         group, size, rank, grad_scale=float(size * dp_size), labelled=labels is not None, full_logits=full_logits,
-        positions_given=positions_given,
+        positions_given=positions_given, ulysses_size=ulysses_size,
+        ulysses_group=None if cp is None else cp.ulysses_group, ring_group=None if cp is None else cp.ring_group,
     )  # fmt: skip
     return out
 
@@ -209,26 +228,35 @@ def shard_batch(
 def _shard_packed(
     batch: dict[str, Any], key: str, x: Tensor, positions: Tensor, starts: list[list[int]], labels: Tensor | None,
     mask: Tensor | None, group: dist.ProcessGroup | None, size: int, rank: int, dp_size: int, full_logits: bool,
-    pad_token_id: int,
+    pad_token_id: int, cp: ContextParallel | None,
 ) -> dict[str, Any]:
     """``shard_batch`` for packed documents: the zigzag applied to every document
     (``balanced_layout``: each rank holds ``1/P`` of every document's work, no padding but at most
-    ``P - 1`` rows), the ring schedule cut along the documents, computed once for the batch."""
+    ``P - 1`` rows), the ring schedule cut along the documents, computed once for the batch.
+
+    With Ulysses (``cp``: ``U > 1``) the layout and schedule are those of the ``R = P / U`` ring
+    positions, and each ring position's rows (padded to a multiple of ``U``) are cut into ``U``
+    contiguous pieces, one per rank of its Ulysses group (the all-to-all puts them back together)."""
     b, n = x.shape[:2]
-    layouts = [balanced_layout(s, n, size) for s in starts]
-    local = max(length for _, length in layouts)
-    # global index of every local row of every rank, [P, B, local]; n (a pad slot) where a rank has fewer rows
-    index = torch.full((size, b, local), n, dtype=torch.long)
+    u_size = cp.ulysses_size if cp is not None else 1
+    ring, ring_pos = size // u_size, rank // u_size
+    layouts = [balanced_layout(s, n, ring) for s in starts]
+    local = -(-max(length for _, length in layouts) // u_size) * u_size
+    # global index of every row of every ring position, [R, B, local]; n (a pad slot) where it has fewer rows
+    index = torch.full((ring, b, local), n, dtype=torch.long)
     for i, (layout, _) in enumerate(layouts):
         for r, segs in enumerate(layout):
             if segs:
                 rows = torch.cat([torch.arange(seg.start, seg.stop) for seg in segs])
                 index[r, i, : rows.numel()] = rows
     if len({tuple(s) for s in starts}) == 1:
-        schedule = layout_schedule(layouts[0][0], rank)
+        schedule = layout_schedule(layouts[0][0], ring_pos)
     else:
-        per_row = [layout_schedule(layout, rank, (i, i + 1)) for i, (layout, _) in enumerate(layouts)]
-        schedule = [tuple(blk for row in per_row for blk in row[step]) for step in range(size)]
+        per_row = [layout_schedule(layout, ring_pos, (i, i + 1)) for i, (layout, _) in enumerate(layouts)]
+        schedule = [tuple(blk for row in per_row for blk in row[step]) for step in range(ring)]
+    # rank r * U + u holds piece u of ring position r's rows: [P, B, local / U]
+    index = index.view(ring, b, u_size, local // u_size).transpose(1, 2).reshape(size, b, local // u_size)
+    local //= u_size
     mine = index[rank].to(x.device)
 
     def take(t: Tensor, fill: float) -> Tensor:
@@ -247,6 +275,7 @@ def _shard_packed(
         out["labels"] = out["shift_labels"] = take(shifted, IGNORE_INDEX)
     out[KEY] = RingContext(
         group, size, rank, grad_scale=float(size * dp_size), labelled=labels is not None, full_logits=full_logits,
-        schedule=schedule, index=index, length=n,
+        schedule=schedule, index=index, length=n, ulysses_size=u_size,
+        ulysses_group=None if cp is None else cp.ulysses_group, ring_group=None if cp is None else cp.ring_group,
     )  # fmt: skip
     return out

@@ -7,7 +7,8 @@ globals, nothing keyed by identity. The walk of one batch is in ``docs/architect
 
 What travels in it:
 
-- the CP group (size and rank read once);
+- the CP group (size and rank read once), and with Ulysses (``ulysses_size > 1``) its Ulysses
+  and ring groups: the attention then runs ``hf_ring.ops.ulysses.ulysses_attention``;
 - packed documents: this rank's ring schedule cut along document boundaries (computed once);
 - the loss policy: the backward scale of each rank's share of the loss, and whether this batch
   has labels (``num_items_in_batch`` is the global target count the model's loss divides by);
@@ -49,6 +50,10 @@ class RingContext:
     Attributes:
         group: the CP group (``None``: the world group, or no torch.distributed).
         size, rank: the group's size and this rank's place in it.
+        ulysses_size, ulysses_group, ring_group: the CP group's Ulysses x ring grid (see
+            ``hf_ring.setup_context_parallel``); ``ulysses_size == 1``: plain ring attention over
+            ``group``. ``ring_group`` ``None``: no ring (pure Ulysses). The batch is then in the
+            hybrid layout (``hf_ring.ops.zigzag.hybrid``).
         grad_scale: backward factor of this rank's share of the loss (CP size x DP replicas that
             the target count spans).
         labelled: the batch has labels, so the model computes a loss that ``hf_ring`` sums over
@@ -75,6 +80,9 @@ class RingContext:
     schedule: Schedule | None = field(default=None, repr=False)
     index: Tensor | None = field(default=None, repr=False)
     length: int = 0
+    ulysses_size: int = 1
+    ulysses_group: dist.ProcessGroup | None = field(default=None, repr=False)
+    ring_group: dist.ProcessGroup | None = field(default=None, repr=False)
     attention_calls: int = 0
     _chunked: ChunkedLossInput | None = field(default=None, repr=False)
 
@@ -90,12 +98,13 @@ class RingContext:
 
     def unshard(self, x: Tensor) -> Tensor:
         """Gather this batch's shards of ``x [B, S_local, ...]`` from the CP group and restore global
-        order: ``[B, N_pad, ...]`` for one sequence per row (as ``hf_ring.unshard``), ``[B, N, ...]``
-        for packed documents (whose layout only the context knows). Not differentiable."""
+        order: ``[B, N_pad, ...]`` for one sequence per row (as ``hf_ring.unshard``, in this batch's
+        layout), ``[B, N, ...]`` for packed documents (whose layout only the context knows). Not
+        differentiable."""
         if self.index is None:
             from ..ops.zigzag import unshard
 
-            return unshard(x, dim=1, group=self.group)
+            return unshard(x, dim=1, group=self.group, ulysses_size=self.ulysses_size)
         import torch
         import torch.distributed as dist
 
