@@ -40,7 +40,7 @@ from .training.arguments import RingTrainingArguments, apply_model_options
 from .transformers.batch import shard_batch
 from .transformers.context import KEY
 
-__all__ = ["RingTrainer", "RingTrainingArguments"]
+__all__ = ["RingTrainer", "RingTrainingArguments", "resolve_ulysses_size"]
 
 
 def _attn_implementation(model: nn.Module) -> str | None:
