@@ -4,14 +4,15 @@ and the choice of ``ulysses_size``.
 A CP group of ``P = U * R`` ranks runs Ulysses inside groups of ``U`` consecutive ranks (an
 all-to-all that trades sequence for heads) and the zigzag ring over ``R`` ring positions
 (``hf_ring.ops.ulysses``). Per decoder layer and rank, with ``N`` tokens, ``Hq``/``Hkv`` heads of
-``d`` elements, ``b`` bytes per element, ``F`` FLOP/s, ``g = gcd(Hkv, U)`` and K/V heads
-replicated ``Hkv / g`` -> ``Hkv * U / g`` when ``U`` does not divide ``Hkv``:
+``d`` elements, ``b`` bytes per element, ``F`` FLOP/s, link bandwidth ``BW`` and ``g = gcd(Hkv, U)``
+(K/V heads are repeated ``U / g`` times, ``Hkv -> Hkv U / g``, when ``U`` does not divide ``Hkv``):
 
 - attention compute: forward ``2 N^2 Hq d / P`` FLOPs (causal), backward 2.5x that, the forward
   again in backward under activation checkpointing. The same for every layout.
 - ring: ``R`` steps of equal work; each forward hop moves the K/V of ``N / R`` tokens on
-  ``Hkv U / g / U = Hkv / g`` heads (``2 Hkv/g d N/R b`` bytes) while the step computes
-  ``2 (N/R)^2 Hq/U d`` FLOPs, so it is hidden when ``(N/R) Hq / F >= (Hkv/g) b / BW``. The
+  ``Hkv / g`` heads (this rank's ``1 / U`` of ``Hkv U / g``; ``2 Hkv/g d N/R b`` bytes) while the
+  step computes ``2 (N/R)^2 Hq/U d`` FLOPs, so it is hidden when
+  ``(N/R) (Hq/U) / F >= (Hkv/g) b / BW``. The
   backward hop also carries the float32 dK/dV accumulator (``b + 4`` bytes per element against
   2.5x the compute), and the last dK/dV hop comes after the last step: always exposed.
   Compute over transfer per hop is ``N Hq BW g / (P Hkv b F)``: raising ``U`` helps the ring hide
