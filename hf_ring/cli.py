@@ -1,5 +1,6 @@
 """``hf-ring`` command line. ``hf-ring plan MODEL --seq-len 1M --gpus 8``: per-rank memory table,
-the smallest CP size that fits, and whether the ring's transfers hide behind compute.
+the smallest CP size that fits, whether the ring's transfers hide behind compute, and the ring /
+Ulysses / hybrid layouts of the CP group priced per layer with the recommended ``ulysses_size``.
 ``hf-ring eval needle|ppl MODEL ...``: long-context evaluation (``hf_ring.evaluation.cli``).
 
 The options of ``hf-ring plan`` are the fields of ``hf_ring.planner.PlanSettings`` (their metadata
@@ -105,7 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser(
         "plan",
         help="per-rank memory of a long-context fine-tuning run",
-        description="Per-rank memory table, smallest CP size that fits, and the ring overlap check. MODEL: a "
+        description="Per-rank memory table, smallest CP size that fits, the ring overlap check and the ring / "
+        "Ulysses layouts (communication time per layer, recommended ulysses_size). MODEL: a "
         f"known name ({', '.join(KNOWN_MODELS)}), a config.json or a directory with one, or a recipe (a .yaml "
         "file, or the name of one in hf_ring/recipes/; then its sequence length, CP size, LoRA and checkpointing "
         "settings are used, and the options given override them).",

@@ -78,13 +78,15 @@ def setup_context_parallel(cp_size: int, *, ulysses_size: int = 1, backend: str 
     with NCCL when CUDA is available and gloo otherwise (or ``backend``). Every rank must call it,
     with the same ``cp_size`` and ``ulysses_size``.
 
-    ``ulysses_size`` (an int dividing ``cp_size``; there is no ``"auto"``: the best value depends
-    on the model's head count, which setup does not see) splits each CP group into Ulysses groups
-    of ``ulysses_size`` consecutive ranks that trade sequence for attention heads with an
-    all-to-all (DeepSpeed-Ulysses), and rings of ``cp_size / ulysses_size`` ranks across them. A
-    good choice: the largest divisor of ``cp_size`` that is at most the GPUs per node (the
-    all-to-all stays on the fast links) and divides the model's query heads (checked when
-    attention runs). ``1``: plain ring attention; ``cp_size``: pure Ulysses.
+    ``ulysses_size`` (an int dividing ``cp_size``; ``"auto"`` is resolved where the model is known,
+    by ``RingTrainer``, with ``hf_ring.planner.choose_ulysses_size``) splits each CP group into
+    Ulysses groups of ``ulysses_size`` consecutive ranks that trade sequence for attention heads
+    with an all-to-all (DeepSpeed-Ulysses), and rings of ``cp_size / ulysses_size`` ranks across
+    them. It must divide the model's query heads (checked when attention runs). ``1``: plain ring
+    attention; ``cp_size``: pure Ulysses. ``choose_ulysses_size(Hq, Hkv, cp_size, gpus_per_node)``
+    gives 1 inside a node (the ring hides behind compute, an all-to-all cannot) and
+    ``gcd(Hkv, cp_size, gpus_per_node)`` across nodes; ``hf-ring plan --ulysses-size ...`` prices
+    every layout at a given length.
     """
     global _DEFAULT
     if isinstance(ulysses_size, bool) or not isinstance(ulysses_size, int) or ulysses_size < 1:

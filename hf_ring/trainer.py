@@ -35,16 +35,47 @@ from transformers import Trainer, TrainingArguments
 
 from .data.loader import count_targets, prepare_dataloader
 from .parallel import ContextParallel, context_parallel_state, setup_context_parallel
+from .planner.layouts import choose_ulysses_size
 from .training.arguments import RingTrainingArguments, apply_model_options
 from .transformers.batch import shard_batch
 from .transformers.context import KEY
 
-__all__ = ["RingTrainer", "RingTrainingArguments"]
+__all__ = ["RingTrainer", "RingTrainingArguments", "resolve_ulysses_size"]
 
 
 def _attn_implementation(model: nn.Module) -> str | None:
     config = getattr(model, "config", None)
     return getattr(config, "_attn_implementation", None)
+
+
+def _gpus_per_node(cp_size: int) -> int:
+    """Processes per node: the launcher's ``LOCAL_WORLD_SIZE`` (torchrun, accelerate), else the
+    visible CUDA devices, else ``cp_size`` (one node)."""
+    local = os.environ.get("LOCAL_WORLD_SIZE", "")
+    if local.isdigit() and int(local) > 0:
+        return int(local)
+    if torch.cuda.is_available() and torch.cuda.device_count() > 0:
+        return torch.cuda.device_count()
+    return cp_size
+
+
+def resolve_ulysses_size(model: nn.Module, cp_size: int, gpus_per_node: int | None = None) -> int:
+    """``ulysses_size="auto"`` for ``model``: ``hf_ring.planner.choose_ulysses_size`` of its
+    config's ``num_attention_heads`` and ``num_key_value_heads`` (the text config of a multimodal
+    model), ``cp_size`` and ``gpus_per_node`` (default: ``LOCAL_WORLD_SIZE``, else the visible CUDA
+    devices, else ``cp_size``)."""
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "get_text_config"):
+        config = config.get_text_config()
+    heads = getattr(config, "num_attention_heads", None)
+    if not isinstance(heads, int):
+        raise ValueError(
+            'RingTrainer: ulysses_size="auto" reads num_attention_heads from model.config, which this model '
+            "lacks; pass an int ulysses_size (1: ring attention only)."
+        )
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    gpus = gpus_per_node if gpus_per_node is not None else _gpus_per_node(cp_size)
+    return choose_ulysses_size(heads, kv_heads, cp_size, gpus)
 
 
 def _launched() -> bool:
@@ -56,7 +87,10 @@ class RingTrainer(Trainer):
 
     Takes ``Trainer``'s arguments, plus ``cp_size`` (default: ``args.cp_size`` when ``args`` is a
     ``RingTrainingArguments``, else the CP size of an earlier ``setup_context_parallel`` call, else
-    1) and ``ulysses_size`` (the same way; see ``setup_context_parallel``).
+    1) and ``ulysses_size`` (the same way; see ``setup_context_parallel``; ``"auto"``:
+    ``hf_ring.planner.choose_ulysses_size`` from the model's ``num_attention_heads`` and
+    ``num_key_value_heads``, the GPUs per node (``LOCAL_WORLD_SIZE`` from the launcher, else the
+    visible CUDA devices, else ``cp_size``) and ``cp_size``).
     ``per_device_train_batch_size`` is the batch of one DP replica (one CP group), and the global
     batch of an optimizer step is ``per_device_train_batch_size * gradient_accumulation_steps
     * world_size / cp_size``. The model must be a causal LM whose loss comes from transformers'
@@ -69,7 +103,7 @@ class RingTrainer(Trainer):
         args: TrainingArguments | None = None,
         *rest: Any,
         cp_size: int | None = None,
-        ulysses_size: int | None = None,
+        ulysses_size: int | str | None = None,
         **kwargs: Any,
     ) -> None:
         args_u = getattr(args, "ulysses_size", None)
@@ -110,6 +144,8 @@ class RingTrainer(Trainer):
         super().__init__(model, args, *rest, **kwargs)
 
         self._cp: ContextParallel | None = None
+        if ulysses_size == "auto":
+            ulysses_size = resolve_ulysses_size(self.model, cp_size)
         if cp_size > 1 or (dist.is_available() and dist.is_initialized()):
             state = context_parallel_state()
             if state is None:

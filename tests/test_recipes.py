@@ -120,6 +120,7 @@ def test_recipe_flags_override_fields_and_sections(tmp_path: Path) -> None:
 def test_recipe_settings_and_model() -> None:
     s = recipe_settings("llama-3.1-8b-1m")
     assert (s.seq_len, s.gpus, s.cp, s.sharding, s.mode, s.lora_rank) == (2**20, 16, 8, "fsdp", "lora", 16)
+    assert s.ulysses_size == recipe_plan("llama-3.1-8b-1m").recommended.ulysses == 1  # the planner's choice
     assert s.offload and s.checkpointing and s.tiled_mlp == 8192 and s.dtype == "bfloat16" and s.reserve_gib == 0
     assert recipe_model("llama-3.1-8b-1m").name == "Llama-3.1-8B"
     assert recipe_plan("llama-3.1-8b-1m", cp=16).cp == 16  # overrides replace settings

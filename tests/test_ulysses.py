@@ -462,12 +462,16 @@ def test_packed_step_equals_each_document_alone(ulysses: int, lora: bool) -> Non
 
 
 # ------------------------------------------------------------------------------------- RingTrainer
-def test_ring_trainer_ulysses_matches_single_process_trainer(tmp_path) -> None:
+@pytest.mark.parametrize("ulysses", ["2", "auto"])
+def test_ring_trainer_ulysses_matches_single_process_trainer(tmp_path, ulysses: str) -> None:
     """RingTrainer with cp_size=4, ulysses_size=2 (4 processes under torchrun; tests/trainer_run.py:
     5 steps of a tiny Llama, gradient accumulation, right padding) against plain Trainer in one
-    process: per-step loss and gradient norm, eval loss, final parameters and predict() logits."""
+    process: per-step loss and gradient norm, eval loss, final parameters and predict() logits.
+    ``auto``: two torchrun agents of 2 processes ("2 nodes", LOCAL_WORLD_SIZE=2) on this machine;
+    the tiny Llama's 2 K/V heads and CP 4 across the nodes make it Ulysses 2 x ring 2."""
     import json
     import os
+    import socket
     import subprocess
     import sys
     from pathlib import Path
@@ -475,11 +479,18 @@ def test_ring_trainer_ulysses_matches_single_process_trainer(tmp_path) -> None:
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root), "TOKENIZERS_PARALLELISM": "false"}
     script = str(root / "tests" / "trainer_run.py")
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4"]
-    jobs = {
-        "ref": [sys.executable, script, "ref", str(tmp_path), "1"],
-        "ring": [*torchrun, script, "ring", str(tmp_path), "4", "2"],
-    }
+    ring = [script, "ring", str(tmp_path), "4", ulysses]
+    jobs = {"ref": [sys.executable, script, "ref", str(tmp_path), "1"]}
+    if ulysses == "auto":
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        for node in (0, 1):
+            jobs[f"ring{node}"] = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node",
+                                   "2", "--node_rank", str(node), "--master_addr", "127.0.0.1", "--master_port",
+                                   str(port), *ring]  # fmt: skip
+    else:
+        jobs["ring"] = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4", *ring]
     procs = {k: subprocess.Popen(cmd, cwd=root, env=env, stdout=(tmp_path / f"{k}.log").open("w"),
                                  stderr=subprocess.STDOUT) for k, cmd in jobs.items()}  # fmt: skip
     for name, proc in procs.items():
@@ -490,18 +501,19 @@ def test_ring_trainer_ulysses_matches_single_process_trainer(tmp_path) -> None:
                 p.kill()
             rc = "timeout"
         assert rc == 0, f"{name}: exit {rc}\n" + (tmp_path / f"{name}.log").read_text()[-4000:]
-    ring, ref = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("ring_w4_cp4_u2", "ref_dp1"))
+    name = "ring_w4_cp4_u2" + ("_auto" if ulysses == "auto" else "")
+    ring, ref = (json.loads((tmp_path / f"{n}.json").read_text()) for n in (name, "ref_dp1"))
     assert (ring["cp_size"], ring["dp_size"], ring["ulysses_size"]) == (4, 1, 2)
     assert ring["steps"] == ref["steps"] == [1, 2, 3, 4, 5]
     for key in ("loss", "grad_norm"):
         for step, (a, b) in enumerate(zip(ring[key], ref[key]), 1):
             assert abs(a - b) <= 1e-5 * abs(b), f"step {step}: {key} {a} vs single-process Trainer {b}"
     assert abs(ring["eval_loss"] - ref["eval_loss"]) <= 1e-5 * abs(ref["eval_loss"])
-    got, want = torch.load(tmp_path / "ring_w4_cp4_u2.pt"), torch.load(tmp_path / "ref_dp1.pt")
+    got, want = torch.load(tmp_path / f"{name}.pt"), torch.load(tmp_path / "ref_dp1.pt")
     assert got.keys() == want.keys()
     for k, p in want.items():
         assert rel_err(got[k], p) <= 1e-5, k
-    got, want = torch.load(tmp_path / "ring_w4_cp4_u2_pred.pt"), torch.load(tmp_path / "ref_dp1_pred.pt")
+    got, want = torch.load(tmp_path / f"{name}_pred.pt"), torch.load(tmp_path / "ref_dp1_pred.pt")
     real = want["mask"].bool()
     for key in ("labelled", "unlabelled"):
         assert rel_err(got[key][real], want[key][real]) <= 1e-5, key

@@ -4,7 +4,7 @@
                                                                    one run per DP (batch DP * B)
     torchrun --nproc_per_node K tests/trainer_run.py ring OUT_DIR CP [U]
                                                                    RingTrainer, K / CP replicas of batch B
-                                                                   (U: ulysses_size, default 1)
+                                                                   (U: ulysses_size or auto, default 1)
 
 Each run writes ``<name>.json`` (per-step loss and grad norm, eval loss, error messages checked on
 the way) and ``<name>.pt`` (final parameters) into OUT_DIR, from rank 0. The data: right-padded
@@ -136,7 +136,7 @@ def run_ref(out: Path, dps: list[int]) -> None:
         torch.save(predictions(trainer), out / f"ref_dp{dp}_pred.pt")
 
 
-def run_ring(out: Path, cp: int, ulysses: int = 1) -> None:
+def run_ring(out: Path, cp: int, ulysses: int | str = 1) -> None:
     import torch.distributed as dist
 
     from hf_ring.trainer import RingTrainer, RingTrainingArguments
@@ -170,8 +170,9 @@ def run_ring(out: Path, cp: int, ulysses: int = 1) -> None:
         first_batches=[s.tolist() for s in seen],
         total_batch=trainer.get_total_train_batch_size(trainer.args),
     )
-    name = f"ring_w{world}_cp{cp}" + (f"_u{ulysses}" if ulysses > 1 else "")
     res["ulysses_size"] = trainer._cp.ulysses_size if trainer._cp is not None else 1
+    u = res["ulysses_size"]
+    name = f"ring_w{world}_cp{cp}" + (f"_u{u}" if u > 1 else "") + ("_auto" if ulysses == "auto" else "")
     if dist.get_rank() == 0:
         save(out, name, trainer, res)
         torch.save(pred, out / f"{name}_pred.pt")
@@ -185,4 +186,4 @@ if __name__ == "__main__":
     if mode == "ref":
         run_ref(out, [int(a) for a in sys.argv[3:]])
     else:
-        run_ring(out, *(int(a) for a in sys.argv[3:5]))
+        run_ring(out, int(sys.argv[3]), *(a if a == "auto" else int(a) for a in sys.argv[4:5]))

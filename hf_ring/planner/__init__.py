@@ -5,29 +5,38 @@
     print(p.table(), p.fits)
 
 ``models``: model shapes and a catalogue of published configs; ``settings``: ``PlanSettings``, every
-input of a plan besides the model; ``terms``: the per-token activation terms; ``plan``: the planner
-(``plan``, ``smallest_cp``, ``max_seq_len``). Recipes: ``hf_ring.recipes``. ``hf-ring plan`` is the
-command line (``hf_ring.cli``). Background and measurements: docs/memory.md.
+input of a plan besides the model; ``terms``: the per-token activation terms and the bytes attention
+sends; ``layouts``: ring, Ulysses and hybrid priced per layer, and ``choose_ulysses_size`` (the rule
+of ``ulysses_size="auto"``); ``plan``: the planner (``plan``, ``smallest_cp``, ``max_seq_len``).
+Recipes: ``hf_ring.recipes``. ``hf-ring plan`` is the command line (``hf_ring.cli``). Background and
+measurements: docs/memory.md.
 """
 
+from .layouts import LayoutCost, choose_ulysses_size, compare_layouts, layout_cost, recommend
 from .models import KNOWN_MODELS, LORA_TARGETS, ModelShape, known_config, model_shape
 from .plan import GiB, Plan, max_seq_len, plan, smallest_cp
-from .settings import PlanSettings, tokens
+from .settings import PlanSettings, parse_ulysses_size, tokens
 from .terms import activation_terms, attention_comm_bytes, ring_buffer_bytes
 
 __all__ = [
     "GiB",
     "KNOWN_MODELS",
     "LORA_TARGETS",
+    "LayoutCost",
     "ModelShape",
     "Plan",
     "PlanSettings",
     "activation_terms",
     "attention_comm_bytes",
+    "choose_ulysses_size",
+    "compare_layouts",
     "known_config",
+    "layout_cost",
     "max_seq_len",
     "model_shape",
+    "parse_ulysses_size",
     "plan",
+    "recommend",
     "ring_buffer_bytes",
     "smallest_cp",
     "tokens",

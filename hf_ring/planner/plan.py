@@ -23,6 +23,7 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from .layouts import LayoutCost, choose_ulysses_size, compare_layouts, recommend
 from .models import ModelShape
 from .settings import PlanSettings
 from .terms import DTYPE_BYTES, activation_terms, ring_buffer_bytes
@@ -39,7 +40,9 @@ SHOWN_SETTINGS = ("mode", "dtype", "checkpointing", "offload", "sharding", "chun
 class Plan:
     """Memory of one rank (bytes). ``rows``: model states and activation components; ``phases``:
     the activation bytes live at each candidate peak of a step; ``peak``: the largest total.
-    ``settings``: those planned for, with ``cp`` resolved."""
+    ``settings``: those planned for, with ``cp`` and ``ulysses_size`` resolved. ``layouts``: every
+    ring / Ulysses layout of the CP group priced per layer (``hf_ring.planner.layouts``), the
+    recommended one first among equals (``recommended``)."""
 
     model: ModelShape
     settings: PlanSettings
@@ -49,6 +52,17 @@ class Plan:
     host: dict[str, float]
     overlap: dict[str, Any]
     notes: list[str] = field(default_factory=list)
+    layouts: list[LayoutCost] = field(default_factory=list)
+
+    @property
+    def ulysses(self) -> int:
+        u = self.settings.ulysses_size
+        assert isinstance(u, int)
+        return u
+
+    @property
+    def recommended(self) -> LayoutCost | None:
+        return recommend(self.layouts) if self.layouts else None
 
     @property
     def seq_len(self) -> int:
@@ -115,6 +129,9 @@ class Plan:
             "gpu_gib": self.gpu_bytes / GiB,
             "fits": self.fits,
             "overlap": self.overlap,
+            "ulysses_size": self.ulysses,
+            "layouts": [c.as_dict() for c in self.layouts],
+            "recommended_ulysses_size": self.recommended.ulysses if self.recommended else None,
         }
 
     def table(self) -> str:
@@ -123,7 +140,8 @@ class Plan:
             f"{self.model.name}: {self.seq_len:,} tokens on {self.gpus} GPUs, CP={self.cp} "
             f"(DP={self.gpus // self.cp}), {self.tokens_per_rank:,} tokens per rank; "
             + ", ".join(f"{k}={v}" for k, v in self.shown_settings().items()),
-            f"{'per rank':<44}{'GiB':>10}",
+            f"{'per rank':<44}{'GiB':>10}"
+            + (f"   (Ulysses {self.ulysses} x ring {self.cp // self.ulysses})" if self.ulysses > 1 else ""),
         ]
         for k, v in self.rows.items():
             lines.append(f"  {k:<42}{v / GiB:>10.2f}")
@@ -136,14 +154,43 @@ class Plan:
         if any(self.host.values()):
             lines.append(f"  host memory per rank (offloaded): {sum(self.host.values()) / GiB:.2f} GiB")
         o = self.overlap
+        where = "per rank" if self.ulysses == 1 else "per ring position"
         lines.append(
-            f"  ring overlap: {self.tokens_per_rank:,} tokens per rank vs threshold {o['threshold_tokens']:,} "
+            f"  ring overlap: {o['ring_tokens']:,} tokens {where} vs threshold {o['threshold_tokens']:,} "
             f"(forward {o['forward_threshold']:,}, backward {o['backward_threshold']:,}; "
             f"{o['link']} {o['link_GBps']:g} GB/s, {o['flops'] / 1e12:g} TFLOP/s, GQA {self.model.heads}/"
             f"{self.model.kv_heads}): {'hidden' if o['hidden'] else 'NOT hidden'}"
         )
+        lines.extend(self.layout_lines())
         lines.extend(f"  note: {n}" for n in self.notes)
         return "\n".join(lines)
+
+    def layout_lines(self) -> list[str]:
+        """The table of ring / Ulysses layouts (per layer and rank: fwd + bwd, + recompute)."""
+        best = self.recommended
+        if best is None or len(self.layouts) == 1:
+            return []
+        s = self.settings
+        lines = [
+            f"  attention layouts of the CP group, per layer and rank (forward + backward"
+            f"{' + recompute' if s.checkpointing else ''}; {s.gpus_per_node} GPUs per node):",
+            f"    {'layout':<12}{'U x R':>8}{'MiB sent':>10}{'comm ms':>10}{'exposed ms':>12}{'compute ms':>12}"
+            f"  links (all-to-all / ring)",
+        ]
+        for c in self.layouts:
+            mark = ("  <- recommended" if c is best else "") + ("  (planned)" if c.ulysses == self.ulysses else "")
+            lines.append(
+                f"    {c.name:<12}{f'{c.ulysses} x {c.ring}':>8}{c.bytes_sent / 2**20:>10.0f}{c.comm_s * 1e3:>10.2f}"
+                f"{c.exposed_s * 1e3:>12.2f}{c.compute_s * 1e3:>12.1f}  {c.a2a_link} / {c.ring_link}"
+                + (f", K/V x{c.kv_replication}" if c.kv_replication > 1 else "")
+                + mark
+            )
+        auto = choose_ulysses_size(self.model.heads, self.model.kv_heads, self.cp, s.gpus_per_node)
+        lines.append(
+            f"  recommended: ulysses_size={best.ulysses} (least exposed communication: a ring hop hides behind "
+            f"its step's compute when that is longer, an all-to-all never); ulysses_size=auto gives {auto}"
+        )
+        return lines
 
 
 def _default_chunk_size(vocab: int) -> int:
@@ -175,6 +222,13 @@ def plan(model: ModelShape, settings: PlanSettings) -> Plan:
     level = levels[s.sharding]
     if s.mode not in ("lora", "full"):
         raise ValueError(f"mode must be 'lora' or 'full', not {s.mode!r}")
+    u = s.ulysses_size
+    if u == "auto":
+        u = choose_ulysses_size(m.heads, m.kv_heads, cp, s.gpus_per_node)
+    if not isinstance(u, int) or isinstance(u, bool) or u < 1 or cp % u or m.heads % u:
+        raise ValueError(
+            f"ulysses_size={u!r} must be 'auto' or a positive int dividing cp={cp} and the {m.heads} query heads"
+        )
     b = DTYPE_BYTES[s.dtype]
     f32 = b == 4
     t = s.micro_batch * -(-s.seq_len // (2 * cp)) * 2  # tokens per rank after padding to a multiple of 2P
@@ -202,7 +256,7 @@ def plan(model: ModelShape, settings: PlanSettings) -> Plan:
     # activations kept through the step
     tile = min(s.tiled_mlp, t) if s.tiled_mlp else 0
     lora = (s.lora_rank, tuple(s.lora_targets)) if s.mode == "lora" else None
-    a = activation_terms(m, b, tiled_mlp=bool(tile), lora=lora, lora_fp32=s.lora_fp32)
+    a = activation_terms(m, b, tiled_mlp=bool(tile), lora=lora, lora_fp32=s.lora_fp32, ulysses=u)
     checkpointing = s.checkpointing
     per_layer_kept = a["layer_input"] if checkpointing else (a["layer_input"] if f32 else 0) + a["layer_saved"]
     decoder_kept = t * (m.layers * per_layer_kept + a["rope"] + a["final_norm"])
@@ -228,7 +282,7 @@ def plan(model: ModelShape, settings: PlanSettings) -> Plan:
 
     # working sets, each at its own time in the backward pass
     unpacked = t * a["layer_input"] if offload else 0.0  # the input of the layer being recomputed, back
-    ring = ring_buffer_bytes(m, b, cp)
+    ring = ring_buffer_bytes(m, b, cp, u)
     dx = t * m.hidden * b
     # decoder state once the loss's backward is done (and the full logits, which the output holds)
     base = t * a["rope"] + (unpacked if offload else t * m.layers * per_layer_kept)
@@ -255,32 +309,43 @@ def plan(model: ModelShape, settings: PlanSettings) -> Plan:
         "layer backward, attention + ring": base + attn_ws,
     }
 
-    # ring overlap: per hop, 2 T^2 Hq d FLOPs forward (half a block, zigzag) vs K/V of T tokens
+    # ring overlap: per hop, 2 T^2 Hq d FLOPs forward (half a block, zigzag) vs K/V of T tokens; with
+    # Ulysses T = N / R tokens on Hq / U heads, and K/V on Hkv / gcd(Hkv, U) heads
     link, bw = ("NVLink", s.intra_GBps) if cp <= s.gpus_per_node else ("inter-node", s.inter_GBps)
-    gqa = m.kv_heads / m.heads
+    gqa = m.kv_heads / math.gcd(m.kv_heads, u) / (m.heads / u)
     fwd_thr = s.flops / (bw * 1e9) * b * gqa  # T >= F * b * Hkv / (BW * Hq)
     bwd_thr = s.flops / (bw * 1e9) * (b + 4) / 2.5 * gqa  # 2.5x compute; K/V plus fp32 dK/dV travel
     thr = math.ceil(max(fwd_thr, bwd_thr))
-    tpr = t // s.micro_batch
+    tpr = t // s.micro_batch * u  # tokens per ring position
+    ring_size = cp // u
     overlap = {
+        "ring_tokens": tpr,
         "threshold_tokens": thr,
         "forward_threshold": math.ceil(fwd_thr),
         "backward_threshold": math.ceil(bwd_thr),
-        "hidden": cp == 1 or tpr >= thr,
-        "link": link if cp > 1 else "none",
+        "hidden": ring_size == 1 or tpr >= thr,
+        "link": link if ring_size > 1 else "none",
         "link_GBps": bw,
         "flops": s.flops,
     }
     if s.mode == "lora" and level in (1, 2):
         notes.append("ZeRO-1/2 shard only trainable state; with LoRA that is the adapters")
-    return Plan(m, replace(s, cp=cp), t, rows, phases, host, overlap, notes)
+    rep = u // math.gcd(m.kv_heads, u)
+    if rep > 1:
+        notes.append(f"ulysses_size={u} does not divide the {m.kv_heads} K/V heads: each is repeated {rep}x "
+                     "(saved K/V, ring messages and all-to-all grow by that)")  # fmt: skip
+    resolved = replace(s, cp=cp, ulysses_size=u)
+    return Plan(m, resolved, t, rows, phases, host, overlap, notes, compare_layouts(m, resolved, cp))
 
 
 def smallest_cp(model: ModelShape, settings: PlanSettings) -> int | None:
     """The smallest CP size (a divisor of ``settings.gpus``) whose plan fits; ``None`` if none does.
-    ``settings.cp`` is ignored."""
+    ``settings.cp`` is ignored; with an int ``settings.ulysses_size``, only its multiples are tried."""
+    u = settings.ulysses_size
     for cp in range(1, settings.gpus + 1):
-        if settings.gpus % cp == 0 and plan(model, replace(settings, cp=cp)).fits:
+        if settings.gpus % cp or (isinstance(u, int) and cp % u):
+            continue
+        if plan(model, replace(settings, cp=cp)).fits:
             return cp
     return None
 

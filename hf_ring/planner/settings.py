@@ -17,7 +17,7 @@ from typing import Any
 
 from .models import LORA_TARGETS
 
-__all__ = ["PlanSettings", "tokens"]
+__all__ = ["PlanSettings", "parse_ulysses_size", "tokens"]
 
 
 def tokens(text: str) -> int:
@@ -25,6 +25,22 @@ def tokens(text: str) -> int:
     t = text.strip().upper()
     mult = {"K": 2**10, "M": 2**20, "G": 2**30}.get(t[-1:], 1)
     return int(float(t[:-1] if mult > 1 else t) * mult)
+
+
+def parse_ulysses_size(value: int | str) -> int | str:
+    """``ulysses_size`` as given in a config or on a command line: a positive int, or ``"auto"``.
+
+    ``2``, ``"2"`` -> ``2``; ``"auto"`` (any case) -> ``"auto"``; anything else raises ``ValueError``."""
+    if isinstance(value, str):
+        text = value.strip()
+        if text.lower() == "auto":
+            return "auto"
+        if not text.isdigit():
+            raise ValueError(f"ulysses_size must be a positive int or 'auto', not {value!r}")
+        value = int(text)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"ulysses_size must be a positive int or 'auto', not {value!r}")
+    return value
 
 
 def _setting(default: Any, help: str, **cli: Any) -> Any:
@@ -88,3 +104,10 @@ class PlanSettings:
     intra_GBps: float = _setting(300.0, "GB/s per direction between ring neighbours in a node", flag="--link-gbs")
     inter_GBps: float = _setting(45.0, "GB/s per direction between ring neighbours across nodes", flag="--inter-gbs")
     gpus_per_node: int = _setting(8, "GPUs per node (a CP group larger than this crosses nodes)")
+    ulysses_size: int | str = _setting(
+        1,
+        "Ulysses degree inside the CP group (cp = ulysses_size x ring; 1: ring only); auto: "
+        "hf_ring.planner.choose_ulysses_size, as RingTrainer resolves it",
+        parse=parse_ulysses_size,
+        metavar="U|auto",
+    )

@@ -27,6 +27,7 @@ def activation_terms(
     tiled_mlp: bool = False,
     lora: tuple[int, tuple[str, ...]] | None = None,
     lora_fp32: bool = True,
+    ulysses: int = 1,
 ) -> dict[str, float]:
     """Bytes per token of the rank's shard saved for backward, by part (``b``: activation dtype bytes).
 
@@ -38,14 +39,20 @@ def activation_terms(
     normalised values are not saved, each adapter saves its ``rank``-wide intermediate, and the
     MLP's product is saved only if ``down_proj`` has an adapter. With float32 adapters on a 16-bit
     model (``lora_fp32``: PEFT's default ``autocast_adapter_dtype=True``) every adapter also saves a
-    float32 copy of its input.
+    float32 copy of its input. Ulysses (``ulysses = U > 1``, ``hf_ring.ops.ulysses``): the ring
+    Function saves q, k, v and its output in the ``[N/R tokens, H/U heads]`` layout (as many
+    elements as ``[N/P, H]``), K and V repeated ``U / gcd(Hkv, U)`` times; the output comes back
+    through an all-to-all as a new tensor, which ``o_proj`` saves too when its weight is trained.
     """
     h, i, d = m.hidden, m.intermediate, m.head_dim
     f32 = b == 4
     normed = 0 if lora else b * h  # saved for the norm weight's gradient
     norm_io = 4 * h + b * h + normed + 4  # a norm whose input nothing else saves
     norm1 = (0 if f32 else 4 * h) + b * h + normed + 4  # input = the layer input (kept anyway in float32)
-    attn = b * (2 * m.heads * d + 2 * m.kv_heads * d) + 4 * m.heads
+    rep = ulysses // math.gcd(m.kv_heads, ulysses)
+    attn = b * (2 * m.heads * d + 2 * m.kv_heads * rep * d) + 4 * m.heads
+    if ulysses > 1 and not lora:
+        attn += b * m.heads * d  # o_proj's input: the output after the all-to-all back
     if m.qk_norm:
         attn += (4 + b) * (m.heads + m.kv_heads) * d + 4 * (m.heads + m.kv_heads)
     mlp = 4 * i * b
@@ -73,19 +80,26 @@ def activation_terms(
     }
 
 
-def ring_buffer_bytes(m: ModelShape, b: int, cp: int) -> float:
+def ring_buffer_bytes(m: ModelShape, b: int, cp: int, ulysses: int = 1) -> float:
     """Per-token bytes of the ring's working set in attention backward (``hf_ring.ops.ring``), beyond the
-    tensors the layer saves (``b``: bytes per element of the model's dtype)."""
-    q, kv = m.heads * m.head_dim, m.kv_heads * m.head_dim
+    tensors the layer saves (``b``: bytes per element of the model's dtype). With Ulysses (``ulysses
+    = U``) the ring runs over ``cp / U`` positions on ``[N/R, H/U]`` (the same elements per token of
+    the rank's shard, K/V repeated ``U / gcd(Hkv, U)`` times), and the gradients of q, k, v leave
+    through an all-to-all: its send and receive buffers."""
+    rep = ulysses // math.gcd(m.kv_heads, ulysses)
+    q, kv = m.heads * m.head_dim, m.kv_heads * m.head_dim * rep
     kernel_grads = b * (q + 2 * kv)  # one kernel call's dq, dk, dv
-    if cp == 1:  # one kernel call over the whole shard
-        return kernel_grads
-    return (
+    # after the ring: dq, dk, dv, stacked into one message, and the message received
+    a2a = 3 * kernel_grads if ulysses > 1 else 0
+    if cp == ulysses:  # one kernel call over the whole shard
+        return max(kernel_grads, a2a)
+    return max(
+        a2a,
         4 * q  # dQ accumulator (fp32)
         + 2 * 2 * kv * b  # the K/V message and its receive buffer
         + 2 * 2 * kv * 4  # the dK/dV accumulator travelling the ring (fp32) and its receive buffer
         + kernel_grads  # of the block in flight (each step's are freed before the next kernel call)
-        + b * q  # dOut made contiguous
+        + b * q,  # dOut made contiguous
     )
 
 

@@ -29,7 +29,17 @@ from typing import Any
 
 import yaml
 
-from ..planner import LORA_TARGETS, GiB, ModelShape, Plan, PlanSettings, known_config, model_shape, plan
+from ..planner import (
+    LORA_TARGETS,
+    GiB,
+    ModelShape,
+    Plan,
+    PlanSettings,
+    known_config,
+    model_shape,
+    parse_ulysses_size,
+    plan,
+)
 
 __all__ = [
     "RECIPES_DIR",
@@ -182,16 +192,17 @@ def _settings(r: dict[str, Any]) -> PlanSettings:
         sharding=stated.get("sharding", "none"),
         gpu_gib=float(stated.get("gpu", 80)),
         reserve_gib=0.0,
+        ulysses_size=parse_ulysses_size(r.get("ulysses_size", 1)),
     )
 
 
 def recipe_settings(source: Source) -> PlanSettings:
     """The planner's settings of a recipe: its ``data.seq_len`` (or longest stage), ``cp_size``,
-    ``per_device_train_batch_size``, dtype, LoRA or full fine-tuning, ``activation_checkpointing``
-    (or its alias ``gradient_checkpointing``), ``activation_offload``, ``chunked_loss`` and
-    ``tiled_mlp``. The number of GPUs, the sharding and the GPU size come from the launch, which the
-    recipe states in ``memory_gb: {gpus, sharding, gpu}`` (default: ``cp_size`` GPUs, no sharding,
-    80 GiB); no runtime reserve."""
+    ``ulysses_size``, ``per_device_train_batch_size``, dtype, LoRA or full fine-tuning,
+    ``activation_checkpointing`` (or its alias ``gradient_checkpointing``), ``activation_offload``,
+    ``chunked_loss`` and ``tiled_mlp``. The number of GPUs, the sharding and the GPU size come from
+    the launch, which the recipe states in ``memory_gb: {gpus, sharding, gpu}`` (default: ``cp_size``
+    GPUs, no sharding, 80 GiB); no runtime reserve."""
     return _settings(read_recipe(source))
 
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from torch import nn
 from transformers import TrainingArguments
 
+from ..planner.settings import parse_ulysses_size
 from ..transformers.patches import enable_activation_checkpointing, enable_chunked_loss, enable_tiled_mlp
 
 __all__ = ["RingTrainingArguments", "apply_model_options"]
@@ -27,12 +28,15 @@ class RingTrainingArguments(TrainingArguments):
             "world_size / cp_size is the number of data-parallel replicas."
         },
     )
-    ulysses_size: int = field(
-        default=1,
+    # int or "auto" once constructed; typed str because HfArgumentParser parses ``int | str`` as int
+    ulysses_size: str = field(
+        default="1",
         metadata={
             "help": "Ulysses degree inside each CP group: cp_size = ulysses_size x ring. ulysses_size "
             "consecutive processes trade sequence for attention heads with an all-to-all (it must divide "
-            "cp_size and the model's query heads); 1: ring attention only; cp_size: Ulysses only."
+            "cp_size and the model's query heads); 1: ring attention only; cp_size: Ulysses only; auto: "
+            "chosen by RingTrainer from the model's head counts, the GPUs per node and cp_size "
+            "(hf_ring.planner.choose_ulysses_size)."
         },
     )
     chunked_loss: bool = field(
@@ -69,7 +73,11 @@ class RingTrainingArguments(TrainingArguments):
                 "RingTrainingArguments: activation_offload=True needs activation_checkpointing=True "
                 "(alias gradient_checkpointing): what is offloaded are the checkpointed layers' inputs."
             )
-        if self.ulysses_size < 1 or self.cp_size % self.ulysses_size:
+        try:
+            self.ulysses_size = parse_ulysses_size(self.ulysses_size)  # type: ignore[assignment]
+        except ValueError as e:
+            raise ValueError(f"RingTrainingArguments: {e} (e.g. --ulysses_size 2 or --ulysses_size auto)") from None
+        if self.ulysses_size != "auto" and self.cp_size % int(self.ulysses_size):
             raise ValueError(
                 f"RingTrainingArguments: ulysses_size={self.ulysses_size} does not divide cp_size={self.cp_size}; "
                 f"pick a divisor of {self.cp_size} (1 is plain ring attention)."
