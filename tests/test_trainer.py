@@ -1,5 +1,6 @@
 """RingTrainer against transformers' Trainer: 5 optimizer steps (gradient accumulation 2, right
-padding, masked prompt spans) of a tiny Llama at CP=2 (2 processes) and DP=2 x CP=2 (4 processes),
+padding, masked prompt spans) of a tiny Llama at CP=2 (2 processes), DP=2 x CP=2 (4 processes) and
+DP=2 x CP=2 with the CP group as Ulysses 2 (4 processes),
 against one process of plain Trainer with sdpa attention on the same data in the same order: the
 logged losses, gradient norms and eval loss, and the final parameters, agree in float32.
 
@@ -21,7 +22,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "trainer_run.py"
-TIMEOUT = 240
+TIMEOUT = 420
 TOL = 1e-5
 
 
@@ -43,6 +44,7 @@ def runs(tmp_path_factory) -> Path:
         "ref": _launch(["ref", str(out), "1", "2"], None, out / "ref.log"),
         "cp2": _launch(["ring", str(out), "2"], 2, out / "cp2.log"),
         "dp2cp2": _launch(["ring", str(out), "2"], 4, out / "dp2cp2.log"),
+        "dp2u2": _launch(["ring", str(out), "2", "2"], 4, out / "dp2u2.log"),
     }
     deadline = time.monotonic() + TIMEOUT
     failed = []
@@ -101,6 +103,13 @@ def test_cp2_matches_single_process_trainer(runs: Path) -> None:
 
 def test_dp2_cp2_matches_single_process_trainer(runs: Path) -> None:
     _compare(runs, "ring_w4_cp2", "ref_dp2")
+
+
+def test_dp2_cp2_as_ulysses2_matches_single_process_trainer(runs: Path) -> None:
+    """Each CP group of 2 is one Ulysses group (all-to-all over heads, no ring), DP 2 across."""
+    r, _ = _load(runs, "ring_w4_cp2_u2")
+    assert (r["cp_size"], r["dp_size"], r["ulysses_size"]) == (2, 2, 2)
+    _compare(runs, "ring_w4_cp2_u2", "ref_dp2")
 
 
 def test_cp_groups_share_batches_replicas_split_them(runs: Path) -> None:
