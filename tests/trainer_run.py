@@ -177,6 +177,12 @@ def run_ring(out: Path, cp: int, ulysses: int | str = 1) -> None:
         save(out, name, trainer, res)
         torch.save(pred, out / f"{name}_pred.pt")
     dist.barrier()
+    # leave without running destructors: a gloo group torn down at interpreter exit can abort the
+    # process ("terminate called without an active exception"), and one freed with the DDP reducer
+    # while its worker thread waits for the GIL deadlocks (seen with torch 2.13)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
