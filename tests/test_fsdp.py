@@ -200,3 +200,32 @@ def test_output_dir_not_shared_is_a_clear_error_on_every_rank(tmp_path: Path) ->
     msg = str(err.value)
     assert "failed on 2 rank(s)" in msg and "rank 1 on" in msg and "shared by all nodes" in msg
     assert not list((tmp_path / "node0").glob(".hf_ring-shared-*"))  # the probe is removed
+
+
+def test_merged_state_dict_equals_peft_merge_and_refuses_what_it_cannot_merge() -> None:
+    """One process: the merged weights equal PEFT's own ``merge_and_unload`` (fan-in/out as stored);
+    LoRA on the embedding, DoRA and LoRA biases are refused, never dropped."""
+    from peft import LoraConfig, get_peft_model
+
+    from hf_ring.training.export import full_state_dict, merged_state_dict
+    from testkit.models import tiny_model
+
+    def peft(**kw):
+        torch.manual_seed(3)
+        cfg = LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, **kw)
+        return get_peft_model(tiny_model("llama", "sdpa", torch.float64, vocab_size=VOCAB), cfg)
+
+    model = peft(target_modules=["q_proj", "v_proj", "down_proj"], use_rslora=True)
+    got = merged_state_dict(model, full_state_dict(model, trainable_only=False))
+    want = model.merge_and_unload().state_dict()
+    assert got.keys() == want.keys()
+    for k, w in want.items():
+        assert torch.equal(got[k], w) or float((got[k] - w).abs().max()) <= 1e-12, k
+    for kw, what in (
+        (dict(target_modules=["q_proj", "embed_tokens"]), "Embedding"),
+        (dict(target_modules=["q_proj"], use_dora=True), "DoRA=True"),
+        (dict(target_modules=["q_proj"], lora_bias=True), "lora_bias=True"),
+    ):
+        model = peft(**kw)
+        with pytest.raises(ValueError, match=what):
+            merged_state_dict(model, full_state_dict(model, trainable_only=False))

@@ -43,11 +43,13 @@ def full_state_dict(model: nn.Module, trainable_only: bool) -> dict[str, torch.T
 
 def merged_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The base model's state with every LoRA ``Linear`` of the active adapter merged in:
-    ``W + scaling * B @ A`` (in float32, stored in ``W``'s dtype), keys as the base model names them.
+    ``W + scaling * B @ A`` (in float32, float64 for float64 weights; stored in ``W``'s dtype), keys
+    as the base model names them.
 
     ``model``: a ``PeftModel`` (sharded or not; only its module structure and LoRA scalings are read);
-    ``state``: its full state dict (``full_state_dict(model, trainable_only=False)``). DoRA and LoRA
-    on layers other than ``Linear`` are refused with ``ValueError``.
+    ``state``: its full state dict (``full_state_dict(model, trainable_only=False)``). DoRA, LoRA
+    biases, LoRA on layers other than ``Linear``, and any other weight of the adapter that is not
+    merged are refused with ``ValueError``.
     """
     from peft.tuners.lora import Linear as LoraLinear
     from peft.tuners.lora import LoraLayer
@@ -56,20 +58,30 @@ def merged_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[
     prefix = "base_model.model."
     merged = dict(state)
     for name, module in model.named_modules():
-        if not isinstance(module, LoraLayer) or adapter not in module.lora_A:
+        if not isinstance(module, LoraLayer):
             continue
-        if not isinstance(module, LoraLinear) or module.use_dora.get(adapter, False):
+        held = adapter in module.lora_A or adapter in getattr(module, "lora_embedding_A", {})
+        if not held:
+            continue
+        dora = module.use_dora.get(adapter, False)
+        bias = getattr(module, "lora_bias", {}).get(adapter, False)
+        if not isinstance(module, LoraLinear) or dora or bias:
             raise ValueError(
                 f"save_final(merged=True): cannot merge the adapter of {name} ({type(module).__name__}, "
-                f"DoRA={module.use_dora.get(adapter, False)}); only LoRA on Linear layers is merged. "
+                f"DoRA={dora}, lora_bias={bias}); only plain LoRA on Linear layers is merged. "
                 "Load the adapter with PeftModel.from_pretrained and call merge_and_unload() instead."
             )
         w_key = f"{name}.base_layer.weight"
-        a = merged.pop(f"{name}.lora_A.{adapter}.weight").float()
-        b = merged.pop(f"{name}.lora_B.{adapter}.weight").float()
-        delta = (b @ a) * module.scaling[adapter]
         w = merged[w_key]
-        merged[w_key] = (w.float() + (delta.T if module.fan_in_fan_out else delta)).to(w.dtype)
+        acc = torch.promote_types(w.dtype, torch.float32)
+        a = merged.pop(f"{name}.lora_A.{adapter}.weight").to(acc)
+        b = merged.pop(f"{name}.lora_B.{adapter}.weight").to(acc)
+        delta = (b @ a) * module.scaling[adapter]
+        merged[w_key] = (w.to(acc) + (delta.T if module.fan_in_fan_out else delta)).to(w.dtype)
+    left = [k for k in merged if ".lora_" in k and f".{adapter}" in k]
+    if left:  # a weight of the active adapter that no merge above consumed would be silently dropped
+        raise ValueError(f"save_final(merged=True): cannot merge the adapter's weights {left[:3]}; load the "
+                         "adapter with PeftModel.from_pretrained and call merge_and_unload() instead.")
     out = {}
     for key, t in merged.items():
         if ".lora_" in key or ".original_module." in key:
