@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+import hf_ring
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 
@@ -54,7 +57,6 @@ def prepare_step_model(model, case: dict, lora_rank: int):
     offload, chunked loss, tiled MLP), in training mode, with zero gradients already allocated as in
     gradient accumulation. Returns the model (a PEFT wrapper with LoRA; ``peft`` is imported only then).
     Used by the memory tests and ``benchmarks.memory``."""
-    import hf_ring
     from hf_ring.planner import LORA_TARGETS
 
     if case["lora"]:
@@ -75,3 +77,38 @@ def prepare_step_model(model, case: dict, lora_rank: int):
         if p.requires_grad:
             p.grad = torch.zeros_like(p)
     return model
+
+
+def lora_model(model):
+    """``model`` with LoRA r4 on the attention projections, ``B != 0`` (real gradients everywhere)."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(5)
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj"]
+    cfg = LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False)  # B != 0: real grads
+    return get_peft_model(model, cfg)
+
+
+def train_step(family: str, attn: str, dtype: torch.dtype, batch: dict, *, lora: bool, ckpt: bool, cp: bool):
+    """Loss and gradients (by parameter name, float64) of one step; with ``cp``, the batch goes
+    through shard_batch and gradients are averaged over the group, as DDP would."""
+    model = tiny_model(family, attn, dtype)
+    if lora:
+        model = lora_model(model)
+    if ckpt:
+        model.gradient_checkpointing_enable()
+        if lora:
+            model.enable_input_require_grads()
+    model.train()
+    out = model(**(hf_ring.shard_batch(batch) if cp else batch))
+    out.loss.backward()
+    grads = {}
+    for name, p in model.named_parameters():
+        if p.grad is None:
+            continue
+        g = p.grad.double()
+        if cp:
+            dist.all_reduce(g)
+            g /= dist.get_world_size()
+        grads[name] = g
+    return out.loss.double(), grads

@@ -5,49 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 
-import hf_ring
-from testkit.models import FAMILIES, tiny_batch, tiny_model
+from testkit.models import FAMILIES, tiny_batch, train_step
 from testkit.oracle import rel_err
 from testkit.spawn import run_ranks
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
 N = 37  # not a multiple of 2P for P in {2, 3, 4}
-
-
-def _lora(model):
-    from peft import LoraConfig, get_peft_model
-
-    torch.manual_seed(5)
-    targets = ["q_proj", "k_proj", "v_proj", "o_proj"]
-    cfg = LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False)  # B != 0: real grads
-    return get_peft_model(model, cfg)
-
-
-def _step(family: str, attn: str, dtype: torch.dtype, batch: dict, *, lora: bool, ckpt: bool, cp: bool):
-    """Loss and gradients (by parameter name, float64) of one step; with ``cp``, the batch goes
-    through shard_batch and gradients are averaged over the group, as DDP would."""
-    model = tiny_model(family, attn, dtype)
-    if lora:
-        model = _lora(model)
-    if ckpt:
-        model.gradient_checkpointing_enable()
-        if lora:
-            model.enable_input_require_grads()
-    model.train()
-    out = model(**(hf_ring.shard_batch(batch) if cp else batch))
-    out.loss.backward()
-    grads = {}
-    for name, p in model.named_parameters():
-        if p.grad is None:
-            continue
-        g = p.grad.double()
-        if cp:
-            dist.all_reduce(g)
-            g /= dist.get_world_size()
-        grads[name] = g
-    return out.loss.double(), grads
 
 
 def model_errors(cases: list[dict]) -> list[dict]:
@@ -57,10 +21,10 @@ def model_errors(cases: list[dict]) -> list[dict]:
     for c in cases:
         batch = tiny_batch(2, c.get("N", N))
         kw = dict(lora=c["lora"], ckpt=c["ckpt"])
-        ref_loss, ref_grads = _step(c["family"], "sdpa", torch.float64, batch, cp=False, **kw)
+        ref_loss, ref_grads = train_step(c["family"], "sdpa", torch.float64, batch, cp=False, **kw)
         dtype = DTYPES[c["dtype"]]
-        sdpa_loss, sdpa_grads = _step(c["family"], "sdpa", dtype, batch, cp=False, **kw)
-        ring_loss, ring_grads = _step(c["family"], "ring", dtype, batch, cp=True, **kw)
+        sdpa_loss, sdpa_grads = train_step(c["family"], "sdpa", dtype, batch, cp=False, **kw)
+        ring_loss, ring_grads = train_step(c["family"], "ring", dtype, batch, cp=True, **kw)
         assert ring_grads.keys() == ref_grads.keys() and ref_grads
         results.append(
             {

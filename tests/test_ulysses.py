@@ -14,6 +14,7 @@ import torch.nn.functional as F
 import hf_ring
 from hf_ring.ops import ulysses as ops_ulysses
 from hf_ring.ops.zigzag import hybrid, hybrid_multiple
+from testkit.models import lora_model, train_step
 from testkit.oracle import attention, rel_err
 from testkit.spawn import run_ranks
 
@@ -190,45 +191,6 @@ def test_shard_batch_pads_and_unshards_the_hybrid_layout(ulysses: int) -> None:
 
 
 # ------------------------------------------------------------------------------------- model level
-def _lora(model):
-    from peft import LoraConfig, get_peft_model
-
-    torch.manual_seed(5)
-    targets = ["q_proj", "k_proj", "v_proj", "o_proj"]
-    cfg = LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False)  # B != 0: real grads
-    return get_peft_model(model, cfg)
-
-
-def _step(family: str, attn: str, dtype: torch.dtype, batch: dict, *, lora: bool, ckpt: bool, cp: bool):
-    """Loss and gradients (by parameter name, float64) of one step; with ``cp``, the batch goes
-    through shard_batch and gradients are averaged over the group, as DDP would."""
-    from testkit.models import tiny_model
-
-    model = tiny_model(family, attn, dtype)
-    if lora:
-        model = _lora(model)
-    if ckpt:
-        model.gradient_checkpointing_enable()
-        if lora:
-            model.enable_input_require_grads()
-    model.train()
-    kwargs = hf_ring.shard_batch(batch) if cp else batch
-    if cp:
-        assert kwargs["ring_context"].ulysses_size == hf_ring.parallel.context_parallel_state().ulysses_size
-    out = model(**kwargs)
-    out.loss.backward()
-    grads = {}
-    for name, p in model.named_parameters():
-        if p.grad is None:
-            continue
-        g = p.grad.double()
-        if cp:
-            dist.all_reduce(g)
-            g /= dist.get_world_size()
-        grads[name] = g
-    return out.loss.double(), grads
-
-
 def model_errors(cases: list[dict], ulysses_size: int) -> list[dict]:
     """On every rank, CP over the world with ``ulysses_size``: per case, this rank's loss error and
     the worst gradient error of the ring step (fp32) against one process with sdpa in float64."""
@@ -238,9 +200,10 @@ def model_errors(cases: list[dict], ulysses_size: int) -> list[dict]:
     results = []
     for c in cases:
         batch = tiny_batch(2, 37)  # not a multiple of 2P, nor of R * lcm(2, U)
+        assert hf_ring.shard_batch(batch)["ring_context"].ulysses_size == ulysses_size
         kw = dict(lora=c["lora"], ckpt=c["ckpt"])
-        ref_loss, ref_grads = _step(c["family"], "sdpa", torch.float64, batch, cp=False, **kw)
-        loss, grads = _step(c["family"], "ring", torch.float32, batch, cp=True, **kw)
+        ref_loss, ref_grads = train_step(c["family"], "sdpa", torch.float64, batch, cp=False, **kw)
+        loss, grads = train_step(c["family"], "ring", torch.float32, batch, cp=True, **kw)
         assert grads.keys() == ref_grads.keys() and ref_grads
         errs = {k: rel_err(grads[k], ref_grads[k]) for k in ref_grads}
         worst = max(errs, key=errs.get)
@@ -421,7 +384,7 @@ def packed_step_errors(ulysses_size: int, lora: bool) -> dict:
 
     def build(attn: str, dtype: torch.dtype) -> torch.nn.Module:
         model = tiny_model("qwen3", attn, dtype)
-        return _lora(model) if lora else model
+        return lora_model(model) if lora else model
 
     ring, ref = build("ring", torch.float32), build("sdpa", torch.float64)
     kwargs = hf_ring.shard_batch({"input_ids": ids, "labels": labels, "position_ids": positions})
