@@ -112,3 +112,32 @@ def train_step(family: str, attn: str, dtype: torch.dtype, batch: dict, *, lora:
             g /= dist.get_world_size()
         grads[name] = g
     return out.loss.double(), grads
+
+
+def documents_alone_loss(model, ids: torch.Tensor, labels: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    """What a packed step must equal: each document of the packed row ``ids, labels [1, N]`` (of
+    ``lengths`` tokens) run alone through ``model``, the sum over all targets over all targets."""
+    total, count, start = 0.0, 0, 0
+    for n in lengths:
+        doc_labels = labels[:, start : start + n]
+        c = int((doc_labels[:, 1:] != -100).sum())
+        if c:
+            total = total + model(input_ids=ids[:, start : start + n], labels=doc_labels).loss * c
+            count += c
+        start += n
+    return total / count
+
+
+def cp_grad_error(ring, ref) -> float:
+    """The worst relative error of ``ring``'s gradients averaged over the world (as DDP would)
+    against ``ref``'s, parameter by parameter (float64)."""
+    from testkit.oracle import rel_err
+
+    worst = 0.0
+    for p, q in zip(ring.parameters(), ref.parameters()):
+        if p.grad is None:
+            continue
+        grad = p.grad.double()
+        dist.all_reduce(grad)
+        worst = max(worst, rel_err(grad / dist.get_world_size(), q.grad))
+    return worst

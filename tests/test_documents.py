@@ -254,9 +254,8 @@ def packed_step_errors(lora: bool, chunked: bool) -> dict[str, float]:
     """A packed row (position_ids restarting per document, DataCollatorWithFlattening style) at
     CP = world against each document run alone in one process; CP-averaged gradients."""
     import hf_ring
-    from testkit.models import tiny_model
+    from testkit.models import cp_grad_error, documents_alone_loss, tiny_model
 
-    world = torch.distributed.get_world_size()
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(0, 97, (1, sum(DOCS)), generator=g)
     labels = ids.clone()
@@ -277,23 +276,9 @@ def packed_step_errors(lora: bool, chunked: bool) -> dict[str, float]:
         hf_ring.enable_chunked_loss(ring)
     out = ring(**hf_ring.shard_batch({"input_ids": ids, "labels": labels, "position_ids": positions}))
     out.loss.backward()
-    total, count, start = 0.0, 0, 0
-    for n in DOCS:
-        doc_labels = labels[:, start : start + n]
-        c = int((doc_labels[:, 1:] != -100).sum())
-        if c:
-            total = total + ref(input_ids=ids[:, start : start + n], labels=doc_labels).loss * c
-            count += c
-        start += n
-    want = total / count
+    want = documents_alone_loss(ref, ids, labels, DOCS)
     want.backward()
-    worst = 0.0
-    for p, q in zip(ring.parameters(), ref.parameters()):
-        if p.grad is None:
-            continue
-        grad = p.grad.clone()
-        torch.distributed.all_reduce(grad)
-        worst = max(worst, rel_err(grad / world, q.grad))
+    worst = cp_grad_error(ring, ref)
     return {"loss": abs(out.loss.item() - want.item()) / want.item(), "grads": worst}
 
 

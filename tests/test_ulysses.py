@@ -372,7 +372,7 @@ def packed_step_errors(ulysses_size: int, lora: bool) -> dict:
     """A packed row (position_ids restarting per document) at CP = world with ``ulysses_size``,
     against each document run alone in one process (float64 sdpa): loss, CP-averaged gradients,
     and ``RingContext.unshard`` giving the row back."""
-    from testkit.models import tiny_model
+    from testkit.models import cp_grad_error, documents_alone_loss, tiny_model
 
     world = dist.get_world_size()
     hf_ring.setup_context_parallel(world, ulysses_size=ulysses_size)
@@ -391,23 +391,9 @@ def packed_step_errors(ulysses_size: int, lora: bool) -> dict:
     ctx = kwargs["ring_context"]
     out = ring(**kwargs)
     out.loss.backward()
-    total, count, start = 0.0, 0, 0
-    for n in DOCS:
-        doc_labels = labels[:, start : start + n]
-        c = int((doc_labels[:, 1:] != -100).sum())
-        if c:
-            total = total + ref(input_ids=ids[:, start : start + n], labels=doc_labels).loss * c
-            count += c
-        start += n
-    want = total / count
+    want = documents_alone_loss(ref, ids, labels, DOCS)
     want.backward()
-    worst = 0.0
-    for p, q in zip(ring.parameters(), ref.parameters()):
-        if p.grad is None:
-            continue
-        grad = p.grad.double()
-        dist.all_reduce(grad)
-        worst = max(worst, rel_err(grad / world, q.grad))
+    worst = cp_grad_error(ring, ref)
     return {
         "loss": abs(out.loss.item() - want.item()) / want.item(),
         "grads": worst,
