@@ -37,7 +37,7 @@ from .data.loader import count_targets, prepare_dataloader
 from .parallel import ContextParallel, context_parallel_state, setup_context_parallel
 from .planner.layouts import choose_ulysses_size
 from .training.arguments import RingTrainingArguments, apply_model_options
-from .transformers.batch import shard_batch
+from .transformers.batch import next_token_targets, shard_batch
 from .transformers.context import KEY
 
 __all__ = ["RingTrainer", "RingTrainingArguments", "resolve_ulysses_size"]
@@ -283,6 +283,9 @@ class RingTrainer(Trainer):
         (``Trainer`` would sum over all processes, counting each CP group's batch ``cp_size`` times)."""
         if not batch_samples or "labels" not in batch_samples[0]:
             return None
+        for b in batch_samples:  # shifted once: shard_batch uses them as they are
+            if b.get("labels") is not None and b.get("shift_labels") is None:
+                b["shift_labels"] = next_token_targets(b["labels"], b.get("attention_mask"), b.get("position_ids"))
         return count_targets(batch_samples, self._dp_group).to(device)
 
     def compute_loss(
@@ -295,11 +298,11 @@ class RingTrainer(Trainer):
         """The loss of this rank's shard, summed over the CP group, times ``dp_size``.
 
         ``num_items_in_batch`` counts the targets of all DP replicas, so each CP group's loss is its
-        share of the step's mean; times ``dp_size`` it is what ``Trainer`` expects per process (it
-        averages the logged loss over all processes, as it does with
-        ``average_tokens_across_devices``). The backward of each rank's share is scaled by
-        ``cp_size`` (by ``shard_batch``) and by ``dp_size`` (here): DDP's averaging over the
-        ``dp_size * cp_size`` processes then gives the gradient of one device running the step.
+        share of the step's mean; ``shard_batch(..., dp_size=...)`` makes every rank report it times
+        ``dp_size``, which is what ``Trainer`` expects per process (it averages the logged loss over
+        all processes, as it does with ``average_tokens_across_devices``), and scales the backward by
+        ``cp_size * dp_size`` in all: DDP's averaging over the ``dp_size * cp_size`` processes then
+        gives the gradient of one device running the step (``RingContext.reduce_loss``).
         """
         self._check_attention(self.model)
         if inputs.get("labels") is None:
@@ -309,16 +312,15 @@ class RingTrainer(Trainer):
         pad = getattr(getattr(self.model, "config", None), "pad_token_id", None)
         kwargs = shard_batch(
             {**inputs, "num_items_in_batch": num_items_in_batch},
-            group=self._cp_group,
+            group=self._cp,
             pad_token_id=pad if isinstance(pad, int) else 0,
+            dp_size=self.dp_size,
             full_logits=self._unshard_logits,
         )
         if model.training:
             self._window.add(inputs)
         outputs = model(**kwargs)
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs[0]
-        if self.dp_size > 1:
-            loss = loss * self.dp_size
         if return_outputs and self._unshard_logits and "logits" in outputs:
             # the batch's context knows its layout (zigzag, or per document for packed batches)
             outputs["logits"] = kwargs[KEY].unshard(outputs["logits"])[:, : inputs["labels"].shape[1]]
@@ -339,7 +341,7 @@ class RingTrainer(Trainer):
             inputs = self._prepare_inputs(inputs)
             key = "input_ids" if "input_ids" in inputs else "inputs_embeds"
             with torch.no_grad():
-                kwargs = shard_batch(dict(inputs), group=self._cp_group)
+                kwargs = shard_batch(dict(inputs), group=self._cp)
                 out = model(**kwargs)
             logits = kwargs[KEY].unshard(out["logits"])[:, : inputs[key].shape[1]]
             return (None, logits, None)

@@ -262,3 +262,35 @@ def test_setup_cp_size_not_dividing_world() -> None:
     for msg in run_ranks(4, setup_cp, 3):
         assert msg is not None
         assert "world size 4 is not divisible by cp_size=3" in msg
+
+
+def shard_batch_differing(field: str) -> tuple[str | None, float]:
+    """Every rank passes the same batch except rank 1, whose ``field`` differs in one element."""
+    import time
+
+    import hf_ring
+
+    rank = torch.distributed.get_rank()
+    n = 24
+    batch = {
+        "input_ids": torch.arange(n)[None] % 7,
+        "labels": torch.arange(n)[None] % 5,
+        "position_ids": torch.arange(n)[None],
+    }
+    if rank == 1:
+        if field == "position_ids":  # packed documents on this rank only
+            batch["position_ids"] = torch.cat((torch.arange(10), torch.arange(14)))[None]
+        else:
+            batch[field] = batch[field].clone()
+            batch[field][0, 17] += 1
+    t0 = time.perf_counter()
+    msg = catch(hf_ring.shard_batch, batch, group=None)
+    return msg, time.perf_counter() - t0
+
+
+@pytest.mark.parametrize("field", ["input_ids", "labels", "position_ids"])
+def test_shard_batch_different_content_raises_everywhere(field: str) -> None:
+    """Same shapes, different content on one rank: every rank raises at once, naming the field."""
+    for msg, seconds in run_ranks(3, shard_batch_differing, field):
+        assert msg is not None and f"{field} differs" in msg and "split_dataset_by_node" in msg, msg
+        assert seconds < 30

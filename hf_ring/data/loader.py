@@ -50,14 +50,17 @@ def prepare_dataloader(dataloader: DataLoader, cp: ContextParallel | None = None
 
 def count_targets(batches: Iterable[dict[str, Any]], dp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Valid next-token targets in ``batches`` (one optimizer step's micro-batches, unshifted HF
-    labels and optional right-padding ``attention_mask``), summed over ``dp_group``.
+    labels and optional right-padding ``attention_mask``, or their ``shift_labels`` when a batch has
+    them), summed over ``dp_group``.
 
     Pass the result as ``num_items_in_batch`` to ``shard_batch`` (with ``dp_size``) so that the
     loss of the step is the mean over all its targets, as on one device.
     """
     total = torch.zeros((), dtype=torch.int64)
     for b in batches:
-        targets = next_token_targets(b["labels"], b.get("attention_mask"), b.get("position_ids"))
+        targets = b.get("shift_labels")
+        if targets is None:
+            targets = next_token_targets(b["labels"], b.get("attention_mask"), b.get("position_ids"))
         total += (targets != IGNORE_INDEX).sum().cpu()
     if dp_group is not None and dist.is_initialized() and dist.get_world_size(dp_group) > 1:
         if dist.get_backend(dp_group) == "nccl":

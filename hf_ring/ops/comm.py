@@ -75,10 +75,14 @@ def group_size_rank(group: dist.ProcessGroup | None) -> tuple[int, int]:
     return dist.get_world_size(group), dist.get_rank(group)
 
 
-def check_same_across_ranks(values: list[int], group: dist.ProcessGroup | None, what: str) -> None:
+def check_same_across_ranks(
+    values: list[int], group: dist.ProcessGroup | None, what: str, names: list[str] | None = None, fix: str = ""
+) -> None:
     """Raise ``ValueError`` on every rank unless all ranks of ``group`` pass the same ``values``.
 
-    Costs one all-gather of 16 integers (``values`` holds at most 15).
+    Costs one all-gather of 16 integers (``values`` holds at most 15). With ``names`` (one per value)
+    the error names the first value that differs; ``fix`` ends the message (default: pass tensors of
+    the same shape, dtype and options).
     """
     size, _ = group_size_rank(group)
     if size == 1:
@@ -94,9 +98,31 @@ def check_same_across_ranks(values: list[int], group: dist.ProcessGroup | None, 
     gathered = [torch.empty_like(mine) for _ in range(size)]
     dist.all_gather(gathered, mine, group=group)
     rows = [g[1 : 1 + int(g[0])].tolist() for g in gathered]
-    if any(row != rows[0] for row in rows):
-        listing = ", ".join(f"rank {i}: {row}" for i, row in enumerate(rows))
-        raise ValueError(
-            f"ranks of the context-parallel group disagree on {what} ({listing}); every rank must "
-            "pass tensors of the same shape, dtype and options, or the ring would deadlock."
-        )
+    if all(row == rows[0] for row in rows):
+        return
+    if names is not None and all(len(row) == len(names) for row in rows):
+        i = next(i for i in range(len(names)) if any(row[i] != rows[0][i] for row in rows))
+        listing = ", ".join(f"rank {r}: {row[i]}" for r, row in enumerate(rows))
+        what = f"{what}: {names[i]} differs ({listing})"
+    else:
+        what = f"{what} ({', '.join(f'rank {i}: {row}' for i, row in enumerate(rows))})"
+    raise ValueError(
+        f"ranks of the context-parallel group disagree on {what}; "
+        + (fix or "every rank must pass tensors of the same shape, dtype and options, or the ring would deadlock.")
+    )
+
+
+_INT_VIEW = {8: torch.int32, 4: torch.int32, 2: torch.int16, 1: torch.int8}
+
+
+def fingerprint(t: Tensor) -> int:
+    """A cheap hash of ``t``'s shape and contents (one multiply-add pass), the same on every device and
+    for every summation order: a weighted sum of its elements (floats by their bits) in wrapping int64."""
+    x = t.detach()
+    if x.dtype == torch.bool:
+        x = x.to(torch.int8)
+    if x.is_floating_point():
+        x = x.contiguous().view(_INT_VIEW[x.element_size()])
+    flat = x.reshape(-1).to(torch.int64)
+    w = (torch.arange(flat.numel(), device=flat.device) * 2654435761 + 40503) % 2147483647 + 1
+    return int((flat * w).sum()) ^ hash(tuple(t.shape)) & 0x7FFFFFFF

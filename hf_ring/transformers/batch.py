@@ -14,29 +14,57 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..ops.comm import check_same_across_ranks, group_size_rank
+from ..ops.comm import check_same_across_ranks, fingerprint, group_size_rank
 from ..ops.cross_entropy import IGNORE_INDEX
+from ..ops.layout import ShardLayout, sequence_layout
 from ..ops.schedule import balanced_layout, layout_schedule
 from ..ops.zigzag import hybrid, hybrid_multiple
-from ..parallel import ContextParallel, context_parallel_state, default_group
+from ..parallel import ContextParallel, context_parallel_state
 from .context import KEY, RingContext
 
-__all__ = ["shard_batch", "next_token_targets"]
-_SEQ_KEYS = ("input_ids", "inputs_embeds", "labels", "attention_mask", "position_ids")
+__all__ = ["check_same_batch", "next_token_targets", "shard_batch"]
+_SEQ_KEYS = ("input_ids", "inputs_embeds", "labels", "shift_labels", "attention_mask", "position_ids")
 _PACKED_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")  # consumed here
 _PASS_KEYS = ("num_items_in_batch", "use_cache", "return_dict", "output_hidden_states", "output_attentions")
 
 
-def _zigzag(x: Tensor, size: int, rank: int, ulysses_size: int) -> Tensor:
-    return hybrid(x, 1, size, rank, ulysses_size).contiguous()  # the batch shape was checked once, above
+def _resolve(
+    group: ContextParallel | dist.ProcessGroup | None,
+) -> tuple[dist.ProcessGroup | None, ContextParallel | None]:
+    """The CP group to shard over, and the ``ContextParallel`` grid when it has Ulysses (``U > 1``).
+
+    ``group``: a ``ContextParallel`` (its CP group in its Ulysses x ring layout), a process group
+    (the plain ring over it), or ``None``: the state of the last ``setup_context_parallel``, else
+    the world group."""
+    if group is None:
+        group = context_parallel_state() if dist.is_available() and dist.is_initialized() else None
+    if isinstance(group, ContextParallel):
+        return group.cp_group, group if group.ulysses_size > 1 else None
+    return group, None
 
 
-def _ulysses(group: dist.ProcessGroup | None) -> ContextParallel | None:
-    """The state of ``setup_context_parallel`` when ``group`` is its CP group and it uses Ulysses."""
-    cp = context_parallel_state() if dist.is_available() and dist.is_initialized() else None
-    if cp is None or cp.ulysses_size == 1 or not (group is None or group is cp.cp_group):
-        return None
-    return cp
+_FIX = (
+    "every rank of a CP group must pass the same full batch (shard_batch cuts it). Split the data over "
+    "the DP replicas only: hf_ring.dp_sampler / hf_ring.prepare_dataloader, or for a streaming dataset "
+    "datasets.distributed.split_dataset_by_node(ds, rank=cp.dp_rank, world_size=cp.dp_size) with "
+    "cp = hf_ring.setup_context_parallel(...), not by global rank."
+)
+_FINGERPRINTED = ("input_ids", "inputs_embeds", "labels", "shift_labels", "attention_mask", "position_ids",
+                  "cu_seq_lens_q", "cu_seq_lens_k", "num_items_in_batch")  # fmt: skip
+
+
+def check_same_batch(batch: dict[str, Any], group: dist.ProcessGroup | None) -> None:
+    """Raise ``ValueError`` on every rank of ``group`` unless all pass the same batch: its shape and a
+    fingerprint of every tensor that ``shard_batch`` reads (one all-gather of 16 integers), naming
+    the first field that differs."""
+    key = "input_ids" if "input_ids" in batch else "inputs_embeds"
+    names, values = ["batch size B", "sequence length N"], list(batch[key].shape[:2])
+    for k in _FINGERPRINTED:
+        v = batch.get(k)
+        if v is not None:
+            names.append(k)
+            values.append(fingerprint(v) if isinstance(v, Tensor) else int(v))
+    check_same_across_ranks(values, group, "the batch", names=names, fix=_FIX)
 
 
 def _check_right_padding(mask: Tensor) -> None:
@@ -99,7 +127,7 @@ def _positions_from_cu_seq_lens(batch: dict[str, Any], n: int, device: torch.dev
 def shard_batch(
     batch: dict[str, Any],
     *,
-    group: dist.ProcessGroup | None = None,
+    group: ContextParallel | dist.ProcessGroup | None = None,
     pad_token_id: int = 0,
     dp_size: int = 1,
     full_logits: bool = False,
@@ -108,36 +136,46 @@ def shard_batch(
 
     Args:
         batch: ``input_ids [B, N]`` (or ``inputs_embeds [B, N, H]``); optional ``labels [B, N]``
-            (Hugging Face convention: unshifted, ``-100`` where there is no target),
-            ``attention_mask [B, N]`` (right padding only), ``position_ids [B, N]`` (restarting at 0
-            where a packed document begins, or ``cu_seq_lens_q/k [D + 1]`` for ``B = 1``),
-            ``num_items_in_batch`` (valid targets of the whole step, e.g. over gradient
-            accumulation and DP replicas; counted here otherwise).
-        group: the CP group (default: that of ``setup_context_parallel``, else the world). The
-            CP group of ``setup_context_parallel(..., ulysses_size=U)`` (by default or by name) is
-            sharded in its Ulysses x ring layout: the zigzag over the ``R = P / U`` ring positions,
-            each ring position's shard cut into ``U`` contiguous pieces (``hf_ring.ops.zigzag.hybrid``).
+            (Hugging Face convention: unshifted, ``-100`` where there is no target) or
+            ``shift_labels [B, N]`` (already shifted: the target of each position, as
+            ``next_token_targets`` makes them; they win over ``labels``, as in transformers' loss),
+            ``attention_mask [B, N]`` (right padding only),
+            ``position_ids [B, N]`` (restarting at 0 where a packed document begins, or
+            ``cu_seq_lens_q/k [D + 1]`` for ``B = 1``), ``num_items_in_batch`` (valid targets of the
+            whole step, e.g. over gradient accumulation and DP replicas; counted here otherwise).
+        group: the CP group: a ``ContextParallel`` (from ``setup_context_parallel``; with
+            ``ulysses_size=U`` the batch is sharded in its Ulysses x ring layout: the zigzag over
+            the ``R = P / U`` ring positions, each ring position's shard cut into ``U`` contiguous
+            pieces, ``hf_ring.ops.zigzag.hybrid``), a process group (plain ring attention over it),
+            or ``None``: the last ``setup_context_parallel``'s, else the world group.
         pad_token_id: id used to pad the sequence to a multiple of ``2P`` (of ``R * lcm(2, U)`` with
             Ulysses; its targets are masked).
         dp_size: number of data-parallel replicas that ``num_items_in_batch`` spans (it then
-            counts the targets of all of them, and the backward is scaled to match DP averaging).
+            counts the targets of all of them): every rank reports ``dp_size`` times its CP group's
+            share of the step's loss (the mean over the replicas is the step's loss) and gradients
+            averaged over the DP x CP world are those of one device (``RingContext.reduce_loss``).
         full_logits: return full logits even from a model with ``enable_chunked_loss`` (whose
             labelled batches otherwise return ``[B, 0, V]`` logits).
+
+    Every rank of the group must pass the same batch: its shape and a fingerprint of every tensor
+    above are compared across the group first (one all-gather of 16 integers), and a difference
+    raises ``ValueError`` on every rank, naming the first field that differs.
 
     Returns:
         ``input_ids`` (or ``inputs_embeds``) and ``position_ids`` of shape ``[B, N_pad / P]``
         (global positions, zigzag order); when labels are given, ``labels`` and ``shift_labels``
         ``[B, N_pad / P]`` (shifted on the full sequence before sharding, so no target is lost at
         chunk boundaries) and ``num_items_in_batch``; ``use_cache=False``; and ``ring_context``
-        (a ``RingContext``: the CP group and loss policy of this batch, read by the ring attention
-        function and the model's loss, which it sums over the CP group). ``N_pad`` is ``N`` rounded up
-        to a multiple of ``2P`` (``hf_ring.ops.zigzag.hybrid_multiple(P, U)`` with Ulysses). Right
-        padding is handled exactly: causal attention never lets a real token see the padding after
-        it, and padded positions have no targets. Packed documents
-        are exact: every token attends only to earlier tokens of its own document (the context
-        carries the ring schedule cut along document boundaries, computed once per batch), RoPE sees
-        each document's own positions, and no target crosses a document boundary (with Ulysses, the
-        schedule is the ring's over its ``R`` positions).
+        (a ``RingContext``: the CP group, the batch's layout and loss policy, read by the ring
+        attention function, the token mixers and the model's loss, which it sums over the CP
+        group). ``N_pad`` is ``N`` rounded up to a multiple of ``2P``
+        (``hf_ring.ops.zigzag.hybrid_multiple(P, U)`` with Ulysses). Right padding is handled
+        exactly: causal attention never lets a real token see the padding after it, and padded
+        positions have no targets. Packed documents are exact: every token attends only to
+        earlier tokens of its own document (the context carries the ring schedule cut along
+        document boundaries, computed once per batch), RoPE sees each document's own positions, and
+        no target crosses a document boundary (with Ulysses, the schedule is the ring's over its
+        ``R`` positions).
     """
     unknown = [
         k for k, v in batch.items() if isinstance(v, Tensor) and k not in (*_SEQ_KEYS, *_PASS_KEYS, *_PACKED_KEYS)
@@ -147,9 +185,7 @@ def shard_batch(
             f"shard_batch: does not know how to shard {unknown}; it handles {list(_SEQ_KEYS)}. Remove "
             "these keys or shard them yourself with hf_ring.shard."
         )
-    cp = _ulysses(group)
-    if group is None:
-        group = default_group()
+    group, cp = _resolve(group)
     size, rank = group_size_rank(group)
     ulysses_size = cp.ulysses_size if cp is not None else 1
     key = "input_ids" if "input_ids" in batch else "inputs_embeds"
@@ -157,8 +193,8 @@ def shard_batch(
         raise ValueError("shard_batch: the batch needs input_ids [B, N] or inputs_embeds [B, N, H]")
     x: Tensor = batch[key]
     b, n = x.shape[:2]
-    check_same_across_ranks([b, n], group, "the batch shape [B, N] (every rank of a CP group needs the same batch)")
-    for k in ("labels", "attention_mask", "position_ids"):
+    check_same_batch(batch, group)
+    for k in ("labels", "shift_labels", "attention_mask", "position_ids"):
         v = batch.get(k)
         if v is not None and (v.dim() != 2 or v.shape[1] != n or v.shape[0] not in (1, b)):
             raise ValueError(f"shard_batch: {k} has shape {tuple(v.shape)}, expected [{b}, {n}]")
@@ -169,16 +205,6 @@ def shard_batch(
             f"shard_batch: a sequence of {n} tokens is shorter than {pieces}; "
             "context parallelism is for long sequences: use a smaller cp_size or longer sequences."
         )
-    n_pad = -(-n // multiple) * multiple
-    pad = n_pad - n
-
-    def padded(t: Tensor, value: float) -> Tensor:
-        if pad == 0:
-            return t
-        shape = (*t.shape[:1], pad, *t.shape[2:])
-        return torch.cat((t, t.new_full(shape, value)), dim=1)
-
-    labels = batch.get("labels")
     mask = batch.get("attention_mask")
     if mask is not None:
         _check_right_padding(mask)
@@ -198,84 +224,87 @@ def shard_batch(
         last = positions.gather(1, real - 1)
         positions = torch.where(idx >= real, last + idx - real + 1, positions)
     starts = document_starts(positions)
+    targets = _targets(batch, b, n, mask, positions if starts is not None else None)
+    real = (mask.bool() if mask is not None else torch.ones(b, n, dtype=torch.bool, device=x.device)).expand(b, n)
     if starts is not None:
-        return _shard_packed(batch, key, x, positions, starts, labels, mask, group, size, rank, dp_size, full_logits,
-                             pad_token_id, cp)  # fmt: skip  (packed positions are always given)
-    if pad:
-        step = torch.arange(1, pad + 1, device=x.device)
-        positions = torch.cat((positions, positions[:, -1:] + step), dim=1)
+        layout, index = _packed_layout(starts, n, size, ulysses_size)
+        mine = index[rank].to(x.device)
 
-    out: dict[str, Any] = {k: batch[k] for k in _PASS_KEYS if k in batch}
-    out[key] = _zigzag(padded(x, pad_token_id if key == "input_ids" else 0.0), size, rank, ulysses_size)
-    out["position_ids"] = _zigzag(positions, size, rank, ulysses_size)
-    out.setdefault("use_cache", False)
-    if labels is not None:
-        shifted = padded(next_token_targets(labels.expand(b, n), mask), IGNORE_INDEX)
-        if "num_items_in_batch" not in out:
-            out["num_items_in_batch"] = (shifted != IGNORE_INDEX).sum()
-        local = _zigzag(shifted, size, rank, ulysses_size)
-        # ``labels`` only switches the model's loss on; ``shift_labels`` are the targets it uses.
-        out["labels"] = local
-        out["shift_labels"] = local
-    out[KEY] = RingContext(
-        group, size, rank, grad_scale=float(size * dp_size), labelled=labels is not None, full_logits=full_logits,
-        positions_given=positions_given, ulysses_size=ulysses_size,
-        ulysses_group=None if cp is None else cp.ulysses_group, ring_group=None if cp is None else cp.ring_group,
-    )  # fmt: skip
-    return out
+        def take(t: Tensor, fill: float) -> Tensor:
+            full = torch.cat((t, t.new_full((t.shape[0], 1, *t.shape[2:]), fill)), dim=1)  # the pad slot at n
+            idx = mine.view(b, layout.local, *([1] * (t.dim() - 2))).expand(b, layout.local, *t.shape[2:])
+            return full.gather(1, idx)
 
-
-def _shard_packed(
-    batch: dict[str, Any], key: str, x: Tensor, positions: Tensor, starts: list[list[int]], labels: Tensor | None,
-    mask: Tensor | None, group: dist.ProcessGroup | None, size: int, rank: int, dp_size: int, full_logits: bool,
-    pad_token_id: int, cp: ContextParallel | None,
-) -> dict[str, Any]:
-    """``shard_batch`` for packed documents: the zigzag applied to every document
-    (``balanced_layout``: each rank holds ``1/P`` of every document's work, no padding but at most
-    ``P - 1`` rows), the ring schedule cut along the documents, computed once for the batch.
-
-    With Ulysses (``cp``: ``U > 1``) the layout and schedule are those of the ``R = P / U`` ring
-    positions, and each ring position's rows (padded to a multiple of ``U``) are cut into ``U``
-    contiguous pieces, one per rank of its Ulysses group (the all-to-all puts them back together)."""
-    b, n = x.shape[:2]
-    u_size = cp.ulysses_size if cp is not None else 1
-    ring, ring_pos = size // u_size, rank // u_size
-    layouts = [balanced_layout(s, n, ring) for s in starts]
-    local = -(-max(length for _, length in layouts) // u_size) * u_size
-    # global index of every row of every ring position, [R, B, local]; n (a pad slot) where it has fewer rows
-    index = torch.full((ring, b, local), n, dtype=torch.long)
-    for i, (layout, _) in enumerate(layouts):
-        for r, segs in enumerate(layout):
-            if segs:
-                rows = torch.cat([torch.arange(seg.start, seg.stop) for seg in segs])
-                index[r, i, : rows.numel()] = rows
-    if len({tuple(s) for s in starts}) == 1:
-        schedule = layout_schedule(layouts[0][0], ring_pos)
+        ring_pos = rank // ulysses_size
+        if len({tuple(s) for s in starts}) == 1:
+            schedule = layout_schedule(layout.rows[0], ring_pos)
+        else:
+            per_row = [layout_schedule(rows, ring_pos, (i, i + 1)) for i, rows in enumerate(layout.rows)]
+            schedule = [tuple(blk for row in per_row for blk in row[step]) for step in range(len(per_row[0]))]
     else:
-        per_row = [layout_schedule(layout, ring_pos, (i, i + 1)) for i, (layout, _) in enumerate(layouts)]
-        schedule = [tuple(blk for row in per_row for blk in row[step]) for step in range(ring)]
-    # rank r * U + u holds piece u of ring position r's rows: [P, B, local / U]
-    index = index.view(ring, b, u_size, local // u_size).transpose(1, 2).reshape(size, b, local // u_size)
-    local //= u_size
-    mine = index[rank].to(x.device)
+        n_pad = -(-n // multiple) * multiple
+        pad = n_pad - n
+        if pad:
+            step = torch.arange(1, pad + 1, device=x.device)
+            positions = torch.cat((positions, positions[:, -1:] + step), dim=1)
+        layout, schedule = sequence_layout(n_pad, size // ulysses_size, ulysses_size), None
 
-    def take(t: Tensor, fill: float) -> Tensor:
-        full = torch.cat((t, t.new_full((t.shape[0], 1, *t.shape[2:]), fill)), dim=1)  # the pad slot at n
-        idx = mine.view(b, local, *([1] * (t.dim() - 2))).expand(b, local, *t.shape[2:])
-        return full.gather(1, idx)
+        def take(t: Tensor, fill: float) -> Tensor:
+            if t.shape[1] < n_pad:  # positions come padded (counting on), the rest gets ``fill``
+                t = torch.cat((t, t.new_full((t.shape[0], pad, *t.shape[2:]), fill)), dim=1)
+            return hybrid(t, 1, size, rank, ulysses_size).contiguous()  # the batch shape was checked once, above
 
     out: dict[str, Any] = {k: batch[k] for k in _PASS_KEYS if k in batch}
     out[key] = take(x.expand(b, *x.shape[1:]), pad_token_id if key == "input_ids" else 0.0)
     out["position_ids"] = take(positions, 0)
     out.setdefault("use_cache", False)
-    if labels is not None:
-        shifted = next_token_targets(labels.expand(b, n), mask, positions)
+    if targets is not None:
         if "num_items_in_batch" not in out:
-            out["num_items_in_batch"] = (shifted != IGNORE_INDEX).sum()
-        out["labels"] = out["shift_labels"] = take(shifted, IGNORE_INDEX)
+            out["num_items_in_batch"] = (targets != IGNORE_INDEX).sum()
+        # ``labels`` only switches the model's loss on; ``shift_labels`` are the targets it uses.
+        out["labels"] = out["shift_labels"] = take(targets, IGNORE_INDEX)
     out[KEY] = RingContext(
-        group, size, rank, grad_scale=float(size * dp_size), labelled=labels is not None, full_logits=full_logits,
-        schedule=schedule, index=index, length=n, ulysses_size=u_size,
+        group, size, rank, layout, dp_size=dp_size, labelled=targets is not None, full_logits=full_logits,
+        positions_given=positions_given, real=take(real, False), schedule=schedule, ulysses_size=ulysses_size,
         ulysses_group=None if cp is None else cp.ulysses_group, ring_group=None if cp is None else cp.ring_group,
     )  # fmt: skip
     return out
+
+
+def _targets(
+    batch: dict[str, Any], b: int, n: int, mask: Tensor | None, packed_positions: Tensor | None
+) -> Tensor | None:
+    """``[B, N]`` next-token targets: ``batch["shift_labels"]`` as given (masked where the right
+    padding is), or shifted from ``batch["labels"]`` here; ``None`` without either."""
+    shifted = batch.get("shift_labels")
+    if shifted is not None:
+        shifted = shifted.expand(b, n)
+        if mask is not None:
+            shifted = shifted.masked_fill(~mask.bool(), IGNORE_INDEX)
+        if packed_positions is not None:  # the last token of a document has no target in the next one
+            last = torch.ones_like(packed_positions[:, :1], dtype=torch.bool)
+            ends = torch.cat((packed_positions[:, 1:] == 0, last), dim=1)
+            shifted = shifted.masked_fill(ends, IGNORE_INDEX)
+        return shifted
+    labels = batch.get("labels")
+    if labels is None:
+        return None
+    return next_token_targets(labels.expand(b, n), mask, packed_positions)
+
+
+def _packed_layout(starts: list[list[int]], n: int, size: int, u_size: int) -> tuple[ShardLayout, Tensor]:
+    """The per-document layout of packed rows (``balanced_layout``: each ring position holds ``1/R``
+    of every long document's work, no padding but at most ``R - 1`` rows) over the ``R = P / U``
+    ring positions, each position's rows (padded to a multiple of ``U``) cut into ``U`` contiguous
+    pieces, one per rank of its Ulysses group; and ``[P, B, S_local]``, the global position of every
+    local row (``n`` for padding rows)."""
+    ring = size // u_size
+    layouts = [balanced_layout(s, n, ring) for s in starts]
+    local = -(-max(length for _, length in layouts) // u_size) * u_size
+    shared = len({tuple(s) for s in starts}) == 1
+    rows = tuple(layout for layout, _ in (layouts[:1] if shared else layouts))
+    tops = tuple(tuple(s) for s in (starts[:1] if shared else starts))
+    layout = ShardLayout(n, ring, u_size, local // u_size, rows, tops, packed=True)
+    return layout, layout.index(len(starts))
+
+

@@ -1,17 +1,22 @@
-"""The per-batch context: everything the ring attention function and the loss need for one batch.
+"""The per-batch context: everything the ring attention function, the token mixers and the loss
+need for one batch.
 
 ``shard_batch`` makes one ``RingContext`` per batch and hands it to the model as the keyword
 argument ``ring_context``. transformers passes model keyword arguments down to every attention
-call and to the loss function, so both read it from their kwargs: no thread-locals, no module
-globals, nothing keyed by identity. The walk of one batch is in ``docs/architecture.md``.
+call, to the token mixers of hybrid models and to the loss function, so all of them read it from
+their kwargs: no thread-locals, no module globals, nothing keyed by identity. The walk of one batch
+is in ``docs/architecture.md``.
 
 What travels in it:
 
 - the CP group (size and rank read once), and with Ulysses (``ulysses_size > 1``) its Ulysses
   and ring groups: the attention then runs ``hf_ring.ops.ulysses.ulysses_attention``;
-- packed documents: this rank's ring schedule cut along document boundaries (computed once);
-- the loss policy: the backward scale of each rank's share of the loss, and whether this batch
-  has labels (``num_items_in_batch`` is the global target count the model's loss divides by);
+- ``layout`` (``hf_ring.ops.layout.ShardLayout``): which global token every local row of every rank
+  holds, and where documents begin. The ring's schedules and the halo exchanges of the
+  context-parallel token mixers are derived from it, once per batch (``cached``);
+- ``real``: which local rows hold tokens of the batch (not padding);
+- the loss policy: this rank's share of the loss is summed over the CP group and multiplied by
+  ``dp_size``; its backward is scaled by ``size * dp_size`` (``reduce_loss``);
 - ``full_logits``: the chunked loss (``enable_chunked_loss``) leaves this batch alone;
 - filled while the batch runs: how many times ring attention ran on it (the guard against a model
   that never called the ring), and the last hidden states that the chunked-loss hook sets aside
@@ -22,11 +27,15 @@ This module imports only torch.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from ..ops.layout import ShardLayout
+from ..ops.reduce import sum_over_group
 from ..ops.schedule import Schedule
 
 __all__ = ["RingContext", "KEY"]
@@ -54,18 +63,18 @@ class RingContext:
             ``hf_ring.setup_context_parallel``); ``ulysses_size == 1``: plain ring attention over
             ``group``. ``ring_group`` ``None``: no ring (pure Ulysses). The batch is then in the
             hybrid layout (``hf_ring.ops.zigzag.hybrid``).
-        grad_scale: backward factor of this rank's share of the loss (CP size x DP replicas that
-            the target count spans).
+        dp_size: the data-parallel replicas that ``num_items_in_batch`` counts the targets of.
         labelled: the batch has labels, so the model computes a loss that ``hf_ring`` sums over
             the CP group.
         full_logits: compute full logits even on a model with ``enable_chunked_loss``.
         positions_given: the batch brought its own ``position_ids`` (else ``shard_batch`` numbered
             the tokens 0, 1, 2, ..., which models that number positions otherwise must refuse).
+        layout: where every token of the batch lives (``hf_ring.ops.layout.ShardLayout``).
+        real: ``[B, S_local]`` bool, the local rows that hold tokens of the batch (not padding that
+            ``shard_batch`` added nor right padding of an ``attention_mask``).
         schedule: for packed documents, this rank's ring schedule cut along the document
-            boundaries (``hf_ring.ops.schedule.layout_schedule``); ``None``: one sequence per row.
-        index: for packed documents, ``[P, B, S_local]``: the global position of every local row of
-            every rank (``N``, one past the end, for padding rows); ``unshard`` uses it.
-        length: for packed documents, ``N``, the tokens of the whole sequence.
+            boundaries (``hf_ring.ops.schedule.layout_schedule``); ``None``: one sequence per row
+            (the ring's own zigzag schedule).
         attention_calls: ring attention calls made with this context since its last loss (forward
             calls only; the recompute of activation checkpointing in backward does not count).
     """
@@ -73,18 +82,41 @@ class RingContext:
     group: dist.ProcessGroup | None
     size: int
     rank: int
-    grad_scale: float = 1.0
+    layout: ShardLayout
+    dp_size: int = 1
     labelled: bool = False
     full_logits: bool = False
     positions_given: bool = True
+    real: Tensor | None = field(default=None, repr=False)
     schedule: Schedule | None = field(default=None, repr=False)
-    index: Tensor | None = field(default=None, repr=False)
-    length: int = 0
     ulysses_size: int = 1
     ulysses_group: dist.ProcessGroup | None = field(default=None, repr=False)
     ring_group: dist.ProcessGroup | None = field(default=None, repr=False)
     attention_calls: int = 0
     _chunked: ChunkedLossInput | None = field(default=None, repr=False)
+    _cache: dict[Any, Any] = field(default_factory=dict, repr=False)
+
+    @property
+    def grad_scale(self) -> float:
+        """The backward factor of this rank's share of the loss: ``size * dp_size`` (DDP and FSDP
+        average gradients over the DP x CP world)."""
+        return float(self.size * self.dp_size)
+
+    def reduce_loss(self, local: Tensor) -> Tensor:
+        """This rank's share of the loss (its tokens' summed loss over the step's global target count)
+        -> the loss every rank reports: summed over the CP group, times ``dp_size`` (the mean over
+        the DP replicas is then the step's loss, as DDP and ``Trainer`` average it); backward scaled
+        by ``size * dp_size`` in all, so gradients averaged over the DP x CP world are those of one
+        device."""
+        total = sum_over_group(local, self.group, float(self.size))
+        return total * self.dp_size if self.dp_size != 1 else total
+
+    def cached(self, key: Any, make: Callable[[], Any]) -> Any:
+        """``make()``, computed once per batch under ``key`` (schedules, halo plans: data derived
+        from the layout that every layer of the model shares)."""
+        if key not in self._cache:
+            self._cache[key] = make()
+        return self._cache[key]
 
     def set_aside(self, hidden: Tensor, head: nn.Module, chunk_size: int | None) -> None:
         """Keep the last hidden states for the chunked loss of this batch (the hook's side)."""
@@ -101,7 +133,7 @@ class RingContext:
         order: ``[B, N_pad, ...]`` for one sequence per row (as ``hf_ring.unshard``, in this batch's
         layout), ``[B, N, ...]`` for packed documents (whose layout only the context knows). Not
         differentiable."""
-        if self.index is None:
+        if not self.layout.packed:
             from ..ops.zigzag import unshard
 
             return unshard(x, dim=1, group=self.group, ulysses_size=self.ulysses_size)
@@ -113,9 +145,10 @@ class RingContext:
         if self.size > 1:
             parts = [torch.empty_like(x) for _ in range(self.size)]
             dist.all_gather(parts, x, group=self.group)
-        b, n = x.shape[0], self.length
+        b, n = x.shape[0], self.layout.n
+        index = self.cached("index", lambda: self.layout.index(b))
         out = x.new_zeros((b, n + 1, *x.shape[2:]))  # row n collects the padding rows
         for r, part in enumerate(parts):
-            idx = self.index[r].to(x.device).view(b, -1, *([1] * (x.dim() - 2))).expand_as(part)
+            idx = index[r].to(x.device).view(b, -1, *([1] * (x.dim() - 2))).expand_as(part)
             out.scatter_(1, idx, part)
         return out[:, :n]

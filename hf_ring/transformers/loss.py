@@ -3,8 +3,8 @@
 ``register()`` wraps transformers' ``ForCausalLM`` loss once. Calls that carry a labelled
 ``RingContext`` (keyword ``ring_context``, from ``hf_ring.shard_batch``) compute this rank's share
 of the loss -- from the hidden states the chunked-loss hook set aside on the context, or from the
-logits as usual -- and sum it over the CP group (``hf_ring.ops.reduce.sum_over_group``); every
-other call of the loss is unchanged.
+logits as usual -- and sum it over the CP group (``RingContext.reduce_loss``, the one place of the
+loss policy); every other call of the loss is unchanged.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..ops.cross_entropy import IGNORE_INDEX, chunked_causal_lm_loss
-from ..ops.reduce import sum_over_group
 from .context import ChunkedLossInput, RingContext
 from .support import RingNeverRan
 
@@ -63,7 +62,7 @@ def wrap_causal_lm_loss(original: Any) -> Any:
         calls, ring_context.attention_calls = ring_context.attention_calls, 0  # per forward
         if ring_context.size > 1 and calls == 0:
             raise RingNeverRan(_NEVER_RAN)
-        return sum_over_group(local, ring_context.group, ring_context.grad_scale)
+        return ring_context.reduce_loss(local)
 
     loss.hf_ring_original = original  # type: ignore[attr-defined]
     return loss

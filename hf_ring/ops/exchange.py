@@ -1,0 +1,173 @@
+"""Fetch rows of a sharded sequence from the ranks that hold them: the one exchange behind every halo.
+
+A token mixer with a reach of ``w`` tokens (a causal convolution of kernel ``w + 1``, a sliding
+window of ``w + 1`` keys) needs, at the start of each run of its local rows (``ShardLayout.runs``),
+the ``w`` rows that precede it in global order within the same document -- rows other ranks hold.
+``halo_plan`` works out, from the layout alone, which rows each rank wants and which it must send
+(every rank derives the same plan, so no sizes are negotiated); ``fetch_rows`` moves them with one
+``all_to_all_single`` over the CP group (also when a rank has nothing to send: a collective, never a
+one-sided wait) and is differentiable: the backward sends each fetched row's gradient back to the
+rank that holds the row, which adds it in. ``plan_rows`` takes any wanted-rows function. This module
+imports only torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .layout import Run, ShardLayout
+
+__all__ = ["Halo", "RowPlan", "fetch_rows", "halo_plan", "plan_rows"]
+
+Wanted = Callable[[int], list[tuple[int, int]]]  # CP rank -> (batch row, global position) pairs, in order
+
+
+@dataclass(frozen=True, eq=False)
+class RowPlan:
+    """One rank's part of a row exchange over a CP group of ``size`` ranks.
+
+    ``send[d]``: flat indices into this rank's ``[B * S_local]`` rows that rank ``d`` wants, in the
+    order ``d`` wants them (``send[rank]``: the rows it wants from itself). ``recv[s]``: how many rows
+    come from rank ``s``. ``order``: where each received row goes in the output (received rows are
+    laid end to end by source rank); ``count``: rows wanted (the output's length).
+    """
+
+    rank: int
+    size: int
+    send: tuple[Tensor, ...]
+    recv: tuple[int, ...]
+    order: Tensor
+    count: int
+
+    @property
+    def sent_rows(self) -> int:
+        """Rows this rank sends to other ranks (its own rows it keeps are not counted)."""
+        return sum(len(s) for d, s in enumerate(self.send) if d != self.rank)
+
+
+def plan_rows(layout: ShardLayout, batch: int, rank: int, wanted: Wanted) -> RowPlan:
+    """The exchange in which every CP rank ``r`` gets the rows ``wanted(r)`` (pairs ``(batch row,
+    global position)``; each must be held by some rank) and ``rank`` sends what others want of it."""
+    rank_of, local_of = layout.locate(batch)
+    size = layout.size
+    send: list[list[int]] = [[] for _ in range(size)]
+    recv = [0] * size
+    order: list[list[int]] = [[] for _ in range(size)]
+    count = 0
+    for r in range(size):
+        for i, (b, g) in enumerate(wanted(r)):
+            src = int(rank_of[b, g])
+            if src < 0:
+                raise ValueError(f"plan_rows: global position {g} of batch row {b} is held by no rank")
+            if src == rank:
+                send[r].append(b * layout.local + int(local_of[b, g]))
+            if r == rank:
+                recv[src] += 1
+                order[src].append(i)
+                count = i + 1
+    return RowPlan(
+        rank,
+        size,
+        tuple(torch.tensor(s, dtype=torch.long) for s in send),
+        tuple(recv),
+        torch.tensor([i for o in order for i in o], dtype=torch.long),
+        count,
+    )
+
+
+def _exchange(x: Tensor, sends: tuple[Tensor, ...], recv: tuple[int, ...], group: dist.ProcessGroup | None) -> Tensor:
+    """Rows ``x[send[d]]`` to every rank ``d``; returns the received rows, end to end by source."""
+    feat = x.shape[1:]
+    out = x.new_empty((sum(recv), *feat))
+    if len(sends) == 1:
+        return x[sends[0].to(x.device)]
+    payload = torch.cat([x[s.to(x.device)] for s in sends]).contiguous()
+    dist.all_to_all_single(
+        out, payload, output_split_sizes=list(recv), input_split_sizes=[len(s) for s in sends], group=group
+    )
+    return out
+
+
+class _FetchRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, plan, group):  # type: ignore[override]
+        # x: (B * S_local, *F) -- this rank's rows, flattened
+        ctx.plan, ctx.group, ctx.rows = plan, group, x.shape[0]
+        got = _exchange(x, plan.send, plan.recv, group)
+        out = x.new_empty((plan.count, *x.shape[1:]))
+        out[plan.order.to(x.device)] = got
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        plan: RowPlan = ctx.plan
+        dev = grad.device
+        back = grad[plan.order.to(dev)]  # laid end to end by the rank that holds each row
+        sizes = plan.recv
+        pieces = back.split(list(sizes))
+        # the reverse exchange: what we received from s goes back to s; we get back what we sent
+        feat = grad.shape[1:]
+        if plan.size == 1:
+            got = pieces[0]
+        else:
+            got = grad.new_empty((sum(len(s) for s in plan.send), *feat))
+            dist.all_to_all_single(
+                got, back.contiguous(), output_split_sizes=[len(s) for s in plan.send],
+                input_split_sizes=list(sizes), group=ctx.group,
+            )  # fmt: skip
+        dx = grad.new_zeros((ctx.rows, *feat))
+        dx.index_add_(0, torch.cat(plan.send).to(dev), got)
+        return dx, None, None
+
+
+def fetch_rows(x: Tensor, plan: RowPlan, group: dist.ProcessGroup | None) -> Tensor:
+    """The rows ``plan`` wants, from the ranks of ``group`` (the CP group the plan was made for).
+
+    ``x``: ``[B, S_local, *F]``, this rank's rows. Returns ``[M, *F]`` (``M = plan.count``), row ``i``
+    the ``i``-th wanted row. Collective: every rank of ``group`` calls it with its own plan of the same
+    exchange. Differentiable in ``x``: each fetched row's gradient is added to the rank that holds it.
+    """
+    flat = x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
+    return _FetchRows.apply(flat, plan, group)
+
+
+@dataclass(frozen=True, eq=False)
+class Halo:
+    """The rows preceding each run of one rank's local rows: ``plan`` fetches them; run ``i``
+    (``runs[i]``) gets rows ``[offsets[i], offsets[i + 1])`` of the fetched tensor, the
+    ``offsets[i + 1] - offsets[i] <= width`` global positions before ``runs[i].start`` that belong
+    to its document, in global order (fewer than ``width`` near the document's start)."""
+
+    width: int
+    runs: tuple[Run, ...]
+    offsets: tuple[int, ...]
+    plan: RowPlan
+
+    def fetch(self, x: Tensor, group: dist.ProcessGroup | None) -> Tensor:
+        """``[M, *F]``: every run's halo rows of ``x [B, S_local, *F]`` (see ``fetch_rows``)."""
+        return fetch_rows(x, self.plan, group)
+
+
+def _halo_rows(layout: ShardLayout, batch: int, width: int, rank: int) -> list[tuple[int, int]]:
+    out = []
+    for b in range(batch):
+        for run in layout.runs(rank, b):
+            out.extend((b, g) for g in range(max(run.doc_start, run.start - width), run.start))
+    return out
+
+
+def halo_plan(layout: ShardLayout, batch: int, rank: int, width: int) -> Halo:
+    """The halo of ``width`` rows of every run of ``rank``'s local rows (all ``batch`` rows)."""
+    if width < 0:
+        raise ValueError(f"halo_plan: width must be >= 0, got {width}")
+    runs = tuple(run for b in range(batch) for run in layout.runs(rank, b))
+    offsets = [0]
+    for run in runs:
+        offsets.append(offsets[-1] + run.start - max(run.doc_start, run.start - width))
+    plan = plan_rows(layout, batch, rank, lambda r: _halo_rows(layout, batch, width, r))
+    return Halo(width, runs, tuple(offsets), plan)
