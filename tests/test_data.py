@@ -1,4 +1,4 @@
-"""Recipe data through the ``datasets`` library (``hf_ring.training.data``): local files, folders and
+"""Recipe data through the ``datasets`` library (``hf_ring.recipes.data``): local files, folders and
 ``save_to_disk`` datasets; text tokenised with ``map`` (cached) or pre-tokenised ids; packing into
 ``seq_len`` windows with document boundaries padded, concatenated, or kept as restarting
 ``position_ids`` (packed documents, which ``shard_batch`` keeps apart); everything in
@@ -14,7 +14,7 @@ import torch
 
 import hf_ring
 from hf_ring.data.passkey import PasskeyDataset
-from hf_ring.training.data import StagedDataset, collate, load_documents, pack, stages_of, tokenize
+from hf_ring.recipes.data import StagedDataset, collate, load_documents, pack, stages_of, tokenize
 
 DOCS = [list(range(10, 15)), list(range(20, 29)), [30, 31, 32], list(range(40, 60))]  # 5, 9, 3, 20 tokens
 

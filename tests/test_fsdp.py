@@ -86,7 +86,7 @@ def _logits(trainer, ids: torch.Tensor) -> np.ndarray:
 def train_run(kind: str, out: str, save_steps: int = 0, resume: str | None = None, final: bool = False) -> dict:
     """One RingTrainer run on this rank (``kind``: ``ddp`` or ``fsdp``)."""
     from hf_ring.trainer import RingTrainer
-    from hf_ring.training.export import save_final
+    from hf_ring.trainer.export import save_final
     from testkit.fsdp import fsdp2_on_cpu
 
     launcher_env()
@@ -186,7 +186,7 @@ def test_fsdp2_merged_model_loads_without_peft(fsdp_whole) -> None:
 def different_dirs(root: str) -> str:
     import torch.distributed as dist
 
-    from hf_ring.training.checks import check_shared_output_dir
+    from hf_ring.trainer.checks import check_shared_output_dir
 
     rank = dist.get_rank()
     check_shared_output_dir(Path(root) / "same")  # a shared path passes
@@ -207,7 +207,7 @@ def test_merged_state_dict_equals_peft_merge_and_refuses_what_it_cannot_merge() 
     LoRA on the embedding, DoRA and LoRA biases are refused, never dropped."""
     from peft import LoraConfig, get_peft_model
 
-    from hf_ring.training.export import full_state_dict, merged_state_dict
+    from hf_ring.trainer.export import full_state_dict, merged_state_dict
     from testkit.models import tiny_model
 
     def peft(**kw):

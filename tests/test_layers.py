@@ -1,10 +1,12 @@
 """The layering of docs/architecture.md, read from the sources (AST), so that it cannot erode.
 
+- every module of ``hf_ring`` sits on a floor (``FLOORS``) and imports only its own package and
+  the floors below it (0 upward imports);
 - ``hf_ring/ops``: torch and the standard library only, imports inside ``ops`` only, no process
   globals (no ``global`` statement, no thread-locals);
 - ``hf_ring/parallel.py``: torch and ``ops``;
-- only ``hf_ring/transformers``, ``hf_ring/trainer.py``, ``hf_ring/training`` and ``hf_ring/evaluation``
-  import transformers, peft, datasets or trl
+- only ``hf_ring/transformers``, ``hf_ring/trainer``, ``hf_ring/recipes`` (its runner) and
+  ``hf_ring/evaluation`` import transformers, peft, datasets or trl
   (``hf_ring/data`` may use accelerate's data loader);
 - no runtime module imports the test or benchmark helpers; ``testkit`` imports neither ``tests``
   nor ``benchmarks``; ``benchmarks`` does not import ``tests``.
@@ -75,18 +77,57 @@ def test_parallel_imports_only_torch_and_ops() -> None:
 
 
 def test_only_the_glue_imports_transformers() -> None:
-    """transformers is imported by the glue, the trainers and the evaluation only; accelerate also by ``data``."""
-    glue = {PKG / "trainer.py", PKG / "__init__.py"}
-    # hf_ring/training: the recipe runner around RingTrainer (recipes, datasets, PEFT export, TRL)
+    """transformers is imported by the glue, the trainer, the recipe runner and the evaluation only;
+    accelerate also by ``data``."""
+    # the recipe reader (hf_ring/recipes/reader.py, imported with the package) stays light: the planner uses it
+    hf_users = ("transformers", "trainer", "recipes", "evaluation")
     for path in files(PKG):
-        if path.is_relative_to(PKG / "transformers") or path.is_relative_to(PKG / "training") or path in glue:
-            continue
-        if path.is_relative_to(PKG / "evaluation"):  # loads models, tokenizers and PEFT adapters, as the trainers do
+        if any(path.is_relative_to(PKG / name) for name in hf_users) and path.name != "reader.py":
             continue
         allowed = {"accelerate"} if path.is_relative_to(PKG / "data") else set()
         for name in absolute_imports(path):
             top = name.split(".")[0]
             assert top not in HF - allowed, f"{path.relative_to(ROOT)} imports {name}"
+
+
+# The floors of hf_ring, from the bottom; a module imports its own package and lower floors only.
+FLOORS: dict[str, int] = {
+    "ops": 0,
+    "parallel": 1,
+    "planner": 1,
+    "transformers": 2,
+    "data": 3,
+    "trainer": 4,
+    "evaluation": 4,
+    "recipes": 5,
+    "cli": 6,
+    "training": 6,  # the old import paths: aliases of modules of trainer and recipes
+    "__init__": 6,  # the package's face: re-exports (RingTrainer on first use)
+}
+
+
+def floor_of(name: str) -> str:
+    """The floor (a key of ``FLOORS``) of a dotted module name inside hf_ring."""
+    parts = name.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+@pytest.mark.parametrize("path", files(PKG), ids=lambda p: str(p.relative_to(PKG)))
+def test_imports_point_down(path: Path) -> None:
+    own = floor_of(".".join(path.relative_to(ROOT).with_suffix("").parts))
+    assert own in FLOORS, f"{path.relative_to(ROOT)}: put its package on a floor of FLOORS (and docs/architecture.md)"
+    for name in absolute_imports(path):
+        if name == "hf_ring" or not name.startswith("hf_ring."):
+            continue
+        other = floor_of(name)
+        assert other == own or FLOORS[other] < FLOORS[own], (
+            f"{path.relative_to(ROOT)} (floor {own}: {FLOORS[own]}) imports {name} (floor {other}: {FLOORS[other]})"
+        )
+
+
+def test_floors_cover_the_package() -> None:
+    tops = {p.stem for p in PKG.glob("*.py")} | {p.parent.name for p in PKG.glob("*/__init__.py")}
+    assert tops == set(FLOORS), f"without a floor: {tops - set(FLOORS)}; floors without a package: {set(FLOORS) - tops}"
 
 
 @pytest.mark.parametrize(
@@ -105,3 +146,31 @@ def test_the_rule_catches_a_violation(tmp_path: Path) -> None:
     bad.parent.mkdir(parents=True)
     bad.write_text("def f():\n    from ..transformers import patches\n    import transformers\n")
     assert absolute_imports(bad, tmp_path) == {"hf_ring.transformers", "transformers"}
+
+
+def test_old_import_paths_are_the_moved_modules() -> None:
+    """``hf_ring.training.<name>`` (before the trainer and the recipes got one package each) is the
+    module it moved to, the very same object, with a DeprecationWarning; the moved modules keep their
+    own names."""
+    import importlib
+    import sys
+
+    from hf_ring.training import MOVED
+
+    for old, new in MOVED.items():
+        if old == "trl" and importlib.util.find_spec("trl") is None:
+            continue
+        sys.modules.pop(f"hf_ring.training.{old}", None)  # imported by an earlier test: import it afresh
+        with pytest.warns(DeprecationWarning, match=f"hf_ring.training.{old} moved to {new}"):
+            alias = importlib.import_module(f"hf_ring.training.{old}")
+        module = importlib.import_module(new)
+        assert alias is module and module.__spec__.name == module.__name__ == new
+    from hf_ring.training.export import save_final
+    from hf_ring.training.trl import RingSFTTrainer
+
+    from hf_ring.trainer.export import save_final as new_save_final
+    from hf_ring.trainer.trl import RingSFTTrainer as new_trainer
+
+    assert save_final is new_save_final and RingSFTTrainer is new_trainer
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("hf_ring.training.nothing")

@@ -22,7 +22,7 @@ from hf_ring.recipes import (
     recipe_settings,
     write_recipe_memory,
 )
-from hf_ring.training.recipe import parse_recipe
+from hf_ring.recipes.recipe import parse_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 NAMES = ["llama-3.1-8b-128k", "llama-3.1-8b-1m", "qwen2.5-7b-256k", "tiny-cpu-demo", "tiny-cpu-demo-pretrain"]
@@ -81,9 +81,9 @@ def test_every_recipe_parses_and_builds_its_model_config(path: Path) -> None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from hf_ring.recipes.data import stages_of
+    from hf_ring.recipes.recipe import model_config
     from hf_ring.trainer import RingTrainingArguments
-    from hf_ring.training.data import stages_of
-    from hf_ring.training.recipe import model_config
 
     r = parse_recipe(["--output_dir", "runs/parse-test"], source=path)
     assert isinstance(r.args, RingTrainingArguments) and r.args.max_steps > 0

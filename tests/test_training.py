@@ -1,5 +1,5 @@
 """Training under DP x CP through the one training path (``RingTrainer``, driven by the recipe
-runner ``hf_ring.training.run``): CP=4 against CP=1 over 20 steps of a two-stage curriculum, exact
+runner ``hf_ring.recipes.run``): CP=4 against CP=1 over 20 steps of a two-stage curriculum, exact
 resume from the last checkpoint of ``output_dir``, a documents recipe (datasets, tokeniser, padding,
 TensorBoard), gradients of torch's DDP and FSDP2 against one process, data for DP x CP, and the
 accelerate configs of the recipes (one launched as two "nodes" on loopback)."""
@@ -59,8 +59,8 @@ def _recipe(path: Path, data: dict, **fields) -> Path:
 
 def recipe_run(recipe: str, argv: list[str]) -> dict:
     """The recipe runner on this rank; returns its summary and logged steps."""
-    from hf_ring.training.recipe import parse_recipe
-    from hf_ring.training.run import run
+    from hf_ring.recipes.recipe import parse_recipe
+    from hf_ring.recipes.run import run
 
     launcher_env()
     parsed = parse_recipe(argv, source=recipe)
@@ -134,7 +134,7 @@ def test_documents_recipe_in_one_process(tmp_path: Path) -> None:
 
 
 def test_plots_are_optional(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from hf_ring.training.plots import plot_loss, smooth
+    from hf_ring.recipes.plots import plot_loss, smooth
 
     history = [{"step": i, "loss": 1.0 / i, "seq_len": 24 if i < 5 else 64} for i in range(1, 10)]
     assert smooth([1.0, 1.0, 9.0, 1.0, 1.0], window=3) == [1.0, 1.0, 1.0, 1.0, 1.0]  # a spike drops out

@@ -46,7 +46,7 @@ def sft_run(kind: str, out: str, tok_dir: str, packing: bool = False) -> dict:
     from transformers import AutoTokenizer
     from trl import SFTConfig, SFTTrainer
 
-    from hf_ring.training.trl import RingSFTConfig, RingSFTTrainer
+    from hf_ring.trainer.trl import RingSFTConfig, RingSFTTrainer
     from testkit.models import tiny_model
 
     ring = kind == "ring"
@@ -82,7 +82,7 @@ def test_ring_sft_trainer_cp2_matches_single_process_sft_trainer(tmp_path: Path,
 
 
 def test_seq_idx_must_follow_position_ids() -> None:
-    from hf_ring.training.trl import drop_seq_idx
+    from hf_ring.trainer.trl import drop_seq_idx
 
     pos = torch.tensor([[0, 1, 2, 0, 1]])
     good = {"input_ids": pos, "position_ids": pos, "seq_idx": torch.tensor([[0, 0, 0, 1, 1]], dtype=torch.int32)}

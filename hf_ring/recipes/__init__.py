@@ -1,44 +1,30 @@
-"""Recipes: the YAML files that configure a run, read in one place.
+"""Recipes: the YAML files that configure a run, and everything that reads them.
 
-A recipe holds ``RingTrainingArguments`` fields (``cp_size``, ``per_device_train_batch_size``,
-``activation_checkpointing``, ``tiled_mlp``, ``learning_rate``, ``output_dir``, ...) and the sections
-``model`` (``config | name_or_path | init_from``, ``dtype``, ``overrides``), ``lora`` (PEFT
-``LoraConfig`` fields), ``data`` (``seq_len`` or ``stages: [{seq_len, steps}]``, the source; see
-``hf_ring.training.data``) and ``memory_gb``, the planner's memory per GPU. The recipes shipped with
-hf_ring live in this package (``hf_ring/recipes/*.yaml``, package data, found through
-``importlib.resources``), so a bare name works from an installed wheel:
+The recipes shipped with hf_ring live in this package (``hf_ring/recipes/*.yaml``, package data,
+found through ``importlib.resources``), so a bare name works from an installed wheel:
 
     hf-ring plan llama-3.1-8b-128k                 # or a path: hf-ring plan my-run.yaml
     hf-ring plan llama-3.1-8b-128k --write         # refresh its memory_gb line
     accelerate launch ... recipes/train.py llama-3.1-8b-128k --max_steps 4
 
-``read_recipe`` parses one (the training runner, ``hf_ring.training.recipe``, uses it);
-``recipe_model``, ``recipe_model_config``, ``recipe_settings`` and ``recipe_plan`` give the
-planner's view of it; ``write_recipe_memory`` writes the planner's figures back. Imports neither
-torch nor transformers (the package ``hf_ring`` itself does).
+Modules: ``reader`` (find and read a recipe, the planner's view of it; imported here, light),
+``recipe`` (a recipe and its command-line flags -> ``RingTrainingArguments`` and the sections; the
+model it builds), ``data`` (the data section through ``datasets``), ``run`` (the runner around
+``RingTrainer``), ``evaluate`` (passkey accuracy) and ``plots`` (the loss curve). Only ``reader`` is
+imported with this package: the others import transformers.
 """
 
-from __future__ import annotations
-
-import json
-import os
-from dataclasses import replace
-from importlib.resources import files
-from pathlib import Path
-from typing import Any
-
-import yaml
-
-from ..planner import (
-    LORA_TARGETS,
-    GiB,
-    ModelShape,
-    Plan,
-    PlanSettings,
-    known_config,
-    model_shape,
-    parse_ulysses_size,
-    plan,
+from .reader import (
+    RECIPES_DIR,
+    packaged_recipes,
+    read_recipe,
+    recipe_memory,
+    recipe_model,
+    recipe_model_config,
+    recipe_path,
+    recipe_plan,
+    recipe_settings,
+    write_recipe_memory,
 )
 
 __all__ = [
@@ -53,195 +39,3 @@ __all__ = [
     "recipe_settings",
     "write_recipe_memory",
 ]
-
-Source = str | os.PathLike
-
-# a regular package on the file system (wheel or source tree): its resources are plain files
-RECIPES_DIR = Path(str(files(__name__)))
-_SUFFIXES = (".yaml", ".yml")
-
-
-def packaged_recipes() -> list[Path]:
-    """The recipes shipped with hf_ring, sorted by name."""
-    return sorted(RECIPES_DIR.glob("*.yaml"))
-
-
-def recipe_path(source: Source) -> Path | None:
-    """The recipe file ``source`` names: an existing ``.yaml``/``.yml`` file, or the name of a
-    packaged recipe with or without ``.yaml`` (``llama-3.1-8b-128k``); ``None`` if it names none."""
-    p = Path(source)
-    if p.suffix in _SUFFIXES and p.is_file():
-        return p
-    if p.name == str(source):  # a bare name: a packaged recipe
-        for cand in (RECIPES_DIR / p.name, RECIPES_DIR / f"{p.name}.yaml"):
-            if cand.suffix in _SUFFIXES and cand.is_file():
-                return cand
-    return None
-
-
-def _find(source: Source) -> Path:
-    path = recipe_path(source)
-    if path is None:
-        names = ", ".join(p.stem for p in packaged_recipes())
-        raise FileNotFoundError(f"no recipe {str(source)!r}: give a .yaml file or a packaged recipe ({names})")
-    return path
-
-
-def _yaml(path: Path) -> Any:
-    with open(path) as f:
-        return yaml.safe_load(f)
-
-
-def _load(path: Path) -> dict[str, Any]:
-    data = _yaml(path)
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: a recipe is a YAML mapping (model, stages, ...), not {type(data).__name__}")
-    return data
-
-
-def read_recipe(source: Source) -> dict[str, Any]:
-    """The fields of a recipe (a path, or a packaged recipe's name), as written in its YAML."""
-    return _load(_find(source))
-
-
-def _config_json(ref: str) -> Path:
-    cfg = Path(ref) / "config.json"
-    return cfg if cfg.is_absolute() else Path.cwd() / cfg  # runs are written relative to the working directory
-
-
-def _model(recipe: dict[str, Any], where: Path) -> ModelShape:
-    m = recipe["model"]
-    if "config" in m:
-        return ModelShape.from_config({**m["config"], **m.get("overrides", {})}, name=where.stem)
-    ref = m.get("init_from") or m.get("name_or_path")
-    cfg = _config_json(ref)
-    if cfg.exists():
-        return ModelShape.from_config(json.loads(cfg.read_text()), name=ref)
-    for other in sorted(where.parent.glob("*.yaml")):
-        r = _yaml(other)
-        out = r.get("output_dir") if isinstance(r, dict) else None
-        if out and other != where and str(Path(ref)).startswith(str(Path(out))):
-            return _model(r, other)
-    return model_shape(ref)
-
-
-def recipe_model(source: Source) -> ModelShape:
-    """The model of a recipe: its inline config, a saved model's ``config.json``, a known name, or,
-    for ``init_from`` a run that does not exist yet, the model of the recipe next to it that writes
-    that run (its ``output_dir``)."""
-    path = _find(source)
-    return _model(_load(path), path)
-
-
-def _seq_len(r: dict[str, Any]) -> int:
-    data = r.get("data") or {}
-    if data.get("stages"):
-        return max(int(s["seq_len"]) for s in data["stages"])
-    if "seq_len" not in data:
-        raise ValueError("a recipe's data section gives seq_len or stages: [{seq_len, steps}]")
-    return int(data["seq_len"])
-
-
-def _config_dict(recipe: dict[str, Any], where: Path) -> dict[str, Any]:
-    m = recipe["model"]
-    overrides = m.get("overrides") or {}
-    if "config" in m and not m.get("init_from"):
-        return {**m["config"], **overrides}
-    ref = m.get("init_from") or m.get("name_or_path")
-    cfg = _config_json(ref)
-    if cfg.exists():
-        return {**json.loads(cfg.read_text()), **overrides}
-    for other in sorted(where.parent.glob("*.yaml")):
-        r = _yaml(other)
-        out = r.get("output_dir") if isinstance(r, dict) else None
-        if out and other != where and str(Path(ref)).startswith(str(Path(out))):
-            return {**_config_dict(r, other), **overrides}
-    known = known_config(ref)
-    if known is None:
-        raise ValueError(f"{where.name}: no config for model {ref!r} without downloading it")
-    return {**known, **overrides}
-
-
-def recipe_model_config(source: Source) -> dict[str, Any]:
-    """The transformers config fields of a recipe's model (``model_type`` included), found as
-    ``recipe_model`` finds its shape, nothing downloaded: the inline config, a saved model's
-    ``config.json``, the recipe that writes an ``init_from`` run, or the catalogue's fields of a
-    known name; the recipe's ``overrides`` on top."""
-    path = _find(source)
-    return _config_dict(_load(path), path)
-
-
-def _settings(r: dict[str, Any]) -> PlanSettings:
-    lora = r.get("lora")
-    cp = int(r.get("cp_size", 1))
-    stated = r.get("memory_gb") or {}
-    checkpointing = r.get("activation_checkpointing", r.get("gradient_checkpointing", False))
-    return PlanSettings(
-        seq_len=_seq_len(r),
-        gpus=int(stated.get("gpus", cp)),
-        cp=cp,
-        mode="lora" if lora else "full",
-        lora_rank=(lora or {}).get("r", 16),
-        lora_targets=tuple((lora or {}).get("target_modules", LORA_TARGETS)),
-        dtype=r["model"].get("dtype", "float32"),
-        checkpointing=bool(checkpointing),
-        offload=bool(r.get("activation_offload", False)),
-        chunked_loss=bool(r.get("chunked_loss", True)),
-        micro_batch=int(r.get("per_device_train_batch_size", 8)),
-        tiled_mlp=r.get("tiled_mlp"),
-        sharding=stated.get("sharding", "none"),
-        gpu_gib=float(stated.get("gpu", 80)),
-        reserve_gib=0.0,
-        ulysses_size=parse_ulysses_size(r.get("ulysses_size", 1)),
-    )
-
-
-def recipe_settings(source: Source) -> PlanSettings:
-    """The planner's settings of a recipe: its ``data.seq_len`` (or longest stage), ``cp_size``,
-    ``ulysses_size``, ``per_device_train_batch_size``, dtype, LoRA or full fine-tuning,
-    ``activation_checkpointing`` (or its alias ``gradient_checkpointing``), ``activation_offload``,
-    ``chunked_loss`` and ``tiled_mlp``. The number of GPUs, the sharding and the GPU size come from
-    the launch, which the recipe states in ``memory_gb: {gpus, sharding, gpu}`` (default: ``cp_size``
-    GPUs, no sharding, 80 GiB); no runtime reserve."""
-    return _settings(read_recipe(source))
-
-
-def recipe_plan(source: Source, **overrides: Any) -> Plan:
-    """The plan of a recipe (``recipe_model``, ``recipe_settings``); ``overrides`` replace any
-    ``PlanSettings`` field (``gpus=16``, ``cp=4``)."""
-    path = _find(source)
-    r = _load(path)
-    return plan(_model(r, path), replace(_settings(r), **overrides))
-
-
-def recipe_memory(source: Source) -> dict[str, Any]:
-    """What a recipe's ``memory_gb`` states: the launch inputs it already names (``gpus``,
-    ``sharding``, ``gpu``) and the planner's per-GPU figures in GiB (``model_states``,
-    ``activations``, ``total`` = the two; ``host`` when activations are offloaded)."""
-    stated = read_recipe(source).get("memory_gb") or {}
-    p = recipe_plan(source)
-    out: dict[str, Any] = {k: stated[k] for k in ("gpus", "sharding", "gpu") if k in stated}
-    out.update(p.summary_gib())
-    if any(p.host.values()):
-        out["host"] = round(sum(p.host.values()) / GiB, 3)
-    return out
-
-
-def write_recipe_memory(source: Source) -> str:
-    """Rewrite the ``memory_gb:`` line of a recipe with ``recipe_memory`` (one flow-style line,
-    comments elsewhere kept); returns the new line."""
-    p = _find(source)
-    values = recipe_memory(p)
-    line = "memory_gb: {" + ", ".join(f"{k}: {v}" for k, v in values.items()) + "}"
-    lines = p.read_text().splitlines(keepends=True)
-    comment = "  # per GPU, GiB: hf-ring plan " + p.name + "\n"
-    for i, old in enumerate(lines):
-        if old.startswith("memory_gb:"):
-            if old.split("#")[0].rstrip().endswith(":"):
-                raise ValueError(f"{p}: write memory_gb on one line (memory_gb: {{...}}) to have it rewritten")
-            lines[i] = line + comment
-            break
-    else:
-        lines.append(line + comment)
-    p.write_text("".join(lines))
-    return line

@@ -3,7 +3,7 @@
     accelerate launch --config_file recipes/accelerate/fsdp2-8gpu.yaml recipes/train.py \\
         hf_ring/recipes/llama-3.1-8b-128k.yaml [--max_steps 4 --output_dir runs/try]
 
-Parses the recipe (``hf_ring.training.recipe``), builds the data once (``hf_ring.training.data``),
+Parses the recipe (``hf_ring.recipes.recipe``), builds the data once (``hf_ring.recipes.data``),
 the model (LoRA through PEFT), and trains it with ``RingTrainer``: progress bar, ``report_to``,
 checkpoints every ``save_steps`` (sharded under FSDP2) and resume are ``Trainer``'s. A run resumes
 from the last checkpoint in ``output_dir`` unless ``--resume_from_checkpoint`` names one (a path)
@@ -24,9 +24,9 @@ from typing import Any
 from transformers.trainer_utils import get_last_checkpoint
 
 from ..trainer import RingTrainer
+from ..trainer.export import save_final
 from .data import StagedDataset, collate, load_documents, pack, passkey_stage, stages_of, tokenize
 from .evaluate import passkey_accuracy
-from .export import save_final
 from .plots import plot_loss
 from .recipe import Recipe, build_model, parse_recipe
 

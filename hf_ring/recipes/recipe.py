@@ -8,7 +8,7 @@ As in TRL's and the alignment handbook's scripts, the YAML holds ``RingTrainingA
   random init), or ``init_from`` (a saved model to start from); ``dtype``; ``overrides`` (config
   fields); ``attn_implementation`` (default ``ring``);
 * ``lora``: ``peft.LoraConfig`` fields (absent or ``null``: every weight trains);
-* ``data``: see ``hf_ring.training.data``;
+* ``data``: see ``hf_ring.recipes.data``;
 * ``memory_gb``: the planner's estimate, for the reader (``hf-ring plan RECIPE --write``).
 
 Flags override any field (``--max_steps 4 --output_dir X``, parsed by transformers'
@@ -27,9 +27,9 @@ from typing import Any
 import torch
 import yaml
 
-from ..recipes import read_recipe
 from ..trainer import RingTrainingArguments
 from .data import stages_of
+from .reader import read_recipe
 
 __all__ = ["SECTIONS", "Recipe", "build_model", "model_config", "parse_recipe"]
 

@@ -26,8 +26,8 @@ from typing import Any
 
 from trl import SFTConfig, SFTTrainer
 
-from ..trainer import RingTrainer
 from .arguments import RingTrainingArguments
+from .trainer import RingTrainer
 
 __all__ = ["RingSFTConfig", "RingSFTTrainer", "drop_seq_idx"]
 

@@ -33,12 +33,12 @@ import torch.distributed as dist
 from torch import nn
 from transformers import Trainer, TrainingArguments
 
-from .data.loader import count_targets, prepare_dataloader
-from .parallel import ContextParallel, context_parallel_state, setup_context_parallel
-from .planner.layouts import choose_ulysses_size
-from .training.arguments import RingTrainingArguments, apply_model_options
-from .transformers.batch import next_token_targets, shard_batch
-from .transformers.context import KEY
+from ..data.loader import count_targets, prepare_dataloader
+from ..parallel import ContextParallel, context_parallel_state, setup_context_parallel
+from ..planner.layouts import choose_ulysses_size
+from ..transformers.batch import next_token_targets, shard_batch
+from ..transformers.context import KEY
+from .arguments import RingTrainingArguments, apply_model_options
 
 __all__ = ["RingTrainer", "RingTrainingArguments", "resolve_ulysses_size"]
 
@@ -382,7 +382,7 @@ class RingTrainer(Trainer):
         that every rank sees the same ``output_dir`` (a filesystem shared by all nodes)."""
         saves = self.args.save_strategy != "no" and not self.args.save_on_each_node
         if _launched() and dist.is_initialized() and (saves or resume_from_checkpoint):
-            from .training.checks import check_shared_output_dir
+            from .checks import check_shared_output_dir
 
             check_shared_output_dir(self.args.output_dir)
         self._window = _Throughput()
