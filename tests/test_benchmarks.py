@@ -139,6 +139,12 @@ def test_gpu_benchmark_cpu_mode(tmp_path):
     assert all(r["median"] > 0 for r in rows if r["name"] == "gpu_overlap_threshold")
     assert all(r["median"] in (0.0, 1.0) for r in rows if r["name"] == "gpu_overlap_hidden")
     assert all(r["median"] < 1e-4 for r in rows if r["name"] == "gpu_emulation_check")  # fp32 on CPU
+    offload = {(r["name"], r["provider"], r["metric"]): r["median"] for r in rows if "offload" in r["name"]}
+    for mode in ("checkpointing", "offload_compute_stream", "offload_side_stream"):
+        assert offload[("gpu_offload_step", mode, "time")] > 0
+        assert offload[("gpu_offload_step", mode, "ratio_to_checkpointing")] > 0
+    assert offload[("gpu_offload_check", "offload_side_stream", "max_rel_diff_vs_checkpointing")] == 0
+    assert offload[("gpu_offload_bytes", "offload", "bytes_per_direction")] > 0
 
     from benchmarks.plot import plot_gpu
 
