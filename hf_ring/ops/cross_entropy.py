@@ -63,10 +63,11 @@ class _ChunkedLinearCE(torch.autograd.Function):
         ctx.dtype, ctx.scale, ctx.chunk = _autocast_dtype(h), scale, chunk
         lse = torch.empty(h.shape[0], dtype=torch.float32, device=h.device)
         total = torch.zeros((), dtype=torch.float32, device=h.device)
-        with torch.autocast(h.device.type, enabled=False):  # cast here, once, the same in backward
-            hc, wc, bc = _cast((h, weight, bias), ctx.dtype)
+        with torch.autocast(h.device.type, enabled=False):  # cast here, the same way in backward
+            wc, bc = _cast((weight, bias), ctx.dtype)
             for s in range(0, h.shape[0], chunk):
-                logits = F.linear(hc[s : s + chunk], wc, bc).float()
+                (x,) = _cast((h[s : s + chunk],), ctx.dtype)
+                logits = F.linear(x, wc, bc).float()
                 picked = logits.gather(1, target[s : s + chunk, None]).squeeze(1)
                 # log-sum-exp in place: one [chunk, vocab] buffer (torch.logsumexp would allocate a second)
                 top = logits.amax(dim=-1, keepdim=True)
@@ -87,9 +88,9 @@ class _ChunkedLinearCE(torch.autograd.Function):
         db = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_b else None
         rows = torch.arange(min(ctx.chunk, h.shape[0]), device=h.device)
         with torch.autocast(h.device.type, enabled=False):
-            hc, wc, bc = _cast((h, weight, bias), ctx.dtype)
+            wc, bc = _cast((weight, bias), ctx.dtype)
             for s in range(0, h.shape[0], ctx.chunk):
-                x = hc[s : s + ctx.chunk]
+                (x,) = _cast((h[s : s + ctx.chunk],), ctx.dtype)
                 n = x.shape[0]
                 # d/dlogits of (lse - logit[target]) = softmax - onehot, times the loss scale; the
                 # logits are those of forward (same inputs, dtype and op), so the softmax sums to 1
