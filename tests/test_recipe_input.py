@@ -190,6 +190,10 @@ def test_runner_refuses_a_sliding_window_shorter_than_the_sequence_before_the_da
                      model={"config": mistral}))  # fmt: skip
     with pytest.raises(AssertionError, match="the data was built"):  # within the window: on to the data
         _run(_recipe(tmp_path, {"task": "passkey", "seq_len": 32}, model={"config": mistral}))
+    from hf_ring.recipes.recipe import check_ring_model, model_config
+
+    with pytest.raises(ValueError, match=r"model.attn_implementation 'sdpa': cp_size=2 needs 'ring'"):
+        check_ring_model(model_config({"config": TINY}), "sdpa", cp_size=2, seq_len=48)
 
 
 def test_check_model_is_check_layer_on_every_attention_module() -> None:

@@ -215,6 +215,9 @@ def check_ring_model(config: Any, attn: str, cp_size: int, seq_len: int) -> None
     """What ``RingTrainer`` would refuse about this model at ``seq_len`` tokens over ``cp_size``
     ranks, found on the model built on the meta device (no memory, no weights)."""
     if attn != "ring":
+        if cp_size > 1:
+            raise ValueError(f"model.attn_implementation {attn!r}: cp_size={cp_size} needs 'ring' (each rank holds "
+                             "only a shard of the sequence); remove attn_implementation or set cp_size: 1")  # fmt: skip
         return
     from transformers import AutoModelForCausalLM
 
