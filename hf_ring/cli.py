@@ -1,6 +1,9 @@
 """``hf-ring`` command line. ``hf-ring plan MODEL --seq-len 1M --gpus 8``: per-rank memory table,
 the smallest CP size that fits, whether the ring's transfers hide behind compute, and the ring /
 Ulysses / hybrid layouts of the CP group priced per layer with the recommended ``ulysses_size``.
+``hf-ring train RECIPE [--field value ...]``: train a recipe on this process (``hf_ring.recipes.run``),
+alone or under a launcher (``accelerate launch ... -m hf_ring.cli train RECIPE``, ``torchrun ... -m
+hf_ring.cli train RECIPE``); ``hf-ring train --list`` shows the packaged recipes and launch configs.
 ``hf-ring eval needle|ppl MODEL ...``: long-context evaluation (``hf_ring.evaluation.cli``).
 
 The options of ``hf-ring plan`` are the fields of ``hf_ring.planner.PlanSettings`` (their metadata
@@ -13,10 +16,20 @@ import argparse
 import json
 import sys
 from dataclasses import MISSING, Field, fields, replace
+from pathlib import Path
 from typing import Any
 
 from .planner import KNOWN_MODELS, ModelShape, PlanSettings, max_seq_len, model_shape, plan, smallest_cp, tokens
-from .recipes import recipe_model, recipe_path, recipe_settings, write_recipe_memory
+from .recipes import (
+    description,
+    launch_config_path,
+    launch_configs,
+    packaged_recipes,
+    recipe_model,
+    recipe_path,
+    recipe_settings,
+    write_recipe_memory,
+)
 
 __all__ = ["add_plan_options", "main", "tokens"]
 
@@ -99,10 +112,68 @@ def cmd_plan(a: argparse.Namespace) -> int:
     return 0
 
 
+TRAIN_USAGE = """usage: hf-ring train RECIPE [--field value ...]   train a recipe on this process (each launched one)
+       hf-ring train --list                       the packaged recipes and launch configs
+       hf-ring train --config NAME                the path of a packaged launch config
+
+RECIPE: a recipe YAML, or the name of a packaged one. Flags override any RingTrainingArguments field
+(--max_steps 4 --output_dir runs/try) and any key of a section (--data.seq_len 4096, --lora.r 8).
+Several processes:
+  accelerate launch --config_file $(hf-ring train --config NAME) -m hf_ring.cli train RECIPE [...]
+  torchrun --nproc_per_node N -m hf_ring.cli train RECIPE [...]
+"""
+
+
+def _command(path: Path) -> str:
+    """The command a recipe's opening comment gives (its indented ``#   `` lines)."""
+    lines = [line[1:].strip() for line in path.read_text().splitlines() if line.startswith("#   ")]
+    return " ".join(line.removesuffix("\\").strip() for line in lines)
+
+
+def train_listing() -> str:
+    """What ``hf-ring train --list`` prints: recipes with their command, launch configs with their path."""
+    out = ["Recipes (hf-ring train NAME [--field value ...]; hf-ring plan NAME prices its memory):"]
+    for p in packaged_recipes():
+        out += [f"  {p.stem}", f"      {description(p)}"]
+        if _command(p):
+            out.append(f"      $ {_command(p)}")
+    launch = "accelerate launch --config_file $(hf-ring train --config NAME) -m hf_ring.cli train RECIPE"
+    out += ["", f"Launch configs ({launch}):"]
+    out += [f"  {p.stem:<20} {description(p)}\n  {'':<20} {p}" for p in launch_configs()]
+    out += ["", "Under torchrun: torchrun --nproc_per_node N -m hf_ring.cli train RECIPE [--field value ...]"]
+    return "\n".join(out)
+
+
+def cmd_train(argv: list[str]) -> int:
+    """``hf-ring train``: ``--list``, ``--config NAME``, or run a recipe (``hf_ring.recipes.run.main``)."""
+    if not argv or argv[0] in ("-h", "--help"):
+        print(TRAIN_USAGE)
+        return 0 if argv else 2
+    if argv[0] == "--list":
+        print(train_listing())
+        return 0
+    if argv[0] == "--config":
+        if len(argv) != 2:
+            raise SystemExit("hf-ring train --config NAME: one launch config name (hf-ring train --list shows them)")
+        try:
+            print(launch_config_path(argv[1]))
+        except FileNotFoundError as e:
+            raise SystemExit(f"hf-ring train: {e}") from None
+        return 0
+    from .recipes.run import main as run_recipe
+
+    run_recipe(argv)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``hf-ring``."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["train"]:  # its flags are the recipe's: parsed by hf_ring.recipes.recipe
+        return cmd_train(argv[1:])
     ap = argparse.ArgumentParser(prog="hf-ring", description="hf_ring: ring attention for long-context fine-tuning")
     sub = ap.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("train", help="train a recipe (hf-ring train --help, hf-ring train --list)", add_help=False)
     p = sub.add_parser(
         "plan",
         help="per-rank memory of a long-context fine-tuning run",

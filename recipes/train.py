@@ -1,10 +1,13 @@
-"""Recipe entry point (configuration in the YAML, logic in hf_ring.recipes.run).
+"""The recipe entry point of a source checkout, kept for existing command lines: the same as
+``hf-ring train`` (``hf_ring.cli``), which an installed package has too.
 
-    accelerate launch --config_file recipes/accelerate/<launch>.yaml recipes/train.py hf_ring/recipes/<recipe>.yaml \\
-        [--field value ...]   # any RingTrainingArguments field (--max_steps 4), or --data.seq_len 4096
+    python recipes/train.py RECIPE [--field value ...]              # = hf-ring train RECIPE ...
+    accelerate launch --config_file $(hf-ring train --config NAME) recipes/train.py RECIPE ...
 """
 
-from hf_ring.recipes.run import main
+import sys
+
+from hf_ring.cli import main
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main(["train", *sys.argv[1:]]))

@@ -10,7 +10,7 @@ start=$(date +%s)
 # one thread per process: on a shared 2-core machine, a second OpenMP thread waiting for a busy core
 # made the same 450 steps 9x slower (37 s -> 337 s), with the same result
 OMP_NUM_THREADS=1 .venv/bin/python recipes/train.py hf_ring/recipes/tiny-cpu-demo-pretrain.yaml --resume_from_checkpoint no
-OMP_NUM_THREADS=1 .venv/bin/accelerate launch --config_file recipes/accelerate/cpu-4proc.yaml \
+OMP_NUM_THREADS=1 .venv/bin/accelerate launch --config_file hf_ring/recipes/accelerate/cpu-4proc.yaml \
     recipes/train.py hf_ring/recipes/tiny-cpu-demo.yaml --resume_from_checkpoint no
 .venv/bin/python - "$start" <<'PY'
 import json, sys, time

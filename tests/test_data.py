@@ -119,6 +119,6 @@ def test_staged_dataset_lays_stages_along_the_steps() -> None:
     shuffled = StagedDataset(parts, per_step, total_steps=4, shuffle_seed=3)
     again = StagedDataset(parts, per_step, total_steps=4, shuffle_seed=3)
     assert all(torch.equal(shuffled[i]["input_ids"], again[i]["input_ids"]) for i in range(16))  # a pure function of i
-    assert stages_of({"seq_len": 128}) == [{"seq_len": 128, "steps": 0}]
+    assert stages_of({"task": "passkey", "seq_len": 128}) == [{"seq_len": 128, "steps": 0}]
     with pytest.raises(ValueError, match="seq_len"):
         stages_of({"path": "x"})

@@ -79,10 +79,11 @@ def test_parallel_imports_only_torch_and_ops() -> None:
 def test_only_the_glue_imports_transformers() -> None:
     """transformers is imported by the glue, the trainer, the recipe runner and the evaluation only;
     accelerate also by ``data``."""
-    # the recipe reader (hf_ring/recipes/reader.py, imported with the package) stays light: the planner uses it
+    # the recipe reader and the section resolvers stay light: the planner (hf-ring plan) uses them
     hf_users = ("transformers", "trainer", "recipes", "evaluation")
+    light = {PKG / "recipes" / "__init__.py", PKG / "recipes" / "reader.py", PKG / "recipes" / "sections.py"}
     for path in files(PKG):
-        if any(path.is_relative_to(PKG / name) for name in hf_users) and path.name != "reader.py":
+        if any(path.is_relative_to(PKG / name) for name in hf_users) and path not in light:
             continue
         allowed = {"accelerate"} if path.is_relative_to(PKG / "data") else set()
         for name in absolute_imports(path):
@@ -174,3 +175,13 @@ def test_old_import_paths_are_the_moved_modules() -> None:
     assert save_final is new_save_final and RingSFTTrainer is new_trainer
     with pytest.raises(ModuleNotFoundError):
         importlib.import_module("hf_ring.training.nothing")
+
+
+def test_architecture_lists_every_change_import_makes_in_transformers() -> None:
+    """docs/architecture.md names each transformers table and class that ``import hf_ring`` changes."""
+    from hf_ring.transformers import support
+
+    doc = (ROOT / "docs" / "architecture.md").read_text()
+    names = [*support._OWN_TABLES.values(), *(c for cs in support._BYPASS_BOTH.values() for c in cs)]
+    names += ["AttentionInterface", "AttentionMaskInterface", "LOSS_MAPPING", "ForCausalLMLoss"]
+    assert not [n for n in names if n not in doc], "docs/architecture.md: list what import hf_ring changes"

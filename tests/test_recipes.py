@@ -4,12 +4,14 @@ rewritten from the planner."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from importlib.resources import files
 from pathlib import Path
 
 import pytest
 import tomllib
+import yaml
 
 from hf_ring.recipes import (
     RECIPES_DIR,
@@ -77,13 +79,15 @@ def test_every_recipe_parses_and_builds_its_model_config(path: Path) -> None:
     """Each recipe parses into RingTrainingArguments (its fields, with transformers' own validation)
     and its model section into a transformers config, nothing downloaded: hub models from the
     planner's catalogue, an ``init_from`` run from the recipe that writes it; the model is then
-    built on the meta device, which checks the overrides (RoPE scaling, ...) too."""
+    built on the meta device, which checks the overrides (RoPE scaling, ...) too, and the ring
+    would compute it exactly at the recipe's longest sequence (``check_model``)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from hf_ring.recipes.data import stages_of
-    from hf_ring.recipes.recipe import model_config
+    from hf_ring.recipes.recipe import check_config_fields, model_config
     from hf_ring.trainer import RingTrainingArguments
+    from hf_ring.transformers.support import check_model
 
     r = parse_recipe(["--output_dir", "runs/parse-test"], source=path)
     assert isinstance(r.args, RingTrainingArguments) and r.args.max_steps > 0
@@ -94,9 +98,11 @@ def test_every_recipe_parses_and_builds_its_model_config(path: Path) -> None:
     config = AutoConfig.for_model(fields.pop("model_type"), **fields)
     if "config" in r.model and not r.model.get("init_from"):
         assert model_config(r.model).to_dict() == config.to_dict()  # the runner's own builder agrees
+    check_config_fields(config, r.model.get("overrides") or {}, "model.overrides")  # no typo in the overrides
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, attn_implementation="ring")
     assert model.config.vocab_size == config.vocab_size
+    check_model(model, r.args.cp_size, max(s["seq_len"] for s in stages_of(r.data)))  # the ring computes it exactly
     if r.lora:
         from peft import LoraConfig
 
@@ -140,3 +146,64 @@ def test_write_recipe_memory_rewrites_one_line(tmp_path: Path) -> None:
     path.write_text("".join(original.splitlines(keepends=True)[:-1]))
     write_recipe_memory(path)
     assert path.read_text() == original.replace("{gpus: 1, ", "{")  # appended as the last line, with its comment
+
+
+def _as_transformers(fields: dict) -> dict:
+    from transformers import AutoConfig
+
+    fields = dict(fields)
+    return AutoConfig.for_model(fields.pop("model_type"), **fields).to_dict()
+
+
+def _same(planner_fields: dict, runner_config) -> None:
+    bookkeeping = {"_name_or_path", "transformers_version", "architectures", "dtype"}  # the recipe sets dtype
+    want = {k: v for k, v in _as_transformers(planner_fields).items() if k not in bookkeeping}
+    got = {k: v for k, v in runner_config.to_dict().items() if k not in bookkeeping}
+    assert got == want
+
+
+def test_planner_and_runner_resolve_the_same_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``hf-ring plan`` prices the model ``hf-ring train`` builds: for every packaged recipe the
+    planner's config fields and shape (``recipe_model_config``, ``recipe_model``) and the runner's
+    transformers config (``model_config``) agree. Hub models come from a local snapshot of their
+    config (the catalogue's fields, as a download would give); ``tiny-cpu-demo`` starts from the run
+    ``tiny-cpu-demo-pretrain`` writes: before it exists the planner takes that recipe's model and the
+    runner says which recipe to run first, after it both read its ``config.json``. A recipe with both
+    ``config`` and ``init_from`` resolves to the saved model in both (the planner took the inline
+    config before), and one whose ``config`` contradicts the saved model is refused by both."""
+    from hf_ring.planner import ModelShape, known_config
+    from hf_ring.recipes.recipe import build_model, model_config
+
+    monkeypatch.chdir(tmp_path)
+    demo = RECIPES_DIR / "tiny-cpu-demo.yaml"
+    with pytest.raises(ValueError, match=r"no saved model there yet; it is written by tiny-cpu-demo-pretrain.yaml "
+                                         r"\(hf-ring train tiny-cpu-demo-pretrain\): run that first"):  # fmt: skip
+        model_config(read_recipe(demo)["model"], demo)
+    before = recipe_model_config(demo)
+    pretrain = read_recipe("tiny-cpu-demo-pretrain")
+    build_model(pretrain["model"], None).save_pretrained(Path(pretrain["output_dir"]) / "final")
+    for path in packaged_recipes():
+        section = read_recipe(path)["model"]
+        ref = section.get("name_or_path")
+        if ref and not (tmp_path / ref).exists():
+            (tmp_path / ref).mkdir(parents=True)
+            (tmp_path / ref / "config.json").write_text(json.dumps(known_config(ref)))
+        planned, runner = recipe_model_config(path), model_config(section, path)
+        _same(planned, runner)
+        shape = recipe_model(path)
+        assert shape == ModelShape.from_config(runner.to_dict(), name=shape.name)
+    _same(before, model_config(read_recipe(demo)["model"], demo))  # the same model, now from config.json
+
+    saved = Path(pretrain["output_dir"]) / "final"
+    both = tmp_path / "both.yaml"
+    inline = pretrain["model"]["config"]
+    section = {"config": inline, "init_from": str(saved), "overrides": {"max_position_embeddings": 8192}}
+    both.write_text(yaml.safe_dump({"model": section, "data": {"task": "passkey", "seq_len": 64}}))
+    _same(recipe_model_config(both), model_config(section, both))
+    assert recipe_model_config(both)["max_position_embeddings"] == 8192 != inline["max_position_embeddings"]
+    other = {**section, "config": {**section["config"], "hidden_size": 64}}
+    both.write_text(yaml.safe_dump({"model": other, "data": {"task": "passkey", "seq_len": 64}}))
+    with pytest.raises(ValueError, match=r"model.config disagrees with .*config.json on \['hidden_size'\]"):
+        recipe_model(both)
+    with pytest.raises(ValueError, match=r"model.config disagrees with .*config.json on \['hidden_size'\]"):
+        model_config(other, both)

@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader
 
 import hf_ring
 from hf_ring.data.passkey import VOCAB, PasskeyDataset
+from hf_ring.recipes import launch_config_path, launch_configs
 from testkit.models import tiny_model
 from testkit.oracle import rel_err
 from testkit.spawn import launcher_env, run_ranks
@@ -220,24 +221,30 @@ def test_cp_ranks_share_batches_dp_replicas_split_them(kind: str) -> None:
 # --- recipes' accelerate configs ------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("path", sorted((ROOT / "recipes" / "accelerate").glob("*.yaml")), ids=lambda p: p.name)
+@pytest.mark.parametrize("path", launch_configs(), ids=lambda p: p.name)
 def test_accelerate_config_parses(path: Path) -> None:
+    """Each packaged launch config, as ``hf-ring train --config NAME`` gives it, with the module entry point."""
     from accelerate.commands.launch import _validate_launch_command, launch_command_parser
 
-    args = launch_command_parser().parse_args(["--config_file", str(path), str(ROOT / "recipes" / "train.py")])
+    from hf_ring.cli import main
+
+    assert launch_config_path(path.stem) == path
+    args = launch_command_parser().parse_args(["--config_file", str(path), "-m", "hf_ring.cli", "train", "x"])
     args, _, _ = _validate_launch_command(args)
-    assert args.num_processes >= 1 and args.num_machines >= 1
+    assert args.num_processes >= 1 and args.num_machines >= 1 and args.module
+    assert main(["train", "--config", path.stem]) == 0
 
 
 @pytest.mark.timeout(400)
 def test_two_node_launch_on_loopback(tmp_path: Path) -> None:
-    """recipes/accelerate/cpu-2node.yaml: two 'nodes' of 2 processes each, DP=2 x CP=2."""
+    """The packaged launch config cpu-2node: two 'nodes' of 2 processes each, DP=2 x CP=2, each
+    process running ``hf-ring train`` as a module (``-m hf_ring.cli train RECIPE``)."""
     recipe = _recipe(tmp_path / "tiny.yaml", {"task": "passkey", "stages": [{"seq_len": 48, "steps": 2}]}, cp_size=2)
     launch = [sys.executable, "-m", "accelerate.commands.launch"]
-    cmd = [*launch, "--config_file", str(ROOT / "recipes/accelerate/cpu-2node.yaml")]
+    cmd = [*launch, "--config_file", str(launch_config_path("cpu-2node"))]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     nodes = [
-        subprocess.Popen([*cmd, "--machine_rank", str(r), str(ROOT / "recipes/train.py"), str(recipe)], env=env,
+        subprocess.Popen([*cmd, "--machine_rank", str(r), "-m", "hf_ring.cli", "train", str(recipe)], env=env,
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for r in (0, 1)
     ]  # fmt: skip

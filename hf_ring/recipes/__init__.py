@@ -5,9 +5,13 @@ found through ``importlib.resources``), so a bare name works from an installed w
 
     hf-ring plan llama-3.1-8b-128k                 # or a path: hf-ring plan my-run.yaml
     hf-ring plan llama-3.1-8b-128k --write         # refresh its memory_gb line
-    accelerate launch ... recipes/train.py llama-3.1-8b-128k --max_steps 4
+    hf-ring train --list                           # recipes, and the accelerate launch configs
+    accelerate launch --config_file $(hf-ring train --config fsdp2-8gpu) -m hf_ring.cli train \\
+        llama-3.1-8b-128k --max_steps 4
 
-Modules: ``reader`` (find and read a recipe, the planner's view of it; imported here, light),
+The accelerate launch configs ship here too (``accelerate/*.yaml``). Modules: ``reader`` (find and
+read a recipe, the planner's view of it; imported here, light), ``sections`` (the one resolver of
+the model section and of the data section, for the planner and the runner alike; light),
 ``recipe`` (a recipe and its command-line flags -> ``RingTrainingArguments`` and the sections; the
 model it builds), ``data`` (the data section through ``datasets``), ``run`` (the runner around
 ``RingTrainer``), ``evaluate`` (passkey accuracy) and ``plots`` (the loss curve). Only ``reader`` is
@@ -16,6 +20,9 @@ imported with this package: the others import transformers.
 
 from .reader import (
     RECIPES_DIR,
+    description,
+    launch_config_path,
+    launch_configs,
     packaged_recipes,
     read_recipe,
     recipe_memory,
@@ -29,6 +36,9 @@ from .reader import (
 
 __all__ = [
     "RECIPES_DIR",
+    "description",
+    "launch_config_path",
+    "launch_configs",
     "packaged_recipes",
     "read_recipe",
     "recipe_memory",

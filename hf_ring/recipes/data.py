@@ -36,25 +36,18 @@ import torch
 from torch.utils.data import Dataset
 
 from ..data.passkey import PasskeyDataset
+from .sections import BOUNDARIES, resolve_data
 
 __all__ = ["BOUNDARIES", "StagedDataset", "collate", "load_documents", "pack", "stages_of", "tokenize"]
 
-BOUNDARIES = ("pad", "concatenate", "documents")
 _BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".arrow": "arrow", ".csv": "csv",
              ".txt": "text", ".text": "text"}  # fmt: skip
 
 
 def stages_of(data: dict[str, Any]) -> list[dict[str, int]]:
     """The ``[{seq_len, steps}]`` stages of a data section (``seq_len`` alone: one stage, steps 0 =
-    as many as ``max_steps``)."""
-    if "stages" in data:
-        stages = [dict(s) for s in data["stages"]]
-        if not stages or any(set(s) != {"seq_len", "steps"} for s in stages):
-            raise ValueError(f"data.stages: a list of {{seq_len, steps}}, got {data['stages']!r}")
-        return stages
-    if "seq_len" not in data:
-        raise ValueError("data: give seq_len (tokens per sequence) or stages: [{seq_len, steps}, ...]")
-    return [{"seq_len": int(data["seq_len"]), "steps": 0}]
+    as many as ``max_steps``), the section checked by ``sections.resolve_data``."""
+    return resolve_data(data)["stages"]
 
 
 # --- documents -----------------------------------------------------------------------------------
@@ -83,7 +76,20 @@ def load_documents(data: dict[str, Any]) -> Any:
         kinds = {_BUILDERS.get(f.suffix) for f in files}
         if not files or len(kinds) != 1 or None in kinds:
             raise ValueError(f"data.path {source!r}: expected files ending in {sorted(_BUILDERS)} (one kind)")
-        return datasets.load_dataset(kinds.pop(), data_files=[str(f) for f in files], split="train")
+        empty = [str(f) for f in files if f.stat().st_size == 0]
+        if empty:
+            raise ValueError(f"data.path {source!r}: {empty} empty: give files with documents, or leave them out")
+        try:
+            ds = datasets.load_dataset(kinds.pop(), data_files=[str(f) for f in files], split="train")
+        except Exception as e:  # datasets' own errors name neither the recipe field nor, often, the file
+            cause = e.__cause__ or e
+            raise ValueError(
+                f"data.path {source!r}: could not read {[f.name for f in files][:5]} "
+                f"({type(cause).__name__}: {cause}); check that the files are well-formed"
+            ) from e
+        if len(ds) == 0:
+            raise ValueError(f"data.path {source!r}: no documents in {[f.name for f in files][:5]}")
+        return ds
     return datasets.load_dataset(str(source), data.get("name"), split=split)  # a hub dataset
 
 
@@ -110,8 +116,25 @@ def tokenize(ds: Any, data: dict[str, Any], tokenizer: Any = None) -> Any:
     return ds.map(fn, batched=True, num_proc=data.get("num_proc"), remove_columns=ds.column_names, desc="tokenize")
 
 
-def _pack_batch(batch: dict[str, list], *, seq_len: int, boundaries: str, pad_id: int) -> dict[str, Any]:
+def _check_ids(docs: list[np.ndarray], indices: list[int], vocab_size: int | None) -> None:
+    """Refuse token ids outside ``[0, vocab_size)``, naming the first document that holds one."""
+    if vocab_size is None:
+        return
+    for d, i in zip(docs, indices):
+        if len(d) and (d.min() < 0 or d.max() >= vocab_size):
+            bad = int(d[(d < 0) | (d >= vocab_size)][0])
+            raise ValueError(
+                f"data: document {i} holds token id {bad}, outside the model's vocabulary [0, {vocab_size}) "
+                "(vocab_size of its config): tokenise with the model's tokenizer (data.tokenizer), or give a "
+                "model whose vocab_size covers the ids (model.overrides.vocab_size)"
+            )
+
+
+def _pack_batch(
+    batch: dict[str, list], indices: list[int], *, seq_len: int, boundaries: str, pad_id: int, vocab_size: int | None
+) -> dict[str, Any]:
     docs = [np.asarray(d, dtype=np.int64) for d in batch["input_ids"]]
+    _check_ids(docs, indices, vocab_size)
     if boundaries == "pad":  # each document alone: cut into windows, the last one right-padded
         ids, mask = [], []
         for d in docs:
@@ -136,7 +159,15 @@ def _pack_batch(batch: dict[str, list], *, seq_len: int, boundaries: str, pad_id
     return out
 
 
-def pack(ds: Any, seq_len: int, boundaries: str = "pad", *, pad_id: int = 0, num_proc: int | None = None) -> Any:
+def pack(
+    ds: Any,
+    seq_len: int,
+    boundaries: str = "pad",
+    *,
+    pad_id: int = 0,
+    num_proc: int | None = None,
+    vocab_size: int | None = None,
+) -> Any:
     """Tokenised documents -> windows of ``seq_len`` tokens (``int32`` Arrow columns, cached).
 
     ``boundaries``:
@@ -147,19 +178,24 @@ def pack(ds: Any, seq_len: int, boundaries: str = "pad", *, pad_id: int = 0, num
       * ``documents``: the same windows with ``position_ids`` restarting at every document
         (transformers' convention for packed documents): exact, no padding, each token attends
         only within its document (``hf_ring.shard_batch`` keeps them apart).
+
+    ``vocab_size`` (the model config's): a token id outside ``[0, vocab_size)`` is refused while the
+    windows are built (and cached: a cached pack was checked when it was built).
     """
     from datasets import Features, Sequence, Value
 
     if boundaries not in BOUNDARIES:
         raise ValueError(f"data.boundaries: one of {BOUNDARIES}, not {boundaries!r}")
+    if vocab_size is not None and not 0 <= pad_id < vocab_size:
+        raise ValueError(f"data.pad_id {pad_id} is outside the model's vocabulary [0, {vocab_size}): set data.pad_id")
     cols = {"input_ids": Sequence(Value("int32"), length=seq_len)}
     if boundaries == "pad":
         cols["attention_mask"] = Sequence(Value("int8"), length=seq_len)
     if boundaries == "documents":
         cols["position_ids"] = Sequence(Value("int32"), length=seq_len)
-    fn = partial(_pack_batch, seq_len=seq_len, boundaries=boundaries, pad_id=pad_id)
-    packed = ds.map(fn, batched=True, batch_size=1000, num_proc=num_proc, remove_columns=ds.column_names,
-                    features=Features(cols), desc=f"pack {seq_len}")  # fmt: skip
+    fn = partial(_pack_batch, seq_len=seq_len, boundaries=boundaries, pad_id=pad_id, vocab_size=vocab_size)
+    packed = ds.map(fn, with_indices=True, batched=True, batch_size=1000, num_proc=num_proc,
+                    remove_columns=ds.column_names, features=Features(cols), desc=f"pack {seq_len}")  # fmt: skip
     if len(packed) == 0:
         raise ValueError(f"data: no window of {seq_len} tokens could be made (documents too short for concatenate?)")
     return packed.with_format("torch")

@@ -6,7 +6,8 @@ A recipe holds ``RingTrainingArguments`` fields (``cp_size``, ``per_device_train
 ``LoraConfig`` fields), ``data`` (``seq_len`` or ``stages: [{seq_len, steps}]``, the source; see
 ``hf_ring.recipes.data``) and ``memory_gb``, the planner's memory per GPU.
 
-``read_recipe`` parses one (the training runner, ``hf_ring.recipes.recipe``, uses it);
+``read_recipe`` parses one (the training runner, ``hf_ring.recipes.recipe``, uses it; both resolve
+the model and data sections through ``hf_ring.recipes.sections``);
 ``recipe_model``, ``recipe_model_config``, ``recipe_settings`` and ``recipe_plan`` give the
 planner's view of it; ``write_recipe_memory`` writes the planner's figures back. Imports neither
 torch nor transformers (the package ``hf_ring`` itself does).
@@ -14,7 +15,6 @@ torch nor transformers (the package ``hf_ring`` itself does).
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import replace
 from importlib.resources import files
@@ -29,14 +29,17 @@ from ..planner import (
     ModelShape,
     Plan,
     PlanSettings,
-    known_config,
     model_shape,
     parse_ulysses_size,
     plan,
 )
+from .sections import ModelSource, resolve_data, resolve_model
 
 __all__ = [
     "RECIPES_DIR",
+    "description",
+    "launch_config_path",
+    "launch_configs",
     "packaged_recipes",
     "read_recipe",
     "recipe_memory",
@@ -58,6 +61,37 @@ _SUFFIXES = (".yaml", ".yml")
 def packaged_recipes() -> list[Path]:
     """The recipes shipped with hf_ring, sorted by name."""
     return sorted(RECIPES_DIR.glob("*.yaml"))
+
+
+def launch_configs() -> list[Path]:
+    """The accelerate launch configs shipped with hf_ring (``hf_ring/recipes/accelerate/*.yaml``),
+    sorted by name: ``accelerate launch --config_file PATH -m hf_ring.cli train RECIPE``."""
+    return sorted((RECIPES_DIR / "accelerate").glob("*.yaml"))
+
+
+def launch_config_path(name: Source) -> Path:
+    """The launch config ``name`` names: a packaged one's name (``cpu-4proc``, with or without
+    ``.yaml``) or an existing file."""
+    p = Path(name)
+    for cand in (RECIPES_DIR / "accelerate" / p.name, RECIPES_DIR / "accelerate" / f"{p.name}.yaml"):
+        if p.name == str(name) and cand.suffix in _SUFFIXES and cand.is_file():
+            return cand
+    if p.is_file():
+        return p
+    names = ", ".join(c.stem for c in launch_configs())
+    raise FileNotFoundError(f"no launch config {str(name)!r}: give a packaged one ({names}) or a file")
+
+
+def description(path: Path) -> str:
+    """The first sentence of the comment a recipe or launch config opens with."""
+    words = []
+    for line in path.read_text().splitlines():
+        if not line.startswith("#") or line.startswith("#  "):
+            break
+        words.append(line.lstrip("#").strip())
+    text = " ".join(words)
+    end = text.find(". ")
+    return text[: end + 1] if end >= 0 else text
 
 
 def recipe_path(source: Source) -> Path | None:
@@ -98,71 +132,35 @@ def read_recipe(source: Source) -> dict[str, Any]:
     return _load(_find(source))
 
 
-def _config_json(ref: str) -> Path:
-    cfg = Path(ref) / "config.json"
-    return cfg if cfg.is_absolute() else Path.cwd() / cfg  # runs are written relative to the working directory
-
-
-def _model(recipe: dict[str, Any], where: Path) -> ModelShape:
-    m = recipe["model"]
-    if "config" in m:
-        return ModelShape.from_config({**m["config"], **m.get("overrides", {})}, name=where.stem)
-    ref = m.get("init_from") or m.get("name_or_path")
-    cfg = _config_json(ref)
-    if cfg.exists():
-        return ModelShape.from_config(json.loads(cfg.read_text()), name=ref)
-    for other in sorted(where.parent.glob("*.yaml")):
-        r = _yaml(other)
-        out = r.get("output_dir") if isinstance(r, dict) else None
-        if out and other != where and str(Path(ref)).startswith(str(Path(out))):
-            return _model(r, other)
-    return model_shape(ref)
+def _shape(m: ModelSource) -> ModelShape:
+    if m.fields is None:
+        return model_shape(m.weights)  # a known name, else "unknown model ..." naming what to give
+    name = model_shape(m.weights).name if m.found == "catalogue" else m.name
+    return ModelShape.from_config(m.fields, name=name)
 
 
 def recipe_model(source: Source) -> ModelShape:
-    """The model of a recipe: its inline config, a saved model's ``config.json``, a known name, or,
-    for ``init_from`` a run that does not exist yet, the model of the recipe next to it that writes
-    that run (its ``output_dir``)."""
+    """The model of a recipe, resolved as the runner resolves it (``sections.resolve_model``): a
+    saved model's ``config.json``, the recipe that writes an ``init_from`` run that does not exist
+    yet (its ``output_dir``), the inline config, or a known name; ``overrides`` on top."""
     path = _find(source)
-    return _model(_load(path), path)
+    return _shape(resolve_model(_load(path).get("model"), path))
 
 
 def _seq_len(r: dict[str, Any]) -> int:
-    data = r.get("data") or {}
-    if data.get("stages"):
-        return max(int(s["seq_len"]) for s in data["stages"])
-    if "seq_len" not in data:
-        raise ValueError("a recipe's data section gives seq_len or stages: [{seq_len, steps}]")
-    return int(data["seq_len"])
-
-
-def _config_dict(recipe: dict[str, Any], where: Path) -> dict[str, Any]:
-    m = recipe["model"]
-    overrides = m.get("overrides") or {}
-    if "config" in m and not m.get("init_from"):
-        return {**m["config"], **overrides}
-    ref = m.get("init_from") or m.get("name_or_path")
-    cfg = _config_json(ref)
-    if cfg.exists():
-        return {**json.loads(cfg.read_text()), **overrides}
-    for other in sorted(where.parent.glob("*.yaml")):
-        r = _yaml(other)
-        out = r.get("output_dir") if isinstance(r, dict) else None
-        if out and other != where and str(Path(ref)).startswith(str(Path(out))):
-            return {**_config_dict(r, other), **overrides}
-    known = known_config(ref)
-    if known is None:
-        raise ValueError(f"{where.name}: no config for model {ref!r} without downloading it")
-    return {**known, **overrides}
+    return max(s["seq_len"] for s in resolve_data(r.get("data"))["stages"])
 
 
 def recipe_model_config(source: Source) -> dict[str, Any]:
     """The transformers config fields of a recipe's model (``model_type`` included), found as
-    ``recipe_model`` finds its shape, nothing downloaded: the inline config, a saved model's
-    ``config.json``, the recipe that writes an ``init_from`` run, or the catalogue's fields of a
+    ``recipe_model`` finds its shape, nothing downloaded: a saved model's ``config.json``, the
+    recipe that writes an ``init_from`` run, the inline config, or the catalogue's fields of a
     known name; the recipe's ``overrides`` on top."""
     path = _find(source)
-    return _config_dict(_load(path), path)
+    m = resolve_model(_load(path).get("model"), path)
+    if m.fields is None:
+        raise ValueError(f"{path.name}: no config for model {m.weights!r} without downloading it")
+    return dict(m.fields)
 
 
 def _settings(r: dict[str, Any]) -> PlanSettings:
@@ -177,7 +175,7 @@ def _settings(r: dict[str, Any]) -> PlanSettings:
         mode="lora" if lora else "full",
         lora_rank=(lora or {}).get("r", 16),
         lora_targets=tuple((lora or {}).get("target_modules", LORA_TARGETS)),
-        dtype=r["model"].get("dtype", "float32"),
+        dtype=(r.get("model") or {}).get("dtype", "float32"),
         checkpointing=bool(checkpointing),
         offload=bool(r.get("activation_offload", False)),
         chunked_loss=bool(r.get("chunked_loss", True)),
@@ -205,7 +203,7 @@ def recipe_plan(source: Source, **overrides: Any) -> Plan:
     ``PlanSettings`` field (``gpus=16``, ``cp=4``)."""
     path = _find(source)
     r = _load(path)
-    return plan(_model(r, path), replace(_settings(r), **overrides))
+    return plan(_shape(resolve_model(r.get("model"), path)), replace(_settings(r), **overrides))
 
 
 def recipe_memory(source: Source) -> dict[str, Any]:

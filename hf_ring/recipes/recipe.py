@@ -1,4 +1,4 @@
-"""A recipe on the command line: ``recipes/train.py RECIPE [--field value ...]``.
+"""A recipe on the command line: ``hf-ring train RECIPE [--field value ...]``.
 
 As in TRL's and the alignment handbook's scripts, the YAML holds ``RingTrainingArguments`` fields
 (``cp_size``, ``per_device_train_batch_size``, ``learning_rate``, ``activation_checkpointing``,
@@ -14,24 +14,43 @@ As in TRL's and the alignment handbook's scripts, the YAML holds ``RingTrainingA
 Flags override any field (``--max_steps 4 --output_dir X``, parsed by transformers'
 ``HfArgumentParser``) and any key of a section (``--data.seq_len 4096``, ``--lora.r 8``; values
 read as YAML). The recipe file is read by ``hf_ring.recipes.read_recipe`` (a path or a packaged
-recipe's name), the reader the planner uses too.
+recipe's name), the reader the planner uses too, and the model and data sections are resolved by the
+planner's functions (``hf_ring.recipes.sections``), so ``hf-ring plan`` prices the model that trains.
+
+Everything a recipe can get wrong is refused before any model weights load, naming the field:
+unknown keys of each section, lengths that are not positive whole numbers (``parse_recipe``),
+unknown fields of an inline model ``config`` or of ``overrides`` (``check_config_fields``), a model
+the ring would refuse at the recipe's longest sequence (``check_ring_model``, on the meta device).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import inspect
 import os
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Any
 
 import torch
 import yaml
 
 from ..trainer import RingTrainingArguments
-from .data import stages_of
-from .reader import read_recipe
+from ..transformers.support import check_model
+from .reader import read_recipe, recipe_path
+from .sections import ModelSource, resolve_data, resolve_model, unknown_keys
 
-__all__ = ["SECTIONS", "Recipe", "build_model", "model_config", "parse_recipe"]
+__all__ = [
+    "SECTIONS",
+    "Recipe",
+    "build_model",
+    "check_config_fields",
+    "check_lora",
+    "check_ring_model",
+    "model_config",
+    "parse_recipe",
+]
 
 SECTIONS = ("model", "lora", "data", "memory_gb")
 
@@ -46,6 +65,7 @@ class Recipe:
     data: dict[str, Any]
     memory_gb: dict[str, Any] | None
     source: str
+    path: Path | None = None  # the recipe file
 
 
 def _split_section_flags(argv: list[str]) -> tuple[dict[str, dict[str, Any]], list[str]]:
@@ -73,13 +93,16 @@ def _split_section_flags(argv: list[str]) -> tuple[dict[str, dict[str, Any]], li
 
 
 def parse_recipe(argv: list[str] | None = None, *, source: str | os.PathLike | None = None) -> Recipe:
-    """Parse ``[RECIPE] [--field value ...]`` (``source`` given: the flags only)."""
+    """Parse ``[RECIPE] [--field value ...]`` (``source`` given: the flags only). The sections are
+    checked here, before any data or model is built: the model section (``resolve_model``), the data
+    section (``resolve_data``), the LoRA fields against ``peft.LoraConfig``."""
     argv = list(argv or [])
     if source is None:
-        head = argparse.ArgumentParser(prog="recipes/train.py", add_help=False)
+        head = argparse.ArgumentParser(prog="hf-ring train", add_help=False)
         head.add_argument("recipe", help="a recipe YAML, or the name of one in hf_ring/recipes/")
         known, argv = head.parse_known_args(argv)
         source = known.recipe
+    path = recipe_path(source)
     raw = read_recipe(source)
     section_flags, argv = _split_section_flags(argv)
     sections = {k: raw.pop(k, None) for k in SECTIONS}
@@ -93,9 +116,14 @@ def parse_recipe(argv: list[str] | None = None, *, source: str | os.PathLike | N
         )
     if sections["model"] is None or sections["data"] is None:
         raise ValueError(f"recipe {str(source)!r}: needs a model section and a data section")
+    try:
+        resolve_model(sections["model"], path)
+        stages = resolve_data(sections["data"])["stages"]
+        check_lora(sections["lora"])
+    except ValueError as e:
+        raise ValueError(f"recipe {str(source)!r}: {e}") from None
     if not torch.cuda.is_available():
         raw.setdefault("use_cpu", True)  # else Trainer ignores the launcher's processes on a CPU-only machine
-    stages = stages_of(sections["data"])
     if "max_steps" not in raw and all(s["steps"] for s in stages):
         raw["max_steps"] = sum(s["steps"] for s in stages)
     from transformers import HfArgumentParser
@@ -107,22 +135,100 @@ def parse_recipe(argv: list[str] | None = None, *, source: str | os.PathLike | N
         raise ValueError(f"recipe {str(source)!r}: set output_dir")
     if args.max_steps <= 0:
         raise ValueError(f"recipe {str(source)!r}: set max_steps (or give every data stage its steps)")
-    return Recipe(args, sections["model"], sections["lora"], sections["data"], sections["memory_gb"], str(source))
+    for name in ("per_device_train_batch_size", "gradient_accumulation_steps"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"recipe {str(source)!r}: {name} must be >= 1, not {getattr(args, name)}")
+    return Recipe(args, sections["model"], sections["lora"], sections["data"], sections["memory_gb"], str(source),
+                  path)  # fmt: skip
 
 
-def model_config(section: dict[str, Any]) -> Any:
-    """The transformers config a model section describes (for ``name_or_path`` / ``init_from``: its
-    ``config.json``, downloaded when it is a hub name; no weights)."""
+def check_lora(lora: Any) -> None:
+    """Refuse a ``lora`` section that is not a mapping of ``peft.LoraConfig`` fields."""
+    if lora is None:
+        return
+    if not isinstance(lora, dict):
+        raise ValueError(f"lora: a mapping of peft.LoraConfig fields, or null (every weight trains), not {lora!r}")
+    from peft import LoraConfig
+
+    unknown = unknown_keys(lora, {f.name for f in fields(LoraConfig) if f.init})
+    if unknown:
+        raise ValueError(f"lora: {unknown} are not fields of peft.LoraConfig (r, lora_alpha, target_modules, ...)")
+
+
+def check_config_fields(config: Any, given: dict[str, Any], where: str) -> None:
+    """Refuse the fields of ``given`` (a recipe's ``model.config`` or ``model.overrides``) that
+    ``config``'s class does not define: transformers keeps them as plain attributes that no layer
+    reads, so a typo (``intermediate_sizee``) would train another model than the one written."""
+    cls = type(config)
+    known = set(getattr(cls, "attribute_map", {})) | set(inspect.signature(cls.__init__).parameters)
+    if dataclasses.is_dataclass(cls):
+        known |= {f.name for f in dataclasses.fields(cls)}
+    try:
+        known |= set(cls().to_dict())
+    except Exception:  # a config class that needs arguments: its fields and signature only
+        pass
+    stored = set(config.to_dict())  # legacy names that transformers converts (rope_theta, ...) are not kept
+    unknown = unknown_keys({k: v for k, v in given.items() if k in stored}, known)
+    if unknown:
+        raise ValueError(f"{where}: {unknown} are not fields of {cls.__name__}; fix the names, or drop them")
+
+
+def _resolved(section: dict[str, Any], where: Path | None) -> tuple[ModelSource, Any]:
     from transformers import AutoConfig
 
-    overrides = dict(section.get("overrides") or {})
-    if "config" in section and not section.get("init_from"):
-        conf = dict(section["config"])
-        return AutoConfig.for_model(conf.pop("model_type"), **conf, **overrides)
-    return AutoConfig.from_pretrained(section.get("init_from") or section["name_or_path"], **overrides)
+    src = resolve_model(section, where)
+    if src.weights is None:
+        conf = dict(src.fields or {})
+        config = AutoConfig.for_model(conf.pop("model_type"), **conf)
+        check_config_fields(config, section["config"], "model.config")
+    elif src.found == "recipe":
+        raise ValueError(
+            f"model.init_from {src.weights!r}: no saved model there yet; it is written by {src.writer.name} "
+            f"(hf-ring train {src.writer.stem}): run that first"
+        )
+    else:
+        try:
+            config = AutoConfig.from_pretrained(src.weights, **src.overrides)
+        except OSError as e:
+            key = "init_from" if section.get("init_from") else "name_or_path"
+            raise ValueError(f"model.{key} {src.weights!r}: no model config found there ({e})") from None
+        if src.found == "inline":  # a config given with init_from describes the saved model
+            saved = config.to_dict()
+            clash = sorted(k for k, v in section["config"].items() if k in saved and saved[k] != v)
+            if clash:
+                raise ValueError(f"model.config disagrees with the config of init_from {src.weights!r} on {clash}; "
+                                 "drop them from model.config, or put the changes in model.overrides")  # fmt: skip
+    if src.overrides:
+        check_config_fields(config, src.overrides, "model.overrides")
+    return src, config
 
 
-def build_model(section: dict[str, Any], lora: dict[str, Any] | None, seed: int = 0) -> torch.nn.Module:
+def model_config(section: dict[str, Any], where: Path | None = None) -> Any:
+    """The transformers config of a model section (``where``: the recipe file), resolved as the
+    planner resolves it (``sections.resolve_model``), its fields checked against the config class;
+    for ``name_or_path`` / ``init_from``: their ``config.json``, downloaded when it is a hub name. No
+    weights are read."""
+    return _resolved(section, where)[1]
+
+
+def check_ring_model(config: Any, attn: str, cp_size: int, seq_len: int) -> None:
+    """What ``RingTrainer`` would refuse about this model at ``seq_len`` tokens over ``cp_size``
+    ranks, found on the model built on the meta device (no memory, no weights)."""
+    if attn != "ring":
+        if cp_size > 1:
+            raise ValueError(f"model.attn_implementation {attn!r}: cp_size={cp_size} needs 'ring' (each rank holds "
+                             "only a shard of the sequence); remove attn_implementation or set cp_size: 1")  # fmt: skip
+        return
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn)
+    check_model(model, cp_size, seq_len)
+
+
+def build_model(
+    section: dict[str, Any], lora: dict[str, Any] | None, seed: int = 0, where: Path | None = None
+) -> torch.nn.Module:
     """The model of a recipe: loaded (``name_or_path``, ``init_from``) or random-initialised with
     ``seed`` (``config``), with ``attn_implementation`` (default ``"ring"``), and LoRA adapters
     through PEFT when ``lora`` is given."""
@@ -130,13 +236,12 @@ def build_model(section: dict[str, Any], lora: dict[str, Any] | None, seed: int 
 
     dtype = getattr(torch, section.get("dtype", "float32"))
     attn = section.get("attn_implementation", "ring")
-    config = model_config(section)
-    if "config" in section and not section.get("init_from"):
+    src, config = _resolved(section, where)
+    if src.weights is None:
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=dtype)
     else:
-        ref = section.get("init_from") or section["name_or_path"]
-        model = AutoModelForCausalLM.from_pretrained(ref, config=config, attn_implementation=attn, dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(src.weights, config=config, attn_implementation=attn, dtype=dtype)
     if lora:
         from peft import LoraConfig, get_peft_model
 

@@ -1,10 +1,11 @@
-"""The recipe runner: ``recipes/train.py RECIPE [--field value ...]`` on every process.
+"""The recipe runner: ``hf-ring train RECIPE [--field value ...]`` on every process.
 
-    accelerate launch --config_file recipes/accelerate/fsdp2-8gpu.yaml recipes/train.py \\
-        hf_ring/recipes/llama-3.1-8b-128k.yaml [--max_steps 4 --output_dir runs/try]
+    accelerate launch --config_file $(hf-ring train --config fsdp2-8gpu) -m hf_ring.cli train \\
+        llama-3.1-8b-128k [--max_steps 4 --output_dir runs/try]
 
-Parses the recipe (``hf_ring.recipes.recipe``), builds the data once (``hf_ring.recipes.data``),
-the model (LoRA through PEFT), and trains it with ``RingTrainer``: progress bar, ``report_to``,
+Parses the recipe (``hf_ring.recipes.recipe``), resolves the model's config and checks it (no
+weights), builds the data once (``hf_ring.recipes.data``; token ids checked against the config's
+``vocab_size``), the model (LoRA through PEFT), and trains it with ``RingTrainer``: progress bar, ``report_to``,
 checkpoints every ``save_steps`` (sharded under FSDP2) and resume are ``Trainer``'s. A run resumes
 from the last checkpoint in ``output_dir`` unless ``--resume_from_checkpoint`` names one (a path)
 or is ``no``. At the end it writes ``output_dir/final`` (a PEFT adapter, or the full model),
@@ -23,12 +24,13 @@ from typing import Any
 
 from transformers.trainer_utils import get_last_checkpoint
 
+from ..data.passkey import VOCAB as PASSKEY_VOCAB
 from ..trainer import RingTrainer
 from ..trainer.export import save_final
 from .data import StagedDataset, collate, load_documents, pack, passkey_stage, stages_of, tokenize
 from .evaluate import passkey_accuracy
 from .plots import plot_loss
-from .recipe import Recipe, build_model, parse_recipe
+from .recipe import Recipe, build_model, check_ring_model, model_config, parse_recipe
 
 __all__ = ["build_train_dataset", "main", "run"]
 
@@ -42,15 +44,20 @@ def _tokenizer(recipe: Recipe) -> Any:
     return AutoTokenizer.from_pretrained(ref)
 
 
-def build_train_dataset(recipe: Recipe, dp_size: int, tokenizer: Any = None) -> StagedDataset:
+def build_train_dataset(recipe: Recipe, dp_size: int, tokenizer: Any = None, vocab_size: int | None = None
+                        ) -> StagedDataset:  # fmt: skip
     """The training data of a recipe, stages laid out along the optimizer steps (built once:
-    tokenised and packed into datasets' cache by the main process of each node first)."""
+    tokenised and packed into datasets' cache by the main process of each node first). Token ids
+    outside ``[0, vocab_size)`` (the model config's) are refused while the data is built."""
     args, data = recipe.args, recipe.data
     stages = stages_of(data)
     if stages[-1]["steps"] == 0:
         stages[-1]["steps"] = args.max_steps
     per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps * dp_size
     if data.get("task") == "passkey":
+        if vocab_size is not None and vocab_size < PASSKEY_VOCAB:
+            raise ValueError(f"data.task passkey uses token ids 0..{PASSKEY_VOCAB - 1}, but the model's vocab_size "
+                             f"is {vocab_size}: set model.config.vocab_size >= {PASSKEY_VOCAB}")  # fmt: skip
         parts = [(passkey_stage(s["seq_len"], args.seed, k), s["steps"]) for k, s in enumerate(stages)]
         return StagedDataset(parts, per_step, args.max_steps, shuffle_seed=None)
     with args.main_process_first(desc="tokenize and pack the data"):
@@ -58,7 +65,7 @@ def build_train_dataset(recipe: Recipe, dp_size: int, tokenizer: Any = None) -> 
         pad = data.get("pad_id", getattr(tokenizer, "pad_token_id", None) or 0)
         packed = {
             s["seq_len"]: pack(docs, s["seq_len"], data.get("boundaries", "pad"), pad_id=pad,
-                               num_proc=data.get("num_proc"))
+                               num_proc=data.get("num_proc"), vocab_size=vocab_size)
             for s in stages
         }  # fmt: skip
     return StagedDataset([(packed[s["seq_len"]], s["steps"]) for s in stages], per_step, args.max_steps, args.seed)
@@ -81,9 +88,13 @@ def run(recipe: Recipe) -> dict[str, Any]:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world % args.cp_size:
         raise ValueError(f"cp_size={args.cp_size} does not divide the {world} processes")
+    # everything that can be refused is refused before the data is built or any weight is read
+    config = model_config(recipe.model, recipe.path)
+    longest = max([s["seq_len"] for s in stages_of(recipe.data)] + [(recipe.data.get("eval") or {}).get("seq_len", 0)])
+    check_ring_model(config, recipe.model.get("attn_implementation", "ring"), args.cp_size, longest)
     tokenizer = _tokenizer(recipe) if recipe.data.get("task") != "passkey" else None
-    train = build_train_dataset(recipe, world // args.cp_size, tokenizer)
-    model = build_model(recipe.model, recipe.lora, args.seed)
+    train = build_train_dataset(recipe, world // args.cp_size, tokenizer, config.vocab_size)
+    model = build_model(recipe.model, recipe.lora, args.seed, recipe.path)
     trainer = RingTrainer(
         model=model, args=args, train_dataset=train, data_collator=collate, processing_class=tokenizer
     )

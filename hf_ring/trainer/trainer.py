@@ -38,6 +38,7 @@ from ..parallel import ContextParallel, context_parallel_state, setup_context_pa
 from ..planner.layouts import choose_ulysses_size
 from ..transformers.batch import next_token_targets, shard_batch
 from ..transformers.context import KEY
+from ..transformers.support import check_model
 from .arguments import RingTrainingArguments, apply_model_options
 
 __all__ = ["RingTrainer", "RingTrainingArguments", "resolve_ulysses_size"]
@@ -132,6 +133,7 @@ class RingTrainer(Trainer):
         self._cp_size_requested = cp_size
         if model is not None:
             self._check_attention(model)
+            self._check_model(model)
         if kwargs.get("compute_loss_func") is not None:
             raise NotImplementedError(
                 "RingTrainer: compute_loss_func is not supported; the loss is the model's causal-LM loss, "
@@ -212,8 +214,14 @@ class RingTrainer(Trainer):
                 'or model.set_attn_implementation("ring").'
             )
 
+    def _check_model(self, model: nn.Module) -> None:
+        """What the ring would refuse at the first forward (``support.check_model``), refused now."""
+        if _attn_implementation(model) == "ring":
+            check_model(model, self._cp_size_requested)
+
     def call_model_init(self, trial: Any = None) -> nn.Module:
         model = super().call_model_init(trial)
+        self._check_model(model)
         return apply_model_options(model, self.args)
 
     def get_total_train_batch_size(self, args: TrainingArguments) -> int:

@@ -292,3 +292,24 @@ def _refusing_init(init: Any, name: str, cls_name: str) -> Any:
 
     __init__._hf_ring_refuses = True  # type: ignore[attr-defined]
     return __init__
+
+
+def check_model(model: nn.Module, cp_size: int, seq_len: int = 0, labelled: bool = True) -> None:
+    """``check_layer`` on every attention module of ``model`` without running it: what the ring
+    would refuse at the first forward, found when the model is handed over (``RingTrainer``) or, on
+    the meta device, before its weights load (the recipe runner).
+
+    ``seq_len``: the longest sequence the run will see (0: unknown, length-dependent checks such as
+    a sliding window shorter than the sequence are left to the forward); ``labelled``: it trains on
+    a loss. The keyword arguments a layer would pass are taken from the module (``sliding_window``)
+    and its config (``output_router_logits``).
+    """
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if config is None or not hasattr(module, "layer_idx") or "Attention" not in type(module).__name__:
+            continue
+        kwargs = {
+            "sliding_window": getattr(module, "sliding_window", None),
+            "output_router_logits": getattr(config, "output_router_logits", False),
+        }
+        check_layer(module, kwargs, seq_len, labelled, cp_size)

@@ -1,0 +1,236 @@
+"""The ``model`` and ``data`` sections of a recipe, each resolved by one function that the planner
+(``hf-ring plan``, ``hf_ring.recipes.reader``) and the runner (``hf-ring train``,
+``hf_ring.recipes.recipe``) both call, so that the plan prices the model that trains.
+
+``resolve_model(section, where)``: where the weights come from and the model's config fields,
+nothing downloaded (``ModelSource``). ``resolve_data(section)``: the data section checked (its
+keys, lengths and choices, each refusal naming the field) with its ``stages``. Imports neither
+torch nor transformers.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ..planner import known_config
+
+__all__ = [
+    "BOUNDARIES",
+    "DATA_KEYS",
+    "DTYPES",
+    "MODEL_KEYS",
+    "ModelSource",
+    "positive_int",
+    "resolve_data",
+    "resolve_model",
+    "unknown_keys",
+]
+
+MODEL_KEYS = ("config", "name_or_path", "init_from", "dtype", "overrides", "attn_implementation")
+DTYPES = ("float32", "bfloat16", "float16", "float64")
+BOUNDARIES = ("pad", "concatenate", "documents")
+# the keys of a data section: the passkey task's, and those of documents (hf_ring.recipes.data)
+PASSKEY_KEYS = ("task", "seq_len", "stages", "eval")
+DATA_KEYS = (*PASSKEY_KEYS, "path", "name", "split", "text_field", "ids_field", "tokenizer", "add_eos",
+             "boundaries", "pad_id", "num_proc")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """A recipe's ``model`` section, resolved.
+
+    ``weights``: the folder or hub name the weights load from (``init_from``, else ``name_or_path``);
+    ``None``: random initialisation from ``config``. ``fields``: the transformers config fields
+    (``model_type`` included, ``overrides`` on top) as far as they are known without downloading
+    anything, else ``None``. ``found``: where they come from: ``"inline"`` (the section's
+    ``config``), ``"saved"`` (``config.json`` in the ``weights`` folder), ``"recipe"`` (the recipe
+    next to this one whose ``output_dir`` will hold ``weights``: ``writer``), ``"catalogue"`` (a
+    known hub name, ``hf_ring.planner.KNOWN_MODELS``) or ``"hub"`` (not known here). ``name``: the
+    model's name in the planner's table.
+    """
+
+    weights: str | None
+    fields: dict[str, Any] | None
+    found: str
+    overrides: dict[str, Any] = field(default_factory=dict)
+    name: str = "model"
+    writer: Path | None = None
+
+
+def unknown_keys(given: Iterable[str], known: Iterable[str]) -> str:
+    """The keys of ``given`` outside ``known``, each with the known key it is likely a typo of
+    (``['boundary' (boundaries?)]``); ``""`` when there is none."""
+    known = sorted(set(known))
+    out = []
+    for key in sorted(set(given) - set(known)):
+        near = difflib.get_close_matches(str(key), known, n=1)
+        out.append(f"{key!r} ({near[0]}?)" if near else repr(key))
+    return f"[{', '.join(out)}]" if out else ""
+
+
+def _config_json(ref: str) -> Path:
+    cfg = Path(ref) / "config.json"
+    return cfg if cfg.is_absolute() else Path.cwd() / cfg  # runs are written relative to the working directory
+
+
+def _writer(ref: str, where: Path | None) -> tuple[dict[str, Any], Path] | None:
+    """The recipe next to ``where`` whose ``output_dir`` holds ``ref`` (a run not written yet)."""
+    if where is None:
+        return None
+    for other in sorted(where.parent.glob("*.yaml")):
+        if other.resolve() == where.resolve():
+            continue
+        try:
+            with open(other) as f:
+                r = yaml.safe_load(f)
+        except (OSError, yaml.YAMLError):  # not a recipe: it writes no run
+            continue
+        out = r.get("output_dir") if isinstance(r, dict) else None
+        if out and isinstance(r.get("model"), dict) and Path(ref).is_relative_to(Path(out)):
+            return r["model"], other
+    return None
+
+
+def _check_model_section(section: Any) -> None:
+    if not isinstance(section, dict):
+        raise ValueError(f"model: a mapping (config | name_or_path | init_from, dtype, overrides), not {section!r}")
+    unknown = unknown_keys(section, MODEL_KEYS)
+    if unknown:
+        raise ValueError(f"model: unknown keys {unknown}; a model section holds {list(MODEL_KEYS)}")
+    for key in ("config", "overrides"):
+        if section.get(key) is not None and not isinstance(section[key], dict):
+            raise ValueError(f"model.{key}: a mapping of transformers config fields, not {section[key]!r}")
+    if section.get("config") is not None and "model_type" not in section["config"]:
+        raise ValueError("model.config: give its model_type (llama, qwen2, ...) with the config fields")
+    if section.get("dtype", "float32") not in DTYPES:
+        raise ValueError(f"model.dtype: one of {list(DTYPES)}, not {section['dtype']!r}")
+    for key in ("name_or_path", "init_from"):
+        if section.get(key) is not None and not isinstance(section[key], str):
+            raise ValueError(f"model.{key}: a folder or a hub name, not {section[key]!r}")
+    if not (section.get("config") or section.get("init_from") or section.get("name_or_path")):
+        raise ValueError(
+            "model: give config (a transformers config dict: random initialisation), name_or_path (a hub name "
+            "or a folder) or init_from (a saved model to start from)"
+        )
+
+
+def resolve_model(section: Any, where: Path | None = None, _seen: tuple[Path, ...] = ()) -> ModelSource:
+    """Resolve a recipe's ``model`` section (``where``: the recipe file, for the name and to find
+    the recipe that writes an ``init_from`` run).
+
+    The weights come from ``init_from`` when it is set, else from ``name_or_path`` unless ``config``
+    is given (random initialisation; ``name_or_path`` then only names the tokenizer). The config
+    fields come from the weights' ``config.json`` when it exists, else from the recipe that writes
+    them, else from the section's ``config``, else from the planner's catalogue; ``overrides`` on
+    top. A ``config`` given with ``init_from`` describes the saved model: a field that contradicts
+    its ``config.json`` is refused (changes belong in ``overrides``).
+    """
+    _check_model_section(section)
+    overrides = dict(section.get("overrides") or {})
+    inline = dict(section["config"]) if section.get("config") is not None else None
+    weights = section.get("init_from") or (section.get("name_or_path") if inline is None else None)
+    stem = where.stem if where is not None else "model"
+    if weights is None:
+        return ModelSource(None, {**inline, **overrides}, "inline", overrides, stem)
+    cfg = _config_json(weights)
+    if cfg.exists():
+        saved = json.loads(cfg.read_text())
+        clash = sorted(k for k, v in (inline or {}).items() if k in saved and saved[k] != v)
+        if clash:
+            raise ValueError(
+                f"model.config disagrees with {cfg} on {clash}: the model starts from init_from {weights!r}; drop "
+                "those fields from model.config, or put the changes in model.overrides"
+            )
+        return ModelSource(weights, {**saved, **overrides}, "saved", overrides, weights)
+    found = _writer(weights, where)
+    if found is not None and found[1] not in _seen:
+        other = resolve_model(found[0], found[1], (*_seen, found[1]))
+        if other.fields is not None:
+            return ModelSource(weights, {**other.fields, **overrides}, "recipe", overrides, other.name, found[1])
+    if inline is not None:
+        return ModelSource(weights, {**inline, **overrides}, "inline", overrides, stem)
+    known = known_config(weights)
+    if known is not None:
+        return ModelSource(weights, {**known, **overrides}, "catalogue", overrides, weights)
+    return ModelSource(weights, None, "hub", overrides, weights)
+
+
+# --- data --------------------------------------------------------------------------------------
+
+
+def positive_int(value: Any, name: str, minimum: int = 1) -> int:
+    """``value`` as an ``int`` >= ``minimum``; else a ``ValueError`` naming the field ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        what = "a positive whole number" if minimum == 1 else f"a whole number >= {minimum}"
+        raise ValueError(f"{name}: {what}, not {value!r}")
+    return value
+
+
+def _stages(data: dict[str, Any]) -> list[dict[str, int]]:
+    if "stages" in data:
+        stages = data["stages"]
+        if not isinstance(stages, list) or not stages or any(not isinstance(s, dict) for s in stages):
+            raise ValueError(f"data.stages: a list of {{seq_len, steps}}, not {stages!r}")
+        out = []
+        for k, s in enumerate(stages):
+            if set(s) != {"seq_len", "steps"}:
+                raise ValueError(f"data.stages[{k}]: give exactly seq_len and steps, not {sorted(s)}")
+            out.append({"seq_len": positive_int(s["seq_len"], f"data.stages[{k}].seq_len", 2),
+                        "steps": positive_int(s["steps"], f"data.stages[{k}].steps", 0)})  # fmt: skip
+        if "seq_len" in data:
+            raise ValueError("data: give seq_len or stages, not both")
+        return out
+    if "seq_len" not in data:
+        raise ValueError("data: give seq_len (tokens per sequence) or stages: [{seq_len, steps}, ...]")
+    return [{"seq_len": positive_int(data["seq_len"], "data.seq_len", 2), "steps": 0}]
+
+
+def resolve_data(section: Any) -> dict[str, Any]:
+    """The ``data`` section checked, as a new dict with its ``stages`` (``[{seq_len, steps}]``;
+    ``seq_len`` alone: one stage whose ``steps`` 0 means as many as ``max_steps``).
+
+    Refused, naming the field: a key that is not one of ``DATA_KEYS`` (or not the passkey task's),
+    lengths, steps, sample counts and ``num_proc`` that are not positive whole numbers (a sequence
+    holds at least 2 tokens), a ``boundaries`` outside ``BOUNDARIES``, a ``task`` other than
+    ``passkey``, and documents without a ``path``.
+    """
+    if not isinstance(section, dict):
+        raise ValueError(f"data: a mapping (task: passkey, or path; seq_len or stages), not {section!r}")
+    passkey = section.get("task") is not None
+    if passkey and section["task"] != "passkey":
+        raise ValueError(f"data.task: 'passkey' (the demo's task) or absent (documents from data.path), not "
+                         f"{section['task']!r}")  # fmt: skip
+    allowed = PASSKEY_KEYS if passkey else DATA_KEYS
+    unknown = unknown_keys(section, allowed)
+    if unknown:
+        extra = " (the passkey task makes its own data)" if passkey else ""
+        raise ValueError(f"data: unknown keys {unknown}; a data section holds {list(allowed)}{extra}")
+    data = dict(section)
+    data["stages"] = _stages(section)
+    if not passkey and not section.get("path"):
+        raise ValueError("data: give path (local files, a save_to_disk folder, or a hub dataset name), "
+                         "or task: passkey")  # fmt: skip
+    if data.get("boundaries", "pad") not in BOUNDARIES:
+        raise ValueError(f"data.boundaries: one of {list(BOUNDARIES)}, not {data['boundaries']!r}")
+    for key in ("num_proc", "pad_id"):
+        if data.get(key) is not None:
+            positive_int(data[key], f"data.{key}", 1 if key == "num_proc" else 0)
+    if data.get("add_eos") is not None and not isinstance(data["add_eos"], bool):
+        raise ValueError(f"data.add_eos: true or false, not {data['add_eos']!r}")
+    for key in ("path", "name", "split", "text_field", "ids_field", "tokenizer"):
+        if data.get(key) is not None and not isinstance(data[key], str):
+            raise ValueError(f"data.{key}: a string, not {data[key]!r}")
+    ev = data.get("eval")
+    if ev is not None:
+        if not isinstance(ev, dict) or set(ev) != {"seq_len", "samples"}:
+            raise ValueError(f"data.eval: {{seq_len, samples}} (passkey retrieval before and after), not {ev!r}")
+        data["eval"] = {"seq_len": positive_int(ev["seq_len"], "data.eval.seq_len", 2),
+                        "samples": positive_int(ev["samples"], "data.eval.samples")}  # fmt: skip
+    return data
