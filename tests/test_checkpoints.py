@@ -234,6 +234,9 @@ def test_rotation_keeps_the_newest_complete_checkpoint(tmp_path) -> None:
     assert [p.name for _, p in ck.checkpoint_dirs(tmp_path)] == ["checkpoint-2", "checkpoint-6", "checkpoint-8"]
     ck.rotate(tmp_path, 1)
     assert [p.name for _, p in ck.checkpoint_dirs(tmp_path)] == ["checkpoint-6", "checkpoint-8"]
+    make(10, "complete"), make(12, "complete")
+    ck.rotate(tmp_path, 3)  # the interrupted checkpoint-8 does not count, and goes
+    assert [p.name for _, p in ck.checkpoint_dirs(tmp_path)] == ["checkpoint-6", "checkpoint-10", "checkpoint-12"]
 
 
 def _refused(kind: str, out: Path, resume: str) -> str:

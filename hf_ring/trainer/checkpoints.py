@@ -104,9 +104,9 @@ def _gather(obj: Any) -> list[Any]:
     return out
 
 
-def _raise_if_any(errors: list[str | None]) -> None:
+def _raise_if_any(error: str | None) -> None:
     """Raise the first error any rank had, on every rank (all ranks call it: nobody is left waiting)."""
-    first = next((e for e in _gather(errors[0] if errors else None) if e), None)
+    first = next((e for e in _gather(error) if e), None)
     if first:
         raise CheckpointError(first)
 
@@ -193,7 +193,7 @@ def seal(folder: str | os.PathLike, scope: Scope, *, optimizer: bool, checksums:
             if checksums:
                 manifest["sha256"] = {rel: sums[rel] for rel in files}
             _write_manifest(folder, manifest)
-    _raise_if_any([error])
+    _raise_if_any(error)
 
 
 def rotate(run_dir: str | os.PathLike, limit: int | None, best: str | None = None) -> None:
@@ -208,7 +208,8 @@ def rotate(run_dir: str | os.PathLike, limit: int | None, best: str | None = Non
     if not sealed:
         return
     newest = sealed[-1]
-    keep = set(complete[complete.index(newest) + 1 - limit : complete.index(newest) + 1])
+    upto = complete.index(newest) + 1
+    keep = set(complete[max(0, upto - limit) : upto])
     if best is not None:
         keep.add(Path(best))
     for _, path in dirs:

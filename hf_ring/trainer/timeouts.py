@@ -98,6 +98,8 @@ def _where(exc: BaseException, cp: Any) -> tuple[str, str]:
         path = code.co_filename.replace("\\", "/")
         if not collective and code.co_name in _COLLECTIVES and "/torch/distributed/" in path:
             collective = code.co_name
+            if "group" in frame.f_locals and frame.f_locals["group"] is None and dist.is_initialized():
+                group = f"world group (ranks 0-{dist.get_world_size() - 1})"
         elif not caller and "/hf_ring/" in path:
             caller = f"{code.co_name} ({path.rsplit('/hf_ring/', 1)[1]}:{frame.f_lineno})"
         for value in list(frame.f_locals.values()):
