@@ -24,7 +24,6 @@ import logging
 import os
 import re
 import shutil
-import zipfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -32,6 +31,8 @@ from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
+
+from .integrity import missing_files, rng_ranks, shard_problems, truncated
 
 __all__ = ["MANIFEST", "CheckpointError", "Scope", "checkpoint_dirs", "inspect", "resolve_resume"]
 
@@ -41,10 +42,6 @@ MANIFEST = "hf_ring_checkpoint.json"
 IN_PROGRESS = ".hf_ring_incomplete"
 _FORMAT = "hf_ring.checkpoint/1"
 _NAME = re.compile(r"^checkpoint-(\d+)$")
-_MODEL = ("adapter_model.safetensors", "adapter_model.bin", "model.safetensors", "model.safetensors.index.json",
-          "pytorch_model.bin", "pytorch_model.bin.index.json", "pytorch_model_fsdp.bin",
-          "pytorch_model_fsdp_0/.metadata")  # fmt: skip
-_OPTIMIZER = ("optimizer.pt", "optimizer.bin", "optimizer_0/.metadata")
 _ADVICE = (
     "Resume from an earlier checkpoint (resume_from_checkpoint=<its path>), or move this directory away "
     "and resume from the last one (resume_from_checkpoint='last')."
@@ -184,7 +181,7 @@ def seal(folder: str | os.PathLike, scope: Scope, *, optimizer: bool, checksums:
     error = None
     if files is not None:
         ranks = list(scope.peers) if scope.world > 1 else None
-        missing = _missing(folder, files, ranks, optimizer)
+        missing = missing_files(folder, files, ranks, optimizer)
         if missing:
             error = (f"{folder}: the save did not write {', '.join(missing)}, which a resume needs; the "
                      "directory is left without a manifest (not a checkpoint).")  # fmt: skip
@@ -221,91 +218,6 @@ def rotate(run_dir: str | os.PathLike, limit: int | None, best: str | None = Non
 
 
 # --------------------------------------------------------------------------------------- checking
-def _missing(folder: Path, files: dict[str, int], ranks: list[int] | None, optimizer: bool) -> list[str]:
-    """The files a resume needs that ``files`` lacks (``ranks``: the ranks whose RNG states belong
-    here, ``None`` for one process)."""
-    missing = [] if "trainer_state.json" in files else ["trainer_state.json"]
-    if not any(f in files for f in _MODEL) and not any(f.endswith("/adapter_model.safetensors") for f in files):
-        missing.append("the model (adapter_model.safetensors, model.safetensors or pytorch_model_fsdp_0/)")
-    if optimizer:
-        if not any(f in files for f in _OPTIMIZER):
-            missing.append("the optimizer state (optimizer.pt or optimizer_0/)")
-        rng = [f"rng_state_{r}.pth" for r in ranks] if ranks is not None else ["rng_state.pth"]
-        missing += [f for f in ["scheduler.pt", *rng] if f not in files]
-    for index in (f for f in files if f.endswith(".index.json")):
-        try:
-            shards = set(json.loads((folder / index).read_text()).get("weight_map", {}).values())
-        except (OSError, ValueError):
-            continue  # reported as unreadable by the caller's checks
-        missing += sorted(s for s in shards if s not in files)
-    return missing
-
-
-def _dcp_problems(folder: Path, files: dict[str, int]) -> list[str]:
-    """Missing or short shards of the distributed checkpoints (``torch.distributed.checkpoint``
-    directories, FSDP2's sharded state) in ``folder``, read from their ``.metadata``."""
-    from torch.distributed.checkpoint import FileSystemReader
-
-    problems = []
-    dirs = {f.rsplit("/", 1)[0] for f in files if f.endswith(".distcp") or f.endswith("/.metadata")}
-    for d in sorted(dirs):
-        if f"{d}/.metadata" not in files:
-            problems.append(f"{d}/.metadata is missing (the sharded save did not finish)")
-            continue
-        try:
-            meta = FileSystemReader(str(folder / d)).read_metadata()
-        except Exception as e:  # noqa: BLE001 - any failure to read it means a damaged file
-            problems.append(f"{d}/.metadata cannot be read ({type(e).__name__}: {e})")
-            continue
-        need: dict[str, int] = {}
-        for info in (meta.storage_data or {}).values():
-            rel = f"{d}/{info.relative_path}"
-            need[rel] = max(need.get(rel, 0), int(info.offset) + int(info.length))
-        for rel, size in sorted(need.items()):
-            if rel not in files:
-                problems.append(f"{rel} is missing")
-            elif files[rel] < size:
-                problems.append(f"{rel} is truncated ({files[rel]} of {size} bytes)")
-    return problems
-
-
-def _truncated(path: Path) -> str | None:
-    """Why ``path`` is cut short or unreadable, from its format alone, or ``None``."""
-    name = path.name
-    try:
-        if name.endswith(".json"):
-            json.loads(path.read_text())
-        elif name.endswith(".safetensors"):
-            size = path.stat().st_size
-            with path.open("rb") as f:
-                n = int.from_bytes(f.read(8), "little")
-                if size < 8 + n:
-                    return f"truncated ({size} bytes, its header alone needs {8 + n})"
-                header = json.loads(f.read(n))
-            end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
-            if size < 8 + n + end:
-                return f"truncated ({size} of {8 + n + end} bytes)"
-        elif name.endswith((".pt", ".pth", ".bin")) and not path.stat().st_size:
-            return "empty"
-        elif name.endswith((".pt", ".pth", ".bin")) and not zipfile.is_zipfile(path):
-            with path.open("rb") as f:  # torch.save writes a zip archive; a cut one lacks its directory
-                head = f.read(4)
-            if head[:2] == b"PK":
-                return "truncated (its zip directory is missing)"
-    except (OSError, ValueError, KeyError, TypeError, IndexError) as e:
-        return f"unreadable ({type(e).__name__}: {e})"
-    return None
-
-
-def _rank_files(files: dict[str, int], world: int) -> list[int] | None:
-    """The ranks whose RNG states a manifest-less checkpoint should hold: those of the ranks found
-    and of the ``world`` resuming from it (``None``: one process, ``rng_state.pth``)."""
-    found = [int(m.group(1)) for f in files if (m := re.fullmatch(r"rng_state_(\d+)\.pth", f))]
-    if "rng_state.pth" in files or (not found and world == 1):
-        return None
-    return list(range(max([*found, world - 1]) + 1))
-
-
 def inspect(
     folder: str | os.PathLike,
     *,
@@ -328,11 +240,11 @@ def inspect(
         files = _listing(folder)
         if (folder / IN_PROGRESS).exists():
             return "incomplete", ["the save into it did not finish (no manifest)"]
-        ranks = _rank_files(files, world)
-        problems = [f"{f} is missing" for f in _missing(folder, files, ranks, optimizer)]
-        problems += _dcp_problems(folder, files)
+        ranks = rng_ranks(files, world)
+        problems = [f"{f} is missing" for f in missing_files(folder, files, ranks, optimizer)]
+        problems += shard_problems(folder, files)
         for rel in files:
-            why = None if rel.endswith(".distcp") else _truncated(folder / rel)
+            why = None if rel.endswith(".distcp") else truncated(folder / rel)
             if why:
                 problems.append(f"{rel} is {why}")
         return "unsealed", problems
@@ -349,7 +261,7 @@ def inspect(
         elif path.stat().st_size != size:
             problems.append(f"{rel} is truncated or changed ({path.stat().st_size} bytes, written as {size})")
     if not problems:
-        why = _truncated(folder / "trainer_state.json")
+        why = truncated(folder / "trainer_state.json")
         problems += [f"trainer_state.json is {why}"] if why else []
     sums = manifest.get("sha256") if checksums else None
     if sums and not problems:
