@@ -5,10 +5,11 @@ optimizer and scheduler states matter), CP = 2 on 2 processes, passkey data; a c
 ``SAVE`` steps with ``save_total_limit``. ``kind``: ``ddp`` or ``fsdp`` (accelerate's FSDP2 on the
 CPU, ``testkit.fsdp``).
 
-``train_run`` runs on every rank of a ``testkit.spawn`` pool. As a script, one process per rank,
-started by the test with the launcher's environment (``RANK``, ``WORLD_SIZE``, ``MASTER_PORT``, ...):
+``train_run`` runs on every rank of a ``testkit.spawn`` pool; ``killed_rank`` is one rank of a job
+that ``testkit.crash`` kills at a point of a checkpoint write (a fresh process, forked from a server
+that imported torch and transformers already). As a script, one process per rank, started by the
+test with the launcher's environment (``RANK``, ``WORLD_SIZE``, ``MASTER_PORT``, ...):
 
-    python tests/checkpoint_run.py train OUT KIND KILL_SPEC     killed by testkit.crash at KILL_SPEC
     python tests/checkpoint_run.py freeze OUT TIMEOUT_S         rank 1 stops itself (SIGSTOP) at step 2;
                                                                 rank 0 writes the error it ends with
 """
@@ -140,6 +141,18 @@ def train_run(
     return res
 
 
+def killed_rank(rank: int, world: int, port: int, out: str, kind: str, spec: str) -> None:
+    """Rank ``rank`` of a job of ``world`` that ``testkit.crash`` kills at ``spec``; training goes to
+    ``out/run``. Returns only if the kill point was never reached."""
+    from testkit import crash
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")  # fmt: skip
+    torch.set_num_threads(1)
+    crash.arm(spec, Path(out) / "pids", rank)
+    train_run(kind, str(Path(out) / "run"), None, launched=True)
+
+
 def _freeze(out: Path, timeout: float) -> None:
     """Rank 1 stops itself at the start of step 2; rank 0 must end with a clear error after ``timeout``."""
     import torch.distributed as dist
@@ -172,16 +185,4 @@ def _freeze(out: Path, timeout: float) -> None:
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
-    mode, out = sys.argv[1], Path(sys.argv[2])
-    rank = int(os.environ["RANK"])
-    if mode == "freeze":
-        _freeze(out, float(sys.argv[3]))
-    else:
-        from testkit import crash
-
-        kind, spec = sys.argv[3], sys.argv[4]
-        crash.arm(spec, out / "pids", rank)
-        train_run(kind, str(out / "run"), None, launched=True)
-        (out / f"finished{rank}").write_text("the kill point was never reached")
-        sys.stdout.flush()
-        os._exit(0)
+    _freeze(Path(sys.argv[2]), float(sys.argv[3]))  # sys.argv[1] == "freeze"
