@@ -46,6 +46,13 @@ provider, metric, x, P, N, median, p20, p80, unit, machine, versions, threads, n
 rows have P = 1). Rows: gpu_fwd_bwd / gpu_fwd / gpu_bwd (time, s), gpu_tflops, gpu_fraction_of_theoretical,
 gpu_load_balance, gpu_peak_memory, gpu_overlap_threshold (tokens per rank, provider = link),
 gpu_overlap_hidden (1/0), gpu_emulation_check, gpu_skipped. Plots: ``benchmarks.plot.plot_gpu``.
+
+Activation offload (``benchmarks.offload_overlap``, first, within the same budget): step time of
+checkpointed MLP blocks with the offload's copies on a side stream and on the compute stream, against
+checkpointing alone (GPU: T=32768 tokens, 8 blocks, H=4096, bf16: 2 GiB offloaded per step each way;
+``--offload-tokens``, ``--offload-layers``), and a check that the side-stream step equals checkpointing's.
+Rows gpu_offload_step (time; ratio_to_checkpointing), gpu_offload_bytes, gpu_offload_check.
+``--offload-only`` runs just that; ``--no-offload`` skips it.
 """
 
 from __future__ import annotations
@@ -62,6 +69,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from benchmarks import harness as H
+from benchmarks import offload_overlap as O
 from benchmarks import workloads as W
 from benchmarks.gpu_table import build_rows, print_table
 from hf_ring.ops.kernels import BlockKernel, get_kernel
@@ -277,6 +285,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="link bandwidths per direction, GB/s (default: nvlink=450 ib=50)")  # fmt: skip
     ap.add_argument("--max-seconds", type=float, default=None, help="time budget (default 420 GPU, 240 CPU)")
     ap.add_argument("--no-check", action="store_true", help="skip the emulation exactness check")
+    ap.add_argument("--no-offload", action="store_true", help="skip the activation offload measurement")
+    ap.add_argument("--offload-only", action="store_true", help="only the activation offload measurement")
+    ap.add_argument("--offload-tokens", type=int, default=None, help="tokens of the offload workload")
+    ap.add_argument("--offload-layers", type=int, default=None, help="checkpointed blocks of the offload workload")
     args = ap.parse_args(argv)
 
     t_start = time.monotonic()
@@ -324,7 +336,24 @@ def main(argv: list[str] | None = None) -> int:
 
     deadline = t_start + cfg["max_seconds"]
     results: dict = {"per_n": {}}
-    if not args.no_check:
+    offload_rows, offload_state = [], "skipped"
+    if not args.no_offload:
+        ocfg = dict(O.GPU if cuda else O.CPU)
+        ocfg.update({k: v for k, v in (("tokens", args.offload_tokens), ("layers", args.offload_layers)) if v})
+        try:
+            res = O.measure(ocfg, device, dtype, deadline)
+            offload_rows = O.rows(res, ocfg, meta, cfg["dtype"])
+            offload_state = "pass" if res["check"] <= 1e-6 else "FAIL"
+            print(f"[bench_gpu] {O.summary(res)}", flush=True)
+        except Exception as e:  # noqa: BLE001 - reported, and the attention timings still run
+            offload_state = "FAIL"
+            print(f"[bench_gpu] offload measurement FAILED: {type(e).__name__}: {e}", flush=True)
+        finally:
+            if cuda:
+                torch.cuda.empty_cache()
+    if args.offload_only:
+        cfg["Ns"] = []
+    if not args.no_check and not args.offload_only:
         n, p = cfg["check"]
         g = torch.Generator(device=device).manual_seed(99)
         heads = (cfg["Hq"], cfg["Hkv"], cfg["Hkv"], cfg["Hq"])  # q, k, v, dout
@@ -359,13 +388,15 @@ def main(argv: list[str] | None = None) -> int:
         last = (n, time.monotonic() - now)
         print(f"[bench_gpu] N={n} done in {last[1]:.1f} s", flush=True)
 
-    rows = build_rows(results, cfg, env, links, meta)
+    rows = build_rows(results, cfg, env, links, meta) + offload_rows
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     H.write_rows(out, rows)
-    print_table(rows, cfg, links)
+    if cfg["Ns"]:
+        print_table([r for r in rows if r not in offload_rows], cfg, links)
     print(f"[bench_gpu] {len(rows)} rows -> {out}; total {time.monotonic() - t_start:.1f} s")
-    checks = {"emulation check": "skipped" if args.no_check else ("FAIL" if "check_failed" in results else "pass")}
+    checks = {"emulation check": "skipped" if args.no_check or args.offload_only else
+              ("FAIL" if "check_failed" in results else "pass"), "offload": offload_state}  # fmt: skip
     for n, res in results["per_n"].items():
         note = res.get("skipped", "")
         checks[f"N={n}"] = "FAIL" if note.startswith("FAILED") else ("skipped" if note else "pass")

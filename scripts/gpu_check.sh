@@ -7,7 +7,10 @@
 #   1. CUDA exactness: the tests skipped without CUDA (tests/test_errors.py; tests/test_kernels.py has none, and
 #      no test is parametrised over devices), then hf_ring's CUDA block kernels and its single-process ring against
 #      a float64 oracle (tests/oracle.py), and emulated ring ranks fed the right K/V blocks (out and dQ) on CUDA
-#   2. python -m benchmarks.bench_gpu --out $OUT/gpu.jsonl (its own budget: --max-seconds 190)
+#   2. python -m benchmarks.bench_gpu --out $OUT/gpu.jsonl (its own budget: --max-seconds 190): first the activation
+#      offload (step time of checkpointed blocks with the copies on a side stream, on the compute stream, and without
+#      offload; the side-stream step must equal the one without offload: rows gpu_offload_*, a FAIL otherwise), then
+#      the block kernels and emulated ring ranks
 #   3. its plots, gpu_fraction.png and gpu_overlap.png, into $OUT
 #
 # The device image has torch/transformers/accelerate/peft installed system-wide and may have no virtualenv: this

@@ -307,10 +307,11 @@ def flash_attn_forward_25(q, k, v, dropout_p, softmax_scale, causal, window_size
     raise AssertionError("not called: FlashAttnKernel refuses flash-attn without softcap")
 
 
-# As in flash-attn >= 2.7 on torch >= 2.4: torch.library custom ops (the forward declares q, k, v
-# mutated, like the real one). Registered once per process, at import (workers import this module).
+# As in flash-attn >= 2.7 on torch >= 2.4: torch.library custom ops that declare what the real ones
+# declare (2.7.0 .. 2.8.3.post1 and main): the forwards mutate nothing, the backwards fill dq, dk, dv.
+# Registered once per process, at import (workers import this module).
 _fwd_op = torch.library.custom_op(
-    "hf_ring_tests::flash_attn_forward", flash_attn_forward, mutates_args=("q", "k", "v"), device_types="cpu"
+    "hf_ring_tests::flash_attn_forward", flash_attn_forward, mutates_args=(), device_types="cpu"
 )
 _bwd_op = torch.library.custom_op(
     "hf_ring_tests::flash_attn_backward",
@@ -320,10 +321,7 @@ _bwd_op = torch.library.custom_op(
 )
 
 _varlen_fwd_op = torch.library.custom_op(
-    "hf_ring_tests::flash_attn_varlen_forward",
-    flash_attn_varlen_forward,
-    mutates_args=("q", "k", "v"),
-    device_types="cpu",
+    "hf_ring_tests::flash_attn_varlen_forward", flash_attn_varlen_forward, mutates_args=(), device_types="cpu"
 )
 _varlen_bwd_op = torch.library.custom_op(
     "hf_ring_tests::flash_attn_varlen_backward",
@@ -392,12 +390,15 @@ class AtenCUDAStandIn:
     ``mha_varlen_bwd``, ``_efficient_attention_forward/backward`` and the cutlass kernels'
     ``check_supported``). ``allow_fp32`` lets the flash ops take float32 (the real ones take fp16/bf16
     only), so their glue can be compared with float64 at 1e-5. ``calls`` records what each op received.
+    ``capability``: the GPU's compute capability, as the CUDA code checks it (flash ops: sm_80+; the
+    memory-efficient op's bf16 kernels: sm_80+, its fp16/fp32 ones from sm_50).
     """
 
     HALF = (torch.float16, torch.bfloat16)
 
-    def __init__(self, allow_fp32: bool = False, record: bool = False) -> None:
+    def __init__(self, allow_fp32: bool = False, record: bool = False, capability: tuple[int, int] = (9, 0)) -> None:
         self.flash_dtypes = self.HALF + ((torch.float32,) if allow_fp32 else ())
+        self.capability = capability
         self.calls: dict[str, list[dict]] | None = {} if record else None
 
     def _record(self, op: str, **kw: object) -> None:
@@ -408,6 +409,7 @@ class AtenCUDAStandIn:
 
     def _check_flash(self, q: Tensor, k: Tensor, v: Tensor) -> None:
         """``mha_fwd``/``mha_bwd`` on ``[B, S, H, D]`` tensors."""
+        _check(self.capability >= (8, 0), "FlashAttention only supports Ampere GPUs or newer.")
         _check(q.dtype in self.flash_dtypes, "FlashAttention only support fp16 and bf16 data type")
         _check(k.dtype == q.dtype and v.dtype == q.dtype, "query and key/value must have the same dtype")
         for t in (q, k, v):
@@ -485,7 +487,12 @@ class AtenCUDAStandIn:
 
     # ------------------------------------------------------------------ memory-efficient (cutlass)
 
-    def _check_efficient(self, q: Tensor, k: Tensor, v: Tensor, cu_q: object, cu_k: object, bias: object) -> None:
+    def _check_efficient(
+        self, q: Tensor, k: Tensor, v: Tensor, cu_q: object, cu_k: object, bias: object, direction: str = "F"
+    ) -> None:
+        # the dispatch over kernels built per architecture finds none for bf16 below sm_80
+        bf16_ok = q.dtype != torch.bfloat16 or self.capability >= (8, 0)
+        _check(bf16_ok, f"cutlass{direction}: no kernel found to launch!")
         _check(q.dim() == 4 and k.dim() == 4 and v.dim() == 4, "query.dim() == 4")
         _check(q.shape[0] == k.shape[0] == v.shape[0], "query.size(0) == key.size(0)")
         _check(k.shape[1] == v.shape[1], "key.size(1) == value.size(1)")
@@ -558,7 +565,7 @@ class AtenCUDAStandIn:
         shared_storage_dqdkdv: bool = False,
     ) -> tuple[Tensor, Tensor, Tensor, None]:
         self._record("eff_bwd", q=query, k=key, lse=logsumexp, out=out)
-        self._check_efficient(query, key, value, cu_seqlens_q, cu_seqlens_k, bias)
+        self._check_efficient(query, key, value, cu_seqlens_q, cu_seqlens_k, bias, "B")
         _check(dropout_p == 0.0 and window_size is None and not bias_requires_grad, "stand-in: defaults")
         b, m, h, d = query.shape
         _check(grad_out_.shape == query.shape[:3] + value.shape[3:], "grad_out shape")

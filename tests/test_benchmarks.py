@@ -139,6 +139,12 @@ def test_gpu_benchmark_cpu_mode(tmp_path):
     assert all(r["median"] > 0 for r in rows if r["name"] == "gpu_overlap_threshold")
     assert all(r["median"] in (0.0, 1.0) for r in rows if r["name"] == "gpu_overlap_hidden")
     assert all(r["median"] < 1e-4 for r in rows if r["name"] == "gpu_emulation_check")  # fp32 on CPU
+    offload = {(r["name"], r["provider"], r["metric"]): r["median"] for r in rows if "offload" in r["name"]}
+    for mode in ("checkpointing", "offload_compute_stream", "offload_side_stream"):
+        assert offload[("gpu_offload_step", mode, "time")] > 0
+        assert offload[("gpu_offload_step", mode, "ratio_to_checkpointing")] > 0
+    assert offload[("gpu_offload_check", "offload_side_stream", "max_rel_diff_vs_checkpointing")] == 0
+    assert offload[("gpu_offload_bytes", "offload", "bytes_per_direction")] > 0
 
     from benchmarks.plot import plot_gpu
 
@@ -192,3 +198,17 @@ def test_gpu_benchmark_emulated_rank_runs_the_schedule():
     assert all(dict(vars(m)) == d for m, d in untouched.items())
     err = G.emulation_error(q, k, v, do, 4)
     assert err["out"] < 1e-5 and err["dq"] < 1e-5, err
+
+
+# ============================================================================ gradient errors under autocast
+@pytest.mark.timeout(180)
+def test_autocast_errors_quick(tmp_path):
+    rows = run_quick("autocast_errors", tmp_path / "autocast.jsonl", timeout=170)
+    got = {(r["provider"], r["metric"]): r["median"] for r in rows}
+    for prov in ("plain", "chunked", "tiled", "chunked_fp32_logits", "chunked_fp32_out"):
+        for metric in ("worst_param", "lm_head", "loss", "max_ratio_to_plain"):
+            assert (prov, metric) in got
+    assert got[("plain", "max_ratio_to_plain")] == 1.0
+    assert got[("chunked", "max_ratio_to_plain")] <= 2 and got[("tiled", "max_ratio_to_plain")] <= 2
+    before = [p for p, m in got if p.startswith("chunked@") and m == "max_ratio_to_plain"]
+    assert all(got[(p, "max_ratio_to_plain")] > 2 for p in before)  # the recompute outside autocast

@@ -5,6 +5,8 @@ memory that full logits need."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -13,6 +15,7 @@ import torch.nn.functional as F
 import hf_ring
 from hf_ring.ops.cross_entropy import chunked_causal_lm_loss
 from testkit.live_tensors import LiveTensorBytes
+from testkit.mixed_precision import GemmDtypes, confident_model, grad_errors
 from testkit.models import tiny_batch, tiny_model
 from testkit.oracle import rel_err
 from testkit.spawn import run_ranks
@@ -108,6 +111,102 @@ def test_bf16_is_as_close_as_the_full_path():
     assert rel_err(loss, ref_loss) <= max(2 * rel_err(full, ref_loss), 1e-5)
     assert rel_err(hidden.grad, ref_h) <= 1.5 * rel_err(h_full.grad, ref_h)
     assert rel_err(head.weight.grad, ref_w) <= 1.5 * rel_err(w_full.grad, ref_w)
+
+
+def _confident_head(t: int, hdim: int, vocab: int, bias: bool, seed: int = 0):
+    """``(hidden [t, hdim], head, targets [t])`` with targets the head predicts with median
+    probability above 0.95 (float32 weights)."""
+    torch.manual_seed(seed)
+    head = torch.nn.Linear(hdim, vocab, bias=bias)
+    hidden = torch.randn(t, hdim)
+    logits = F.linear(hidden.double(), head.weight.double(), None if head.bias is None else head.bias.double())
+    target = logits.argmax(-1)
+    scale = 1.0
+    while F.softmax(logits * scale, -1).gather(1, target[:, None]).median() < 0.95:
+        scale *= 1.25
+    return (hidden * scale).requires_grad_(), head, target
+
+
+def _errors_vs_float64(hidden, head, target, loss_fn, dtype):
+    """Relative errors of the loss and of d hidden, d weight (, d bias) of ``loss_fn(hidden, head,
+    target)`` under CPU autocast to ``dtype``, against float64 without autocast."""
+    params = [p for p in head.parameters()]
+    ref_head = copy.deepcopy(head).double()
+    h64 = hidden.detach().double().requires_grad_()
+    ref = F.cross_entropy(ref_head(h64), target)
+    ref_grads = torch.autograd.grad(ref, [h64, *ref_head.parameters()])
+    h = hidden.detach().clone().requires_grad_()
+    with torch.autocast("cpu", dtype):
+        loss = loss_fn(h, head, target)
+    grads = torch.autograd.grad(loss, [h, *params])
+    return [rel_err(loss, ref)] + [rel_err(g, r) for g, r in zip(grads, ref_grads)]
+
+
+def _full_path(h, head, target):  # transformers' ForCausalLMLoss on full logits
+    return F.cross_entropy(head(h).float(), target)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_autocast_with_confident_targets_is_as_close_as_the_full_path(dtype, bias):
+    """Under autocast with float32 weights and targets predicted with p ~ 0.95, the chunked loss's
+    gradients are as close to float64 as those of the full path under the same autocast: backward
+    recomputes the logits in the forward's autocast dtype (a float32 recompute against a bf16
+    log-sum-exp gave a softmax that does not sum to 1). Its GEMMs run in the autocast dtype."""
+    hidden, head, target = _confident_head(67, 48, 1031, bias)
+
+    def chunked(h, head, y):
+        return chunked_causal_lm_loss(h, head, y, chunk_size=16)
+
+    full = _errors_vs_float64(hidden, head, target, _full_path, dtype)
+    got = _errors_vs_float64(hidden, head, target, chunked, dtype)
+    names = ["loss", "hidden", "weight", "bias"]
+    for name, e, ref in zip(names, got, full):
+        assert e <= 2 * ref + 1e-6, f"{name}: chunked {e:.2e} vs full path {ref:.2e}"
+    h = hidden.detach().clone().requires_grad_()
+    with torch.autocast("cpu", dtype):
+        loss = chunked(h, head, target)
+    with GemmDtypes() as rec:
+        loss.backward()
+    assert len(rec.gemms) == 3 * 5  # 5 chunks: the logits' recompute, d hidden, d weight
+    assert all(set(dtypes) == {dtype} for _, dtypes in rec.gemms), rec.gemms
+
+
+def test_autocast_other_heads_recompute_in_the_forward_dtype():
+    """A head that is not an nn.Linear runs under checkpointing, which re-enters the forward's
+    autocast state: as close to float64 as the full path."""
+
+    class Wrapped(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            return self.inner(x)
+
+    hidden, head, target = _confident_head(45, 32, 257, True, seed=1)
+    head = Wrapped(head)
+
+    def chunked(h, head, y):
+        return chunked_causal_lm_loss(h, head, y, chunk_size=8)
+
+    full = _errors_vs_float64(hidden, head, target, _full_path, torch.bfloat16)
+    got = _errors_vs_float64(hidden, head, target, chunked, torch.bfloat16)
+    for name, e, ref in zip(["loss", "hidden", "weight", "bias"], got, full):
+        assert e <= 2 * ref + 1e-6, f"{name}: chunked {e:.2e} vs full path {ref:.2e}"
+
+
+def test_autocast_model_with_confident_targets_within_twice_the_full_path():
+    """A tiny float32 Llama trained until it predicts its batch with median p > 0.95, one step under
+    CPU bf16 autocast: every parameter gradient of the chunked loss within 2x of the full path's
+    error against float64 (before the chunked loss kept the forward's autocast state: 20x on the
+    worst parameter, ``python -m benchmarks.autocast_errors``)."""
+    model, batch, median = confident_model(vocab=256, confidence=0.95)
+    plain = grad_errors(model, batch)
+    chunked = grad_errors(model, batch, lambda m: hf_ring.enable_chunked_loss(m, chunk_size=32))
+    for name, ref in plain.items():
+        assert chunked[name] <= 2 * ref + 1e-6, f"{name}: chunked {chunked[name]:.3f} vs full path {ref:.3f}"
+    assert max(plain.values()) < 0.5  # the step is meaningful at all under bf16
 
 
 def test_frozen_head_and_no_targets():

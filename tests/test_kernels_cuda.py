@@ -72,6 +72,18 @@ def test_flash_attn_stand_in_keeps_the_cuda_checks() -> None:
     assert softmax_d.shape == (1, 2, 128) and softmax_d.dtype == torch.float32
 
 
+def test_flash_attn_stand_ins_declare_what_flash_attn_declares() -> None:
+    """flash-attn 2.7.0 .. 2.8.3 register ``_flash_attn_forward`` / ``_flash_attn_varlen_forward`` with
+    ``mutates_args=()`` and their backwards with ``("dq", "dk", "dv")``; the stand-in ops say the same."""
+
+    def mutated(name: str) -> set[str]:
+        schema = getattr(torch.ops.hf_ring_tests, name).default._schema
+        return {a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write}
+
+    assert mutated("flash_attn_forward") == mutated("flash_attn_varlen_forward") == set()
+    assert mutated("flash_attn_backward") == mutated("flash_attn_varlen_backward") == {"dq", "dk", "dv"}
+
+
 def ring_errors(name: str, causal: bool, dtype_name: str, d: int) -> list[float] | None:
     """On every rank: the whole ring through ``make_kernel(name)``; rank 0 returns the relative errors
     of out, dq, dk, dv against float64."""
@@ -288,14 +300,15 @@ BROKEN_FLASH_ATTN = {
 @pytest.fixture
 def fresh_kernel_caches():
     """Empty get_kernel's caches before and after (and forget any fake flash_attn package)."""
-    kernels_mod._flash_attn.cache_clear()
-    kernels_mod._kernel.cache_clear()
+    caches = (kernels_mod._flash_attn, kernels_mod._kernel, kernels_mod._capability, kernels_mod._warn_pre_ampere)
+    for cache in caches:
+        cache.cache_clear()
     yield
     for name in [m for m in sys.modules if m == "flash_attn" or m.startswith("flash_attn.")]:
         del sys.modules[name]
     importlib.invalidate_caches()
-    kernels_mod._flash_attn.cache_clear()
-    kernels_mod._kernel.cache_clear()
+    for cache in caches:
+        cache.cache_clear()
 
 
 @pytest.mark.parametrize("case", BROKEN_FLASH_ATTN)
@@ -335,6 +348,95 @@ def test_flash_attn_is_loaded_once_for_all_layers(monkeypatch: pytest.MonkeyPatc
     assert len(made) == 1 and all(k is made[0] for k in layers)
     assert get_kernel("flash_attn", cuda, torch.float16) is made[0]
     assert available_backends("cuda")[0] == "flash_attn"
+
+
+# --------------------------------------------------------------------------- "auto" by compute capability
+
+CAPABILITIES = [(7, 0), (7, 5), (8, 0), (8, 6), (9, 0)]  # V100, T4, A100, A10/RTX 30xx, H100/H200
+
+
+def _fake_capability(monkeypatch: pytest.MonkeyPatch, capability) -> None:
+    """This process's CUDA devices report ``capability`` (a tuple, or a dict by device index)."""
+
+    def get_device_capability(device=None):
+        return capability[device] if isinstance(capability, dict) else capability
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", get_device_capability)
+
+
+def _on(kernel, ops: AtenCUDAStandIn):
+    """``kernel`` (from get_kernel) calling the aten stand-in ``ops`` instead of torch.ops.aten."""
+    if isinstance(kernel, TorchEfficientKernel):
+        return TorchEfficientKernel(ops=ops, compute_dtype=kernel.compute_dtype)
+    if isinstance(kernel, TorchCUDAKernel):
+        return TorchCUDAKernel(ops=ops)
+    return kernel
+
+
+@pytest.mark.parametrize("capability", CAPABILITIES)
+def test_auto_picks_a_kernel_that_runs_on_every_gpu(
+    capability: tuple[int, int], monkeypatch: pytest.MonkeyPatch, fresh_kernel_caches: None
+) -> None:
+    """flash-attn and torch's flash op refuse GPUs before Ampere; there "auto" takes torch's memory-efficient
+    op for fp16/bf16 (bf16 computed in float32: the op has no bf16 kernel before sm_80), warning once. Every
+    choice runs forward and backward against the stand-in of a GPU of that capability, exact against float64
+    to the dtype's tolerance."""
+    _fake_capability(monkeypatch, capability)
+    gpu = AtenCUDAStandIn(capability=capability)
+    old = capability < (8, 0)
+    cuda = torch.device("cuda")
+    shape = (1, 13, 13, 8, 2, 80, True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for dtype in (torch.float16, torch.bfloat16, torch.float32):
+            layers = {id(get_kernel("auto", cuda, dtype)) for _ in range(32)}
+            kernel = get_kernel("auto", cuda, dtype)
+            assert len(layers) == 1  # one cached kernel for every layer and call
+            want = TorchEfficientKernel if old or dtype == torch.float32 else TorchCUDAKernel
+            assert type(kernel) is want, (capability, dtype, kernel)
+            if isinstance(kernel, TorchEfficientKernel):
+                assert kernel.compute_dtype == (torch.float32 if old and dtype == torch.bfloat16 else None)
+            q, k, v, dout = (x.to(dtype) for x in inputs(shape, dtype, seed=3))
+            ref_out, _, *ref_grads = reference(q, k, v, dout, True, 0.1)
+            run = _on(kernel, gpu)
+            out, lse = run.forward(q, k, v, causal=True, scale=0.1)
+            grads = run.backward(dout, q, k, v, out, lse, causal=True, scale=0.1)
+            tol = 1e-5 if dtype == torch.float32 else 2e-2
+            assert out.dtype == dtype and rel_err(out, ref_out) <= tol
+            for g, x, r in zip(grads, (q, k, v), ref_grads):
+                assert g.dtype == dtype and g.shape == x.shape and rel_err(g, r) <= tol
+    ampere = [w for w in caught if "older than Ampere" in str(w.message)]
+    assert len(ampere) == (1 if old else 0), [str(w.message) for w in caught]
+    if old:
+        assert issubclass(ampere[0].category, RuntimeWarning) and f"sm_{capability[0]}{capability[1]}" in str(
+            ampere[0].message
+        )
+        assert available_backends("cuda") == ["torch_efficient", "reference"]
+        for backend in ("torch", "flash_attn"):
+            with pytest.raises(ValueError, match=r"needs an Ampere or newer GPU.*backend='torch_efficient'"):
+                get_kernel(backend, cuda, torch.float16)
+        # what "auto" picked before it looked at the GPU: the stand-in refuses it, as the GPU would
+        q, k, v, _ = (x.bfloat16() for x in inputs(shape, torch.bfloat16))
+        with pytest.raises(RuntimeError, match="FlashAttention only supports Ampere GPUs or newer"):
+            TorchCUDAKernel(ops=gpu).forward(q, k, v, causal=True, scale=0.1)
+        with pytest.raises(RuntimeError, match="cutlassF: no kernel found"):
+            TorchEfficientKernel(ops=gpu).forward(q, k, v, causal=True, scale=0.1)
+    else:
+        assert available_backends("cuda")[-3:] == ["torch", "torch_efficient", "reference"]
+
+
+def test_auto_is_chosen_per_device(monkeypatch: pytest.MonkeyPatch, fresh_kernel_caches: None) -> None:
+    """A process that sees a T4 as cuda:0 and an H100 as cuda:1 gets each its own kernel; ``"cuda"`` is the
+    current device."""
+    _fake_capability(monkeypatch, {0: (7, 5), 1: (9, 0)})
+    with pytest.warns(RuntimeWarning, match="sm_75, older than Ampere"):
+        assert isinstance(get_kernel("auto", torch.device("cuda", 0), torch.bfloat16), TorchEfficientKernel)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert isinstance(get_kernel("auto", torch.device("cuda", 1), torch.bfloat16), TorchCUDAKernel)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+        assert isinstance(get_kernel("auto", "cuda", torch.bfloat16), TorchCUDAKernel)
+        assert isinstance(get_kernel("auto", torch.device("cuda", 0), torch.float16), TorchEfficientKernel)
 
 
 class _AtenProbe(TorchDispatchMode):

@@ -4,8 +4,9 @@ At 128K tokens per rank and a 128K vocabulary, the logits alone would take 64 GB
 the LM head and the cross-entropy run over chunks of at most ``chunk_size`` tokens that hold a
 target; each chunk's logits live only while that chunk is computed (forward) and recomputed
 (backward). Loss and gradients are those of the full path (``ForCausalLMLoss``): logits in the
-head's dtype, upcast to float32, cross-entropy summed in float32 and divided by
-``num_items_in_batch`` (or by the number of targets), ``ignore_index`` rows contributing nothing.
+head's dtype (under autocast: the autocast dtype, in forward and in backward's recompute alike),
+upcast to float32, cross-entropy summed in float32 and divided by ``num_items_in_batch`` (or by the
+number of targets), ``ignore_index`` rows contributing nothing.
 
 ``chunked_causal_lm_loss(hidden, head, shift_labels, ...)`` is the op;
 ``hf_ring.enable_chunked_loss(model)`` (``hf_ring.transformers.patches``) wires it into a
@@ -34,28 +35,47 @@ def default_chunk_size(vocab_size: int, budget_bytes: int = LOGITS_CHUNK_BYTES) 
 # --- the loss --------------------------------------------------------------------------------------
 
 
+def _autocast_dtype(x: Tensor) -> torch.dtype | None:
+    """The dtype that autocast gives a GEMM on ``x``'s device now (``None``: autocast is off there, or
+    ``x`` is float64, which autocast leaves alone)."""
+    device = x.device.type
+    if x.dtype == torch.float64 or not torch.is_autocast_enabled(device):
+        return None
+    return torch.get_autocast_dtype(device)
+
+
+def _cast(tensors: tuple[Tensor | None, ...], dtype: torch.dtype | None) -> tuple[Tensor | None, ...]:
+    return tensors if dtype is None else tuple(t if t is None else t.to(dtype) for t in tensors)
+
+
 class _ChunkedLinearCE(torch.autograd.Function):
     """``sum_t CE(h_t W^T + b, y_t) * scale`` over rows ``h [T, H]`` that all have a target.
 
     Saves ``h``, the float32 log-sum-exp of every row and nothing of size ``vocab``; backward
-    recomputes each chunk's logits. The head's gradient is accumulated in float32.
+    recomputes each chunk's logits exactly as forward computed them. Under autocast, forward records
+    the autocast dtype and both passes run the head in it, as ``F.linear`` runs in transformers' loss
+    under the same autocast: the same GEMMs (the backward's three per chunk included), the same logits,
+    upcast to float32 for the softmax. The head's gradient is accumulated in float32.
     """
 
     @staticmethod
     def forward(ctx, h, weight, bias, target, scale, chunk):  # type: ignore[override]
+        ctx.dtype, ctx.scale, ctx.chunk = _autocast_dtype(h), scale, chunk
         lse = torch.empty(h.shape[0], dtype=torch.float32, device=h.device)
         total = torch.zeros((), dtype=torch.float32, device=h.device)
-        for s in range(0, h.shape[0], chunk):
-            logits = F.linear(h[s : s + chunk], weight, bias).float()
-            picked = logits.gather(1, target[s : s + chunk, None]).squeeze(1)
-            # log-sum-exp in place: one [chunk, vocab] buffer (torch.logsumexp would allocate a second)
-            top = logits.amax(dim=-1, keepdim=True)
-            chunk_lse = logits.sub_(top).exp_().sum(dim=-1).log_().add_(top.squeeze(1))
-            lse[s : s + chunk] = chunk_lse
-            total += (chunk_lse - picked).sum()
-            del logits
+        with torch.autocast(h.device.type, enabled=False):  # cast here, the same way in backward
+            wc, bc = _cast((weight, bias), ctx.dtype)
+            for s in range(0, h.shape[0], chunk):
+                (x,) = _cast((h[s : s + chunk],), ctx.dtype)
+                logits = F.linear(x, wc, bc).float()
+                picked = logits.gather(1, target[s : s + chunk, None]).squeeze(1)
+                # log-sum-exp in place: one [chunk, vocab] buffer (torch.logsumexp would allocate a second)
+                top = logits.amax(dim=-1, keepdim=True)
+                chunk_lse = logits.sub_(top).exp_().sum(dim=-1).log_().add_(top.squeeze(1))
+                lse[s : s + chunk] = chunk_lse
+                total += (chunk_lse - picked).sum()
+                del logits
         ctx.save_for_backward(h, weight, bias, target, lse)
-        ctx.scale, ctx.chunk = scale, chunk
         return total * scale
 
     @staticmethod
@@ -67,24 +87,28 @@ class _ChunkedLinearCE(torch.autograd.Function):
         dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
         db = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_b else None
         rows = torch.arange(min(ctx.chunk, h.shape[0]), device=h.device)
-        for s in range(0, h.shape[0], ctx.chunk):
-            hc = h[s : s + ctx.chunk]
-            n = hc.shape[0]
-            # d/dlogits of (lse - logit[target]) = softmax - onehot, times the loss scale
-            p = F.linear(hc, weight, bias).float().sub_(lse[s : s + n, None]).exp_()
-            p[rows[:n], target[s : s + n]] -= 1.0
-            dlogits = p.mul_(scale).to(h.dtype)
-            del p
-            if need_h:
-                dh[s : s + n] = dlogits @ weight
-            if need_w:
-                if dw.dtype == dlogits.dtype:
-                    dw.addmm_(dlogits.t(), hc)
-                else:
-                    dw += (dlogits.t() @ hc).float()
-            if need_b:
-                db += dlogits.sum(0).float()
-            del dlogits
+        with torch.autocast(h.device.type, enabled=False):
+            wc, bc = _cast((weight, bias), ctx.dtype)
+            for s in range(0, h.shape[0], ctx.chunk):
+                (x,) = _cast((h[s : s + ctx.chunk],), ctx.dtype)
+                n = x.shape[0]
+                # d/dlogits of (lse - logit[target]) = softmax - onehot, times the loss scale; the
+                # logits are those of forward (same inputs, dtype and op), so the softmax sums to 1
+                p = F.linear(x, wc, bc).float().sub_(lse[s : s + n, None]).exp_()
+                p[rows[:n], target[s : s + n]] -= 1.0
+                p.mul_(scale)
+                if need_b:
+                    db += p.sum(0)
+                dlogits = p.to(x.dtype)
+                del p
+                if need_h:
+                    dh[s : s + n] = dlogits @ wc
+                if need_w:
+                    if dw.dtype == dlogits.dtype:
+                        dw.addmm_(dlogits.t(), x)
+                    else:
+                        dw += (dlogits.t() @ x).float()
+                del dlogits
         return (
             dh,
             dw.to(weight.dtype) if need_w else None,

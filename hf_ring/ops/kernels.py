@@ -182,9 +182,53 @@ def _flash_attn() -> tuple[FlashAttnKernel | None, str]:
         return None, why
 
 
+_AMPERE = (8, 0)  # flash-attn and torch's CUDA flash op need sm_80 or newer
+
+
+def _cuda_capability(device: torch.device) -> tuple[int, int] | None:
+    """``(major, minor)`` of a CUDA device (the current one for ``"cuda"``), ``None`` where CUDA cannot
+    be asked (a CPU-only build: the CUDA paths are then only called against stand-ins)."""
+    index = device.index
+    if index is None:
+        try:
+            index = torch.cuda.current_device()
+        except (AssertionError, RuntimeError):
+            index = None
+    return _capability(index)
+
+
+@functools.cache
+def _capability(index: int | None) -> tuple[int, int] | None:
+    try:
+        major, minor = torch.cuda.get_device_capability(index)
+    except (AssertionError, RuntimeError):
+        return None
+    return int(major), int(minor)
+
+
+def _pre_ampere(capability: tuple[int, int] | None) -> bool:
+    return capability is not None and capability < _AMPERE
+
+
+@functools.cache
+def _warn_pre_ampere(capability: tuple[int, int]) -> None:
+    """Once per process and GPU model: "auto" falls back from the flash kernels."""
+    warnings.warn(
+        f"this GPU is sm_{capability[0]}{capability[1]}, older than Ampere (sm_80), which flash-attn and torch's "
+        "flash attention need; hf_ring's ring attention uses torch's memory-efficient op instead "
+        "(backend='torch_efficient'), with bfloat16 inputs computed in float32 (that op has no bfloat16 "
+        "kernel before sm_80: prefer float16 on this GPU).",
+        RuntimeWarning,
+        stacklevel=4,
+    )
+
+
 def available_backends(device: torch.device | str = "cpu") -> list[str]:
     """Names accepted by ``get_kernel`` on this device, best first."""
-    if torch.device(device).type == "cuda":
+    device = torch.device(device)
+    if device.type == "cuda":
+        if _pre_ampere(_cuda_capability(device)):
+            return ["torch_efficient", "reference"]
         names = ["flash_attn"] if _flash_attn()[0] is not None else []
         return [*names, "torch", "torch_efficient", "reference"]
     return ["torch", "reference"]
@@ -196,24 +240,40 @@ def get_kernel(backend: str, device: torch.device | str, dtype: torch.dtype) -> 
     "auto" picks, on CUDA: flash-attn for fp16/bf16 when it imports (else torch's flash op), torch's
     memory-efficient op for float32 (the reference would materialise float32 ``[B, H, Sq, Sk]`` scores:
     tens of GiB per block at long context; the efficient op keeps O(S) memory and returns the LSE), and
-    the reference only for float64. On CPU it picks torch's fused CPU op (any float dtype). An explicit
-    backend that cannot run here raises ``ValueError``. Kernel objects are cached per (backend, device
-    type, dtype): they hold no per-call state the ring depends on.
+    the reference only for float64. On a GPU older than Ampere (compute capability below 8.0: T4, V100),
+    where neither flash kernel runs, it picks the memory-efficient op for fp16/bf16 too (bf16 computed
+    in float32 there, as the op has no bf16 kernel before sm_80), with one warning. On CPU it picks
+    torch's fused CPU op (any float dtype). An explicit backend that cannot run here raises
+    ``ValueError``. Kernel objects are cached per (backend, device type, dtype, compute capability):
+    they hold no per-call state the ring depends on.
     """
-    return _kernel(backend, torch.device(device).type, dtype)
+    device = torch.device(device)
+    capability = _cuda_capability(device) if device.type == "cuda" else None
+    return _kernel(backend, device.type, dtype, capability)
 
 
 @functools.cache
-def _kernel(backend: str, device_type: str, dtype: torch.dtype) -> BlockKernel:
+def _kernel(
+    backend: str, device_type: str, dtype: torch.dtype, capability: tuple[int, int] | None = None
+) -> BlockKernel:
     half = dtype in (torch.float16, torch.bfloat16)
     cuda = device_type == "cuda"
+    old_gpu = cuda and _pre_ampere(capability)
     if backend == "auto":
         if not cuda:
-            return _kernel("torch", device_type, dtype)
+            return _kernel("torch", device_type, dtype, capability)
+        if half and old_gpu:
+            _warn_pre_ampere(capability)
+            return _kernel("torch_efficient", device_type, dtype, capability)
         if half:
             fa = _flash_attn()[0]
-            return fa if fa is not None else _kernel("torch", device_type, dtype)
-        return _kernel("torch_efficient" if dtype == torch.float32 else "reference", device_type, dtype)
+            return fa if fa is not None else _kernel("torch", device_type, dtype, capability)
+        return _kernel("torch_efficient" if dtype == torch.float32 else "reference", device_type, dtype, capability)
+    if old_gpu and backend in ("torch", "flash_attn"):
+        raise ValueError(
+            f"backend={backend!r} needs an Ampere or newer GPU (compute capability 8.0+); this one is "
+            f"sm_{capability[0]}{capability[1]}. Use backend='torch_efficient' or backend='auto'."
+        )
     if backend == "reference":
         return ReferenceKernel()
     if backend == "torch":
@@ -232,6 +292,8 @@ def _kernel(backend: str, device_type: str, dtype: torch.dtype) -> BlockKernel:
                 f"backend='torch_efficient' needs CUDA tensors in float16/bfloat16/float32, got {dtype} on "
                 f"{device_type}. Use backend='auto'."
             )
+        if old_gpu and dtype == torch.bfloat16:  # its cutlass kernels take bf16 on sm_80+ only
+            return TorchEfficientKernel(compute_dtype=torch.float32)
         return TorchEfficientKernel()
     if backend == "flash_attn":
         if not cuda or not half:

@@ -18,6 +18,9 @@ Facts the code relies on (torch 2.13 / flash-attn 2.6-2.8 sources):
   fp16/bf16, takes ``[B, M, H, K]`` memory directly, returns a natural-log LSE padded along the sequence
   to a multiple of 32 (pad value ``+inf``), and its backward checks the LSE's batch/head strides are
   multiples of 8 and reads ``out`` as dense ``[B, M, H, Kv]`` (``o_strideM`` is implied).
+* GPUs (``sdp_utils.cpp``): the flash ops run on sm_80 and newer only ("FlashAttention only supports
+  Ampere GPUs or newer", flash-attn too); the memory-efficient op from sm_50, in fp16/fp32 below sm_80
+  (its bf16 kernels are built for sm_80+).
 """
 
 from __future__ import annotations
@@ -136,17 +139,28 @@ class TorchEfficientKernel:
     LSE: the forward's ``[B, H, ceil32(Sq)]`` (natural log, ``+inf`` padding) is cut to ``Sq``; the backward
     rebuilds that padded layout (strides multiple of 8, as the kernel checks). Causal is top-left aligned
     (mask type 1, ``CausalFromTopLeft``).
+
+    ``compute_dtype``: run the op in this dtype whatever the inputs' (outputs and gradients come back in
+    the inputs' dtypes): float32 for bf16 inputs on GPUs older than Ampere, where the op has no bf16
+    kernel (``get_kernel`` sets it there).
     """
 
     name = "torch_efficient"
     heads_major = False
 
-    def __init__(self, ops: Any = None) -> None:
+    def __init__(self, ops: Any = None, compute_dtype: torch.dtype | None = None) -> None:
         self.ops = ops if ops is not None else torch.ops.aten
+        self.compute_dtype = compute_dtype
         self._rng: dict[torch.device, tuple[Tensor, Tensor]] = {}
+
+    def _in(self, *ts: Tensor) -> tuple[Tensor, ...]:
+        return ts if self.compute_dtype is None else tuple(t.to(self.compute_dtype) for t in ts)
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
         """``q [B, Sq, Hq, D]``, ``k, v [B, Sk, Hkv, D]`` -> ``out [B, Sq, Hq, D]``, ``lse [B, Sq, Hq]`` float32."""
+        if self.compute_dtype is not None and q.dtype != self.compute_dtype:
+            out, lse = self.forward(*self._in(q, k, v), causal=causal, scale=scale)
+            return out.to(q.dtype), lse
         d, sq = q.shape[-1], q.shape[1]
         kx, vx = _expand_kv(k, v, q.shape[2] // k.shape[2])
         out, lse, seed, offset, _, _ = self.ops._efficient_attention_forward(
@@ -159,6 +173,9 @@ class TorchEfficientKernel:
         self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *, causal: bool, scale: float
     ) -> tuple[Tensor, Tensor, Tensor]:
         """Gradients shaped like ``q, k, v``; ``out``/``lse`` may be those of the merged attention."""
+        if self.compute_dtype is not None and q.dtype != self.compute_dtype:
+            grads = self.backward(*self._in(dout, q, k, v, out), lse, causal=causal, scale=scale)
+            return tuple(g.to(x.dtype) for g, x in zip(grads, (q, k, v)))  # type: ignore[return-value]
         (b, sq, hq, d), sk, hkv = q.shape, k.shape[1], k.shape[2]
         kx, vx = _expand_kv(k, v, hq // hkv)
         lse_p = torch.full(

@@ -7,6 +7,8 @@ of a rank's activation memory at long context (Llama-3.1-8B: intermediate 14336 
 tiles of ``tile_tokens`` tokens under ``no_grad`` in forward and saves only its input; backward
 re-runs one tile at a time with gradients, so the MLP's working set is that of one tile. The MLP
 acts on each token independently, so the result is exact; the price is one more MLP forward.
+Under autocast, backward re-runs the tiles in the forward's autocast state (device, enabled, dtype):
+the same activations as the forward's, and its GEMMs in the autocast dtype.
 
 Parameter gradients are summed over the tiles (float32) and handed to autograd once, as the
 gradients of the Function's inputs, so DDP's per-parameter hooks fire once per step as usual.
@@ -29,6 +31,8 @@ __all__ = ["tiled_forward"]
 class _TiledMLP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, forward, tile, *params):  # type: ignore[override]
+        device = x.device.type  # backward re-enters this autocast state for its recompute
+        ctx.autocast = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
         flat = x.reshape(-1, x.shape[-1])
         out = None
         with torch.no_grad():
@@ -46,13 +50,14 @@ class _TiledMLP(torch.autograd.Function):
     def backward(ctx, grad):  # type: ignore[override]
         (x,) = ctx.saved_tensors
         params = ctx.params
+        device, enabled, dtype = ctx.autocast
         want = [i for i, p in enumerate(params) if ctx.needs_input_grad[3 + i]]
         flat, g = x.reshape(-1, x.shape[-1]), grad.reshape(-1, grad.shape[-1])
         dx = torch.empty_like(flat) if ctx.needs_input_grad[0] else None
         acc = [torch.zeros(params[i].shape, dtype=torch.float32, device=params[i].device) for i in want]
         for s in range(0, flat.shape[0], ctx.tile):
             xt = flat[s : s + ctx.tile].detach().requires_grad_(dx is not None)
-            with torch.enable_grad():
+            with torch.enable_grad(), torch.autocast(device, dtype=dtype, enabled=enabled):
                 yt = ctx.forward(xt)
             inputs = ([xt] if dx is not None else []) + [params[i] for i in want]
             grads = torch.autograd.grad(yt, inputs, g[s : s + ctx.tile], allow_unused=True)
