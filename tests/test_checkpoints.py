@@ -358,3 +358,18 @@ def test_a_frozen_rank_ends_the_job_within_ddp_timeout(tmp_path) -> None:
     raised, gone = error["time"] - stopped, ended - stopped
     assert limit - 1 <= raised <= limit + 10, f"raised {raised:.1f} s after the rank froze (ddp_timeout {limit:g})"
     assert gone <= raised + 10, f"rank 0 raised after {raised:.1f} s but its process ended only after {gone:.1f} s"
+
+
+def test_load_errors_name_damaged_files_only(tmp_path) -> None:
+    """A file that fails to load because it is damaged gets the checkpoint's name and what to do; an
+    error of another kind (a model that differs from the checkpoint's) keeps its own message."""
+    cut = tmp_path / "optimizer.pt"
+    torch.save({"state": torch.zeros(64)}, cut)
+    _cut(cut)
+    with pytest.raises(CheckpointError, match=f"Checkpoint {tmp_path} could not be loaded: RuntimeError"):
+        with ck.load_errors(tmp_path):
+            torch.load(cut)
+    with pytest.raises(RuntimeError, match="size mismatch") as err:
+        with ck.load_errors(tmp_path):
+            torch.nn.Linear(2, 2).load_state_dict({"weight": torch.zeros(3, 3), "bias": torch.zeros(2)})
+    assert not isinstance(err.value, CheckpointError)

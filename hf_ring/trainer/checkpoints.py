@@ -22,8 +22,10 @@ import hashlib
 import json
 import logging
 import os
+import pickle
 import re
 import shutil
+import zipfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -332,22 +334,31 @@ def resolve_resume(
     return chosen
 
 
+_DAMAGED = re.compile(r"PytorchStreamReader|zip archive|central directory|unexpected EOF|invalid header|"
+                      r"incomplete metadata|truncated|corrupt", re.IGNORECASE)
+
+
+def _damaged_file(e: BaseException) -> bool:
+    """Whether ``e`` is what loading a damaged file raises (not a timeout, not a model that differs
+    from the checkpoint's: those keep their own message)."""
+    damaged = (OSError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile, json.JSONDecodeError, UnicodeDecodeError)
+    if isinstance(e, damaged):
+        return not isinstance(e, TimeoutError)
+    if type(e).__name__ in ("SafetensorError", "CheckpointException"):
+        return True
+    return isinstance(e, (RuntimeError, ValueError)) and bool(_DAMAGED.search(str(e)))
+
+
 @contextmanager
 def load_errors(folder: str | os.PathLike | None) -> Iterator[None]:
     """Name the checkpoint and what to do when loading from ``folder`` fails on a damaged file
-    (a truncated archive, bad JSON, a short safetensors file, ...); collective timeouts pass."""
+    (a truncated archive, bad JSON, a short safetensors file, ...); other errors pass unchanged."""
     try:
         yield
-    except CheckpointError:
-        raise
-    except Exception as e:
-        if folder is None or _is_distributed_error(e):
+    except BaseException as e:
+        if folder is None or isinstance(e, CheckpointError) or not _damaged_file(e):
             raise
         raise CheckpointError(
-            f"Checkpoint {folder} could not be loaded: {type(e).__name__}: {e}. A file in it is damaged "
-            f"(truncated or overwritten). {_ADVICE}"
+            f"Checkpoint {folder} could not be loaded: {type(e).__name__}: {str(e)[:500]}. A file in it is "
+            f"damaged (truncated or overwritten). {_ADVICE}"
         ) from e
-
-
-def _is_distributed_error(e: BaseException) -> bool:
-    return isinstance(e, getattr(dist, "DistError", ())) or "timed out" in str(e).lower()
