@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -52,7 +53,7 @@ class ContextParallel:
     """This rank's place in the DP x CP grid (``cp_group``/``dp_group`` are process groups), and in
     its CP group's Ulysses x ring grid: ``ulysses_group`` (``None`` when ``ulysses_size == 1``) and
     ``ring_group`` (the CP group when ``ulysses_size == 1``, ``None`` when ``ulysses_size == cp_size``:
-    no ring)."""
+    no ring); ``timeout`` bounds their collectives."""
 
     cp_group: dist.ProcessGroup
     cp_rank: int
@@ -63,6 +64,7 @@ class ContextParallel:
     ulysses_size: int = 1
     ulysses_group: dist.ProcessGroup | None = None
     ring_group: dist.ProcessGroup | None = None
+    timeout: timedelta | None = None  # of every group above (None: torch's default)
 
     @property
     def ring_size(self) -> int:
@@ -70,13 +72,26 @@ class ContextParallel:
         return self.cp_size // self.ulysses_size
 
 
-def setup_context_parallel(cp_size: int, *, ulysses_size: int = 1, backend: str | None = None) -> ContextParallel:
+def setup_context_parallel(
+    cp_size: int,
+    *,
+    ulysses_size: int = 1,
+    backend: str | None = None,
+    timeout: timedelta | float | None = None,
+) -> ContextParallel:
     """Build the CP and DP groups and make this rank's CP group the default ``group=None``.
 
     Initialises torch.distributed from the launcher's environment (``accelerate launch``,
     ``torchrun``: ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ...) when that has not happened yet,
     with NCCL when CUDA is available and gloo otherwise (or ``backend``). Every rank must call it,
     with the same ``cp_size`` and ``ulysses_size``.
+
+    ``timeout`` (a ``timedelta`` or seconds) bounds every collective of the groups made here (and
+    of the default group when this call initialises it): a rank that stops responding makes the
+    others raise after it instead of waiting. ``None``: the default group's timeout when
+    torch.distributed is already initialised (``RingTrainer`` passes ``ddp_timeout``), else torch's
+    default (30 minutes). The groups are named ``hf_ring_cp``, ``hf_ring_dp``, ``hf_ring_ulysses``
+    and ``hf_ring_ring`` (NCCL's timeout messages give that name).
 
     ``ulysses_size`` (an int dividing ``cp_size``; ``"auto"`` is resolved where the model is known,
     by ``RingTrainer``, with ``hf_ring.planner.choose_ulysses_size``) splits each CP group into
@@ -99,6 +114,10 @@ def setup_context_parallel(cp_size: int, *, ulysses_size: int = 1, backend: str 
             f"group is a grid of ulysses_size x ring ranks. Pick a divisor of {cp_size} as ulysses_size "
             "(1 is plain ring attention)."
         )
+    if isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+        timeout = timedelta(seconds=timeout)
+    if timeout is not None and (not isinstance(timeout, timedelta) or timeout.total_seconds() <= 0):
+        raise ValueError(f"setup_context_parallel: timeout must be a positive timedelta or seconds, got {timeout!r}")
     if not dist.is_initialized():
         if "RANK" not in os.environ and "WORLD_SIZE" not in os.environ:
             raise RuntimeError(
@@ -110,7 +129,13 @@ def setup_context_parallel(cp_size: int, *, ulysses_size: int = 1, backend: str 
             backend = "nccl" if torch.cuda.is_available() else "gloo"
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend)
+        dist.init_process_group(backend, **({"timeout": timeout} if timeout is not None else {}))
+    if timeout is None:
+        timeout = _default_timeout()
+
+    def new_group(ranks: list[int], name: str) -> dist.ProcessGroup:
+        return dist.new_group(ranks, timeout=timeout, group_desc=f"hf_ring_{name}")
+
     world, rank = dist.get_world_size(), dist.get_rank()
     if cp_size < 1 or world % cp_size:
         raise ValueError(
@@ -121,11 +146,11 @@ def setup_context_parallel(cp_size: int, *, ulysses_size: int = 1, backend: str 
     cp_group = dp_group = None
     # new_group must be called by every rank for every group, in the same order.
     for i in range(dp_size):
-        g = dist.new_group(list(range(i * cp_size, (i + 1) * cp_size)))
+        g = new_group(list(range(i * cp_size, (i + 1) * cp_size)), "cp")
         if rank // cp_size == i:
             cp_group = g
     for j in range(cp_size):
-        g = dist.new_group(list(range(j, world, cp_size)))
+        g = new_group(list(range(j, world, cp_size)), "dp")
         if rank % cp_size == j:
             dp_group = g
     assert cp_group is not None and dp_group is not None
@@ -137,18 +162,29 @@ def setup_context_parallel(cp_size: int, *, ulysses_size: int = 1, backend: str 
         for i in range(dp_size):
             base = i * cp_size
             for r in range(ring_size):  # Ulysses: consecutive ranks
-                g = dist.new_group(list(range(base + r * u_size, base + (r + 1) * u_size)))
+                g = new_group(list(range(base + r * u_size, base + (r + 1) * u_size)), "ulysses")
                 if rank // cp_size == i and cp_rank // u_size == r:
                     ulysses_group = g
             if ring_size > 1:
                 for u in range(u_size):  # ring: the same place u in every Ulysses group
-                    g = dist.new_group(list(range(base + u, base + cp_size, u_size)))
+                    g = new_group(list(range(base + u, base + cp_size, u_size)), "ring")
                     if rank // cp_size == i and cp_rank % u_size == u:
                         ring_group = g
     _DEFAULT = ContextParallel(
-        cp_group, cp_rank, cp_size, dp_group, rank // cp_size, dp_size, u_size, ulysses_group, ring_group
+        cp_group, cp_rank, cp_size, dp_group, rank // cp_size, dp_size, u_size, ulysses_group, ring_group, timeout
     )
     return _DEFAULT
+
+
+def _default_timeout() -> timedelta | None:
+    """The timeout of the default process group (``None``: unknown, torch's default applies)."""
+    try:  # no public accessor; the backend's options hold it (gloo and NCCL)
+        pg = dist.distributed_c10d._get_default_group()
+        device = torch.device("cuda") if dist.get_backend() == "nccl" else torch.device("cpu")
+        found = pg._get_backend(device).options._timeout
+    except (AttributeError, RuntimeError, ValueError):
+        return None
+    return found if isinstance(found, timedelta) else None
 
 
 def default_group() -> dist.ProcessGroup | None:

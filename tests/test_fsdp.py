@@ -6,8 +6,8 @@ answer lies in rank 0's shard only (rank 1 of each CP group has no target):
   and at DP=2 x CP=2;
 - a run resumed from its sharded checkpoint at step 3 logs exactly the losses of the uninterrupted
   run (model, optimizer, scheduler, RNG and data position restored);
-- the final adapter, written in PEFT's format from the sharded model, loads with
-  ``PeftModel.from_pretrained`` and reproduces the trained model's logits;
+- the final adapter, written in PEFT's format from the sharded model by ``trainer.save_model``, loads
+  with ``PeftModel.from_pretrained`` and reproduces the trained model's logits;
 - ranks that see different output directories (no shared filesystem) all get a clear error.
 
 Each multi-process call runs under the pool's timeout (a hang fails the test).
@@ -86,7 +86,6 @@ def _logits(trainer, ids: torch.Tensor) -> np.ndarray:
 def train_run(kind: str, out: str, save_steps: int = 0, resume: str | None = None, final: bool = False) -> dict:
     """One RingTrainer run on this rank (``kind``: ``ddp`` or ``fsdp``)."""
     from hf_ring.trainer import RingTrainer
-    from hf_ring.trainer.export import save_final
     from testkit.fsdp import fsdp2_on_cpu
 
     launcher_env()
@@ -107,7 +106,7 @@ def train_run(kind: str, out: str, save_steps: int = 0, resume: str | None = Non
             ids = PasskeyDataset(seq_len=SEQ, length=4, seed=7)[0]["input_ids"][None]
             res["logits"] = _logits(trainer, ids)
             res["ids"] = ids.numpy()
-            save_final(trainer, Path(out) / "final", merged=True)
+            trainer.save_model(str(Path(out) / "final"), merged=True)
     return res
 
 
@@ -169,7 +168,7 @@ def test_fsdp2_final_adapter_loads_with_peft(fsdp_whole) -> None:
 
 
 def test_fsdp2_merged_model_loads_without_peft(fsdp_whole) -> None:
-    """``save_final(merged=True)``: the base model with the adapter merged in, from FSDP2 shards."""
+    """``save_model(path, merged=True)``: the base model with the adapter merged in, from FSDP2 shards."""
     from transformers import AutoModelForCausalLM
 
     out, whole = fsdp_whole

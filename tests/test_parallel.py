@@ -104,3 +104,30 @@ def test_group_none_uses_the_cp_group(causal: bool) -> None:
         assert x["same_as_explicit_group"]
     # the two CP groups really did attend to different data
     assert res[0]["checksum"] == res[1]["checksum"] != res[2]["checksum"] == res[3]["checksum"]
+
+
+def group_timeouts(timeout) -> dict:
+    """On every rank: the timeout and name of each group ``setup_context_parallel`` builds."""
+    cp = hf_ring.setup_context_parallel(4, ulysses_size=2, timeout=timeout)
+
+    def of(g: dist.ProcessGroup) -> tuple[float, str]:
+        return g._get_backend(torch.device("cpu")).options._timeout.total_seconds(), g.group_desc
+
+    world = of(dist.group.WORLD)[0]
+    return {"state": cp.timeout.total_seconds(), "world": world, "groups": [of(g) for g in
+            (cp.cp_group, cp.dp_group, cp.ulysses_group, cp.ring_group)]}  # fmt: skip
+
+
+def test_groups_take_the_timeout() -> None:
+    """``timeout`` reaches every group (a frozen rank then makes the others raise after it, not after
+    torch's 30 minutes; tests/test_checkpoints.py shows it end to end); by default the groups take
+    the default group's timeout."""
+    from datetime import timedelta
+
+    for r in run_ranks(4, group_timeouts, timedelta(seconds=7)):
+        assert r["state"] == 7.0
+        assert r["groups"] == [(7.0, f"hf_ring_{name}") for name in ("cp", "dp", "ulysses", "ring")]
+    for r in run_ranks(4, group_timeouts, None):
+        assert r["state"] == r["world"] and {t for t, _ in r["groups"]} == {r["world"]}
+    with pytest.raises(RuntimeError, match="timeout must be a positive timedelta or seconds"):
+        run_ranks(4, group_timeouts, -1)

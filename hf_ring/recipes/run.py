@@ -5,10 +5,11 @@
 
 Parses the recipe (``hf_ring.recipes.recipe``), resolves the model's config and checks it (no
 weights), builds the data once (``hf_ring.recipes.data``; token ids checked against the config's
-``vocab_size``), the model (LoRA through PEFT), and trains it with ``RingTrainer``: progress bar, ``report_to``,
-checkpoints every ``save_steps`` (sharded under FSDP2) and resume are ``Trainer``'s. A run resumes
-from the last checkpoint in ``output_dir`` unless ``--resume_from_checkpoint`` names one (a path)
-or is ``no``. At the end it writes ``output_dir/final`` (a PEFT adapter, or the full model),
+``vocab_size``), the model (LoRA through PEFT), and trains it with ``RingTrainer``: progress bar,
+``report_to``, checkpoints every ``save_steps`` (sharded under FSDP2) and resume are ``Trainer``'s,
+sealed by ``RingTrainer`` (a kill cannot break them). A run resumes from the newest complete
+checkpoint in ``output_dir`` unless ``--resume_from_checkpoint`` names one (a path) or is ``no``. At
+the end ``trainer.save_model`` writes ``output_dir/final`` (a PEFT adapter, or the full model),
 ``metrics.jsonl`` (the logged steps), ``summary.json`` and, when matplotlib is installed,
 ``loss.png``; passkey runs with ``data.eval`` report retrieval accuracy before and after.
 """
@@ -22,11 +23,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from transformers.trainer_utils import get_last_checkpoint
-
 from ..data.passkey import VOCAB as PASSKEY_VOCAB
 from ..trainer import RingTrainer
-from ..trainer.export import save_final
 from .data import StagedDataset, collate, load_documents, pack, passkey_stage, stages_of, tokenize
 from .evaluate import passkey_accuracy
 from .plots import plot_loss
@@ -71,13 +69,15 @@ def build_train_dataset(recipe: Recipe, dp_size: int, tokenizer: Any = None, voc
     return StagedDataset([(packed[s["seq_len"]], s["steps"]) for s in stages], per_step, args.max_steps, args.seed)
 
 
-def _resume(args: Any) -> str | None:
-    given = args.resume_from_checkpoint
+def _resume(trainer: RingTrainer) -> str | None:
+    """The checkpoint to resume from: ``--resume_from_checkpoint`` (a path, or ``no``), by default
+    the newest complete one in ``output_dir`` (skipped ones are logged), else none."""
+    given = trainer.args.resume_from_checkpoint
     if given is not None and str(given).lower() in ("no", "false", "none", ""):
         return None
     if given is not None and str(given).lower() not in ("last", "true", "yes"):
-        return str(given)
-    return get_last_checkpoint(args.output_dir) if os.path.isdir(args.output_dir) else None
+        return trainer._resolve_checkpoint(str(given))
+    return trainer._resolve_checkpoint("last")
 
 
 def run(recipe: Recipe) -> dict[str, Any]:
@@ -99,7 +99,7 @@ def run(recipe: Recipe) -> dict[str, Any]:
         model=model, args=args, train_dataset=train, data_collator=collate, processing_class=tokenizer
     )
     summary: dict[str, Any] = {"cp_size": trainer.cp_size, "dp_size": trainer.dp_size}
-    resume = _resume(args)
+    resume = _resume(trainer)
     evaluation = recipe.data.get("eval")
     if evaluation and resume is None:
         summary["accuracy_before"] = passkey_accuracy(trainer, evaluation["seq_len"], evaluation["samples"], args.seed)
@@ -109,7 +109,7 @@ def run(recipe: Recipe) -> dict[str, Any]:
     if evaluation:
         summary["accuracy_after"] = passkey_accuracy(trainer, evaluation["seq_len"], evaluation["samples"], args.seed)
     out = Path(args.output_dir)
-    save_final(trainer, out / "final", merged=args.save_merged_model)
+    trainer.save_model(str(out / "final"), merged=args.save_merged_model)
     history = [h for h in trainer.state.log_history if "loss" in h]
     summary.update(
         steps=trainer.state.global_step,

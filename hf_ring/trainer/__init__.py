@@ -1,5 +1,7 @@
 """``RingTrainer`` and what only it needs: ``RingTrainingArguments`` (``arguments``), start-up
-checks (``checks``), the final adapter or model (``export``) and the TRL mixin (``trl``,
+checks (``checks``), the final adapter or model (``export``, written by ``RingTrainer.save_model``),
+checkpoints that a kill cannot break (``checkpoints``, ``integrity``, ``saving``: ``CheckpointError``),
+collective timeouts (``timeouts``: ``CollectiveTimeout``) and the TRL mixin (``trl``,
 ``RingSFTTrainer``; imported on its own, as it needs trl).
 
     from hf_ring import RingTrainer, RingTrainingArguments   # or from hf_ring.trainer

@@ -65,6 +65,14 @@ class RingTrainingArguments(TrainingArguments):
             "to output_dir/final/merged (loads with from_pretrained, without peft)."
         },
     )
+    checkpoint_checksums: bool = field(
+        default=False,
+        metadata={
+            "help": "Record the SHA-256 of every checkpoint file in its manifest (hf_ring_checkpoint.json) and "
+            "check them on resume: catches files changed after the save with their size intact. Each rank hashes "
+            "its share; costs one read of the checkpoint at each save and at resume. Sizes are always checked."
+        },
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -1,7 +1,8 @@
 """The final model of a run, in the formats that load without hf_ring: a LoRA adapter in PEFT's
 format (``PeftModel.from_pretrained(base, path)``), or a full model (``save_pretrained``), whatever
 the FSDP state-dict type of the checkpoints (``SHARDED_STATE_DICT`` checkpoints are for resume).
-Optionally also the base model with the adapter merged in (``from_pretrained`` without peft)."""
+Optionally also the base model with the adapter merged in (``from_pretrained`` without peft).
+``RingTrainer.save_model`` writes it; ``save_final`` is the name it had before."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["full_state_dict", "merged_state_dict", "save_final"]
+__all__ = ["full_state_dict", "merged_state_dict", "save_final", "save_model"]
 
 
 def _is_main() -> bool:
@@ -67,7 +68,7 @@ def merged_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[
         bias = getattr(module, "lora_bias", {}).get(adapter, False)
         if not isinstance(module, LoraLinear) or dora or bias:
             raise ValueError(
-                f"save_final(merged=True): cannot merge the adapter of {name} ({type(module).__name__}, "
+                f"save_model(merged=True): cannot merge the adapter of {name} ({type(module).__name__}, "
                 f"DoRA={dora}, lora_bias={bias}); only plain LoRA on Linear layers is merged. "
                 "Load the adapter with PeftModel.from_pretrained and call merge_and_unload() instead."
             )
@@ -80,7 +81,7 @@ def merged_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[
         merged[w_key] = (w.to(acc) + (delta.T if module.fan_in_fan_out else delta)).to(w.dtype)
     left = [k for k in merged if ".lora_" in k and f".{adapter}" in k]
     if left:  # a weight of the active adapter that no merge above consumed would be silently dropped
-        raise ValueError(f"save_final(merged=True): cannot merge the adapter's weights {left[:3]}; load the "
+        raise ValueError(f"save_model(merged=True): cannot merge the adapter's weights {left[:3]}; load the "
                          "adapter with PeftModel.from_pretrained and call merge_and_unload() instead.")
     out = {}
     for key, t in merged.items():
@@ -91,12 +92,13 @@ def merged_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[
     return out
 
 
-def save_final(trainer: Any, path: str | os.PathLike, *, merged: bool = False) -> Path:
-    """Write the trained model of ``trainer`` (a ``RingTrainer`` after ``train()``) to ``path``:
-    a PEFT model's adapter in PEFT's format, any other model with ``save_pretrained``. With
-    ``merged=True`` a PEFT model is also written whole, adapter merged into the base weights, to
-    ``path / "merged"`` (``AutoModelForCausalLM.from_pretrained`` loads it without peft). Collective:
-    call it on every rank. Returns ``path``."""
+def save_model(trainer: Any, path: str | os.PathLike, *, merged: bool = False) -> Path:
+    """Write the trained model of ``trainer`` (a ``RingTrainer``) to ``path``: a PEFT model's adapter
+    in PEFT's format, any other model with ``save_pretrained``, gathered from FSDP2 shards whatever
+    the state-dict type; the tokenizer (``processing_class``) and ``training_args.bin`` beside it.
+    With ``merged=True`` a PEFT model is also written whole, adapter merged into the base weights,
+    to ``path / "merged"`` (``AutoModelForCausalLM.from_pretrained`` loads it without peft).
+    Collective: call it on every rank. Returns ``path``. ``RingTrainer.save_model(path)`` calls it."""
     from peft import PeftModel
 
     path = Path(path)
@@ -110,6 +112,8 @@ def save_final(trainer: Any, path: str | os.PathLike, *, merged: bool = False) -
         inner.save_pretrained(path, state_dict=state, safe_serialization=True)
         if getattr(trainer, "processing_class", None) is not None:
             trainer.processing_class.save_pretrained(path)
+        if getattr(trainer, "args", None) is not None:
+            torch.save(trainer.args, path / "training_args.bin")
         if whole:
             from huggingface_hub import save_torch_state_dict
 
@@ -123,3 +127,6 @@ def save_final(trainer: Any, path: str | os.PathLike, *, merged: bool = False) -
     if dist.is_initialized():
         dist.barrier()
     return path
+
+
+save_final = save_model  # its former name; ``RingTrainer.save_model(path)`` is the way to call it

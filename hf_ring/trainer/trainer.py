@@ -40,6 +40,8 @@ from ..transformers.batch import next_token_targets, shard_batch
 from ..transformers.context import KEY
 from ..transformers.support import check_model
 from .arguments import RingTrainingArguments, apply_model_options
+from .saving import CheckpointMixin
+from .timeouts import exit_after_timeout, explain, is_timeout
 
 __all__ = ["RingTrainer", "RingTrainingArguments", "resolve_ulysses_size"]
 
@@ -83,7 +85,7 @@ def _launched() -> bool:
     return dist.is_available() and (dist.is_initialized() or "WORLD_SIZE" in os.environ)
 
 
-class RingTrainer(Trainer):
+class RingTrainer(CheckpointMixin, Trainer):
     """``transformers.Trainer`` with context parallelism over ``cp_size`` processes per sequence.
 
     Takes ``Trainer``'s arguments, plus ``cp_size`` (default: ``args.cp_size`` when ``args`` is a
@@ -151,7 +153,9 @@ class RingTrainer(Trainer):
         if cp_size > 1 or (dist.is_available() and dist.is_initialized()):
             state = context_parallel_state()
             if state is None:
-                state = setup_context_parallel(cp_size, ulysses_size=ulysses_size or 1)
+                state = setup_context_parallel(
+                    cp_size, ulysses_size=ulysses_size or 1, timeout=self.args.ddp_timeout_delta
+                )
             elif state.cp_size != cp_size:
                 raise ValueError(
                     f"RingTrainer: cp_size={cp_size}, but setup_context_parallel was already called with "
@@ -386,15 +390,31 @@ class RingTrainer(Trainer):
 
     # --- training, logging ---------------------------------------------------------------------
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
-        """``Trainer.train``; first checks, when checkpoints are written or read by several processes,
-        that every rank sees the same ``output_dir`` (a filesystem shared by all nodes)."""
+        """``Trainer.train``, with checkpoints that a kill cannot break (docs/trainer.md, "Checkpoints").
+
+        ``resume_from_checkpoint``: a path (checked first: a missing or truncated file is an error
+        naming it), ``True`` (the newest complete checkpoint in ``output_dir``; an error when there
+        is none) or ``"last"`` (the same, or from scratch when there is none). Checkpoints that
+        cannot be resumed from are skipped with a warning that says why. First checks, when
+        checkpoints are written or read by several processes, that every rank sees the same
+        ``output_dir`` (a filesystem shared by all nodes). A collective that times out
+        (``ddp_timeout``: a rank stopped responding) raises ``CollectiveTimeout`` naming the call,
+        its group and the timeout."""
         saves = self.args.save_strategy != "no" and not self.args.save_on_each_node
         if _launched() and dist.is_initialized() and (saves or resume_from_checkpoint):
             from .checks import check_shared_output_dir
 
             check_shared_output_dir(self.args.output_dir)
+        resume_from_checkpoint = self._resolve_checkpoint(resume_from_checkpoint)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            exit_after_timeout()
         self._window = _Throughput()
-        return super().train(resume_from_checkpoint, *args, **kwargs)
+        try:
+            return super().train(resume_from_checkpoint, *args, **kwargs)
+        except Exception as e:
+            if not is_timeout(e):
+                raise
+            raise explain(e, self._cp, self.args.ddp_timeout_delta) from e
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """``Trainer.log``, with ``seq_len`` (of the last training batch) and ``tokens_per_second``
