@@ -1,0 +1,59 @@
+"""Layouts and float64 oracles shared by the token-mixer tests: batches of one sequence per row and of
+packed documents (1, 2 and more tokens, crossing chunk and rank boundaries), laid out over P ranks
+exactly as ``shard_batch`` lays them out, and helpers to cut a full tensor into a rank's rows."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from hf_ring.ops.layout import ShardLayout, sequence_layout
+from hf_ring.transformers.batch import _packed_layout
+
+# Document lengths of one packed row; each layout kind has two batch rows (the second: long_and_short).
+DOCS = {
+    "short_ones": [1, 2, 1, 3, 1, 1, 2, 5, 8],  # 24 tokens
+    "long_and_short": [2, 17, 1, 4],  # 24 tokens
+    "odd": [1, 13, 2, 7],  # 23 tokens: not a multiple of 2P
+}
+KINDS = ("sequence", *DOCS)
+
+
+def starts_of(lengths: list[int]) -> list[int]:
+    out, s = [], 0
+    for n in lengths:
+        out.append(s)
+        s += n
+    return out
+
+
+def make_layout(kind: str, size: int, ulysses: int = 1) -> tuple[ShardLayout, int]:
+    """The layout of a 2-row batch of ``kind`` over ``size`` ranks, and its batch size. ``sequence``:
+    one sequence of 24 tokens per row (zigzag); the others: packed rows (``DOCS[kind]`` and
+    ``long_and_short``; ``odd`` has 23 tokens per row, ``[1, 13, 2, 7]`` and ``[23]``)."""
+    if kind == "sequence":
+        return sequence_layout(24, size // ulysses, ulysses), 2
+    second = [23] if kind == "odd" else DOCS["long_and_short"]
+    n = sum(DOCS[kind])
+    return _packed_layout([starts_of(DOCS[kind]), starts_of(second)], n, size, ulysses)[0], 2
+
+
+def documents(layout: ShardLayout, row: int) -> list[tuple[int, int]]:
+    """``[start, stop)`` of every document of batch row ``row`` (one sequence: the whole row)."""
+    starts = list(layout.starts[row if len(layout.starts) > 1 else 0])
+    return list(zip(starts, [*starts[1:], layout.n]))
+
+
+def local_rows(full: Tensor, layout: ShardLayout, rank: int, dim: int = 1) -> Tensor:
+    """``full`` (``[B, n, ...]`` along ``dim``) -> this rank's rows ``[B, S_local, ...]`` (zeros for padding rows)."""
+    b = full.shape[0]
+    index = layout.index(b)[rank].to(full.device)  # [B, S_local], n for padding
+    moved = full.movedim(dim, 1)
+    padded = torch.cat((moved, moved.new_zeros((b, 1, *moved.shape[2:]))), dim=1)
+    idx = index.view(b, -1, *([1] * (moved.dim() - 2))).expand(b, index.shape[1], *moved.shape[2:])
+    return padded.gather(1, idx).movedim(1, dim)
+
+
+def real_rows(layout: ShardLayout, rank: int, batch: int) -> Tensor:
+    """``[B, S_local]`` bool: the local rows that hold a token (not padding)."""
+    return layout.index(batch)[rank] < layout.n
