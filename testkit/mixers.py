@@ -57,3 +57,42 @@ def local_rows(full: Tensor, layout: ShardLayout, rank: int, dim: int = 1) -> Te
 def real_rows(layout: ShardLayout, rank: int, batch: int) -> Tensor:
     """``[B, S_local]`` bool: the local rows that hold a token (not padding)."""
     return layout.index(batch)[rank] < layout.n
+
+
+def delta_rule_reference(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    chunk_size: int = 64,
+    initial_state: Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    **_: object,
+) -> tuple[Tensor, Tensor | None]:
+    """The gated delta rule token by token, in the inputs' dtype (float64 for the oracle), with the
+    signature of transformers' ``torch_chunk_gated_delta_rule`` (``chunk_size`` ignored).
+
+    ``query``/``key [B, L, Hk, Dk]``, ``value [B, L, Hv, Dv]``, ``g`` (log decay) ``[B, L, Hv]`` or
+    per channel ``[B, L, Hv, Dk]`` (KDA), ``beta [B, L, Hv]``, ``initial_state [B, Hv, Dk, Dv]``.
+    Per token: ``S <- diag(exp g) S``, ``S <- S + beta k (v - S^T k)^T``, ``o = S^T q / sqrt(Dk)``."""
+    dtype = torch.promote_types(query.dtype, torch.float32)
+    q, k, v, g, beta = (t.to(dtype) for t in (query, key, value, g, beta))
+    rep = v.shape[2] // q.shape[2]
+    q, k = q.repeat_interleave(rep, 2), k.repeat_interleave(rep, 2)
+    if use_qk_l2norm_in_kernel:
+        q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6)
+        k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    q = q * q.shape[-1] ** -0.5
+    b, n, h, dk = q.shape
+    s = q.new_zeros(b, h, dk, v.shape[-1]) if initial_state is None else initial_state.to(dtype)
+    outs = []
+    for t in range(n):
+        decay = g[:, t].exp()
+        s = s * (decay[..., None] if decay.dim() == 3 else decay[..., None, None])
+        delta = (v[:, t] - torch.einsum("bhkv,bhk->bhv", s, k[:, t])) * beta[:, t, :, None]
+        s = s + k[:, t, :, :, None] * delta[:, :, None, :]
+        outs.append(torch.einsum("bhkv,bhk->bhv", s, q[:, t]))
+    out = torch.stack(outs, 1) if outs else v.new_zeros(b, 0, h, v.shape[-1])
+    return out.to(query.dtype), (s if output_final_state else None)
