@@ -4,6 +4,10 @@ exactly as ``shard_batch`` lays them out, and helpers to cut a full tensor into 
 
 from __future__ import annotations
 
+import importlib
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 from torch import Tensor
 
@@ -96,3 +100,46 @@ def delta_rule_reference(
         outs.append(torch.einsum("bhkv,bhk->bhv", s, q[:, t]))
     out = torch.stack(outs, 1) if outs else v.new_zeros(b, 0, h, v.shape[-1])
     return out.to(query.dtype), (s if output_final_state else None)
+
+
+# transformers' torch fallbacks that compute in float32 whatever their inputs -> a float64 stand-in
+FLOAT64_KERNELS = {
+    "torch_chunk_gated_delta_rule": delta_rule_reference,
+    "chunk_kimi_delta_attention": delta_rule_reference,
+}
+
+
+@contextmanager
+def float64_kernels() -> Iterator[None]:
+    """Within: every routed modeling module's kernel named in ``FLOAT64_KERNELS`` is the float64
+    stand-in, for direct calls and under hf_ring's dispatcher alike (a float64 check that rounds
+    to float32 inside the kernel cannot tell the ring from rounding)."""
+    from hf_ring.transformers import mixers
+
+    saved = []
+    for short, family in mixers.FAMILIES.items():
+        try:
+            module = importlib.import_module("transformers.models." + short)
+        except ImportError:
+            continue
+        for name, route in family.functions.items():
+            if name in FLOAT64_KERNELS and hasattr(module, name):
+                saved.append((module, name, getattr(module, name)))
+                stand_in = mixers.ROUTES[route](FLOAT64_KERNELS[name])
+                stand_in.hf_ring_original = FLOAT64_KERNELS[name]  # type: ignore[attr-defined]
+                setattr(module, name, stand_in)
+    try:
+        yield
+    finally:
+        for module, name, fn in saved:
+            setattr(module, name, fn)
+
+
+def hybrid(model_type: str) -> bool:
+    """The family's causal LM has token mixers that hf_ring routes (``hf_ring.transformers.mixers``)."""
+    from hf_ring.transformers.mixers import routed_classes
+
+    from .families import causal_lm_class
+
+    cls = causal_lm_class(model_type)
+    return cls is not None and bool(routed_classes(cls.__module__))

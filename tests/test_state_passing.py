@@ -73,7 +73,9 @@ def state_errors(layout_kind: str, ulysses: int, kind: str, sparse: bool) -> dic
         need_ext = not sparse or plan.sent[i]
         maps.append(run_entry(kind, run.row, run.start, "map").requires_grad_() if need_map else None)
         exts.append(run_entry(kind, run.row, run.start, "ext").requires_grad_() if need_ext else None)
-    got = incoming_states(layout, batch, rank, None, maps, exts, apply, map_shape=m_shape, state_shape=e_shape)
+    got = incoming_states(
+        layout, batch, rank, None, maps, exts, apply, map_shape=m_shape, state_shape=e_shape, dtype=torch.float64
+    )
     total = torch.zeros((), dtype=torch.float64)
     for run, s in zip(plan.runs, got):
         if s is not None:
@@ -120,4 +122,4 @@ def test_plan_sends_only_states_that_are_needed() -> None:
     plans = [state_plan(layout, 1, r) for r in range(4)]
     assert [p.sent for p in plans] == [(True, False), (True, True), (True, True), (True,)]
     assert plans[0].first == (True, False) and plans[0].slots == 2
-    assert [len(c) for c in plans[0].chains] == [0, 7]  # rank 3's chunks 3 and 4 are one run
+    assert [len(c) for c in plans[0].chains] == [0, 6]  # chunks 0..6 in 6 runs: rank 3 holds 3 and 4 as one

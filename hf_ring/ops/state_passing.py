@@ -190,6 +190,8 @@ def incoming_states(
     *,
     map_shape: Sequence[int] | None = None,
     state_shape: Sequence[int] | None = None,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
     plan: StatePlan | None = None,
 ) -> list[Tensor | None]:
     """The state entering each of this rank's runs, composed over the whole CP group.
@@ -203,9 +205,11 @@ def incoming_states(
         exts: per run, ``E``, the state leaving the run when it starts from zero (``S_out =
             apply(M, S_in) + E``); ``None`` allowed where ``not plan.sent``.
         apply: ``apply(M, S) -> M(S)``, e.g. ``apply_matrix``; differentiable torch ops.
-        map_shape, state_shape: the shapes of ``M`` and ``E`` (taken from the entries when
-            omitted; give them when this rank may have no entry of one kind, since every rank of
-            the group must send the same message size).
+        map_shape, state_shape, dtype, device: the shapes of ``M`` and ``E``, the dtype the
+            states are composed in (float32 or wider) and their device. Omitted, they come from
+            this rank's entries (dtype: float32, or the entries' wider dtype); give them whenever a
+            rank may hold no entry of one kind (packed documents, Ulysses pieces), since every
+            rank of the group must send the same message.
         plan: ``state_plan(layout, batch, rank)`` if the caller has it.
 
     Returns:
@@ -232,8 +236,10 @@ def incoming_states(
             "message size from; pass map_shape= and state_shape= (the same on every rank)"
         )
     known = [t for t in (*maps, *exts) if t is not None]
-    dtype = functools.reduce(torch.promote_types, [t.dtype for t in known], torch.float32)
-    device = known[0].device if known else torch.device("cpu")
+    if dtype is None:
+        dtype = functools.reduce(torch.promote_types, [t.dtype for t in known], torch.float32)
+    if device is None:
+        device = known[0].device if known else torch.device("cpu")
     m_numel, e_numel = math.prod(m_shape), math.prod(e_shape)
     rows: list[Tensor] = []
     zero = torch.zeros(m_numel + e_numel, dtype=dtype, device=device)

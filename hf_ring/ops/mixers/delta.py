@@ -129,7 +129,7 @@ def delta_rule(
     maps: list[Tensor | None] = [None] * len(plan.state.runs)
     q_map = None
     if len(cont):
-        eye = torch.eye(dk, dtype=torch.float32, device=q.device).expand(len(cont), hv, dk, dk)
+        eye = torch.eye(dk, dtype=torch.float32, device=q.device).expand(len(cont), hv, dk, dk).contiguous()
         zeros = vs.new_zeros((len(cont), plan.length, hv, dk))
         picked = (t.index_select(0, cont) for t in (qs, ks, gs, bs))
         qi, ki, gi, bi = picked
@@ -140,6 +140,7 @@ def delta_rule(
     states = incoming_states(
         plan.layout, plan.batch, plan.rank, group, maps, exts, apply_matrix,
         map_shape=(hv, dk, dk), state_shape=(hv, dk, v.shape[3]), plan=plan.state,
+        dtype=torch.promote_types(q.dtype, torch.float32), device=q.device,
     )  # fmt: skip
     fixes = [(i, s) for i, s in enumerate(states) if s is not None]
     if fixes:
