@@ -55,3 +55,47 @@ def hybrid_runs(tmp_path_factory) -> Path:
 
 def test_hybrid_cp2_matches_single_process_trainer(hybrid_runs: Path) -> None:
     _compare(hybrid_runs, "ring_w2_cp2", "ref_dp1", floor=1e-3)
+
+
+def fsdp_hybrid_run(kind: str, out: str) -> dict:
+    """One RingTrainer run of a Qwen3.5 with LoRA on its attention and Gated DeltaNet projections,
+    activation checkpointing and chunked loss (``kind``: ``ddp`` or ``fsdp``), on passkey data."""
+    from contextlib import nullcontext
+
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    from hf_ring.data.passkey import VOCAB, PasskeyDataset
+    from hf_ring.trainer import RingTrainer
+    from testkit.families import causal_lm_class, tiny_config
+    from testkit.fsdp import fsdp2_on_cpu
+    from testkit.spawn import launcher_env
+    from tests.test_fsdp import SEQ, _args
+
+    launcher_env()
+    torch.manual_seed(0)
+    model = causal_lm_class(MODEL)._from_config(tiny_config(MODEL, vocab_size=VOCAB), attn_implementation="ring")
+    targets = ["q_proj", "v_proj", "in_proj_qkv", "in_proj_z", "out_proj"]
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=targets))
+    args = _args(out, 0)
+    args.chunked_loss = True
+    # Qwen3.5's _no_split_modules names its vision block too, which a text model lacks: name the layers
+    fsdp = fsdp2_on_cpu(transformer_cls_names_to_wrap=["Qwen3_5DecoderLayer"])
+    with fsdp if kind == "fsdp" else nullcontext():
+        trainer = RingTrainer(model=model, args=args, train_dataset=PasskeyDataset(seq_len=SEQ, length=64, seed=1))
+        trainer.train()
+        logs = [h for h in trainer.state.log_history if "loss" in h]
+        return {"fsdp": trainer.is_fsdp_enabled, "loss": [h["loss"] for h in logs],
+                "grad_norm": [h["grad_norm"] for h in logs]}  # fmt: skip
+
+
+def test_hybrid_fsdp2_equals_ddp(tmp_path: Path) -> None:
+    from testkit.spawn import run_ranks
+    from tests.test_fsdp import STEPS
+    from tests.test_fsdp import TIMEOUT as FSDP_TIMEOUT
+
+    fsdp = run_ranks(2, fsdp_hybrid_run, "fsdp", str(tmp_path / "fsdp"), timeout=FSDP_TIMEOUT)[0]
+    ddp = run_ranks(2, fsdp_hybrid_run, "ddp", str(tmp_path / "ddp"), timeout=FSDP_TIMEOUT)[0]
+    assert fsdp["fsdp"] and not ddp["fsdp"] and len(fsdp["loss"]) == len(ddp["loss"]) == STEPS
+    for a, b in zip(fsdp["loss"] + fsdp["grad_norm"], ddp["loss"] + ddp["grad_norm"]):
+        assert abs(a - b) <= 1e-5 * abs(b), (fsdp, ddp)
