@@ -129,7 +129,9 @@ def _build(model_type: str, config: Any, attn: str, seed: int, dtype: Any):
     import torch
 
     torch.manual_seed(seed)
-    return causal_lm_class(model_type)._from_config(config, attn_implementation=attn).to(dtype)
+    # float64: the eager MoE experts (the grouped matmul kernels take no float64 on CPU)
+    extra = {"experts_implementation": "eager"} if dtype == torch.float64 else {}
+    return causal_lm_class(model_type)._from_config(config, attn_implementation=attn, **extra).to(dtype)
 
 
 def _grads(model) -> list:
@@ -210,7 +212,18 @@ def _variant_effect(model_type: str, ref: dict, batch: dict, reference: str, see
 def rank_check(
     model_type: str, variant: str | None, n: int, seed: int = 0, report: str | None = None, dtype: str = "float32"
 ) -> dict:
-    """One rank's part of ``check_family`` (run by ``testkit.spawn.run_ranks``)."""
+    """One rank's part of ``check_family`` (run by ``testkit.spawn.run_ranks``). In float64, the
+    mixer kernels that compute in float32 whatever their inputs (transformers' gated delta rules)
+    are float64 too, in the reference and in the ring run (``testkit.mixers.float64_kernels``)."""
+    from contextlib import nullcontext
+
+    from .mixers import float64_kernels
+
+    with float64_kernels() if dtype == "float64" else nullcontext():
+        return _rank_check(model_type, variant, n, seed, report, dtype)
+
+
+def _rank_check(model_type: str, variant: str | None, n: int, seed: int, report: str | None, dtype: str) -> dict:
     import warnings
 
     import torch

@@ -1,4 +1,5 @@
-"""Every causal-LM family of the installed transformers at CP=2: ring attention is exact or refused.
+"""Every causal-LM family of the installed transformers at CP=2: ring attention is exact or refused;
+hybrid families (routed token mixers) also exact at CP=4.
 
 One test per family and variant (``testkit.families``): one training step on 2 gloo ranks against
 one process (``testkit.sweep.check_family``). WRONG (runs, differs) and BROKEN (another exception)
@@ -18,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from testkit.families import families, skipped, variants
+from testkit.mixers import hybrid
 from testkit.sweep import README_END, README_START, check_family, render_table
 
 # family or "family:variant" -> why it is WRONG or BROKEN today (docs/models.json has the numbers)
@@ -44,6 +46,17 @@ def test_ring_is_exact_or_refused(family: str, variant: str | None) -> None:
     if r["status"] == "skipped":
         pytest.skip(r["detail"])
     assert r["status"] in ("exact", "refused"), f"{r['status'].upper()}: {r['detail']}"
+
+
+HYBRIDS = [family for family in families() if hybrid(family)]
+
+
+@pytest.mark.parametrize("family", HYBRIDS)
+def test_hybrids_are_exact_at_cp4(family: str) -> None:
+    """Families with routed token mixers (Gated DeltaNet, KDA, short convolutions, ...) at CP = 4:
+    chunks of 8 tokens, shorter than nothing but the state and convolution halos cross them all."""
+    r = check_family(family, None, n=N, cp=4)
+    assert r["status"] == "exact", f"{r['status'].upper()}: {r['detail']}"
 
 
 def test_known_entries_are_swept() -> None:

@@ -2,9 +2,10 @@
 
 Each case the sweep (tests/test_model_sweep.py) classifies is also pinned here on its own, at
 CP = 2 with N not divisible by 2P: multi-head latent attention exact; mixed precision under
-autocast as close to float64 as SDPA under the same autocast; hybrid mixers, mask-only sliding
-windows, chunked attention, the MoE router loss, and models that use the mask themselves or build
-their own attention refused with ``RingNotSupported``.
+autocast as close to float64 as SDPA under the same autocast; hybrid mixers without a
+context-parallel form (or without the batch's ring_context), mask-only sliding windows, chunked
+attention, the MoE router loss, and models that use the mask themselves or build their own
+attention refused with ``RingNotSupported``.
 """
 
 from __future__ import annotations
@@ -81,7 +82,14 @@ def test_mla_value_head_dim_is_exact() -> None:
         assert r["loss"] <= 1e-5 and r["grads"] <= 1e-5, r
 
 
-def refusal(model_type: str, n: int = 29, **overrides) -> str:
+def refusal(model_type: str, n: int = 29, unroute: bool = False, **overrides) -> str:
+    """The error of one ring step; ``unroute``: without the family's mixer routes (a hybrid whose
+    mixers hf_ring has no context-parallel form of)."""
+    from hf_ring.transformers import mixers
+
+    saved = dict(mixers.FAMILIES)
+    if unroute:
+        mixers.FAMILIES.pop(f"{model_type}.modeling_{model_type}")
     try:
         model = build(model_type, "ring", **overrides)
         model(**hf_ring.shard_batch(tiny_batch(2, n)))
@@ -89,14 +97,14 @@ def refusal(model_type: str, n: int = 29, **overrides) -> str:
         return f"RingNotSupported: {e}"
     except Exception as e:  # noqa: BLE001 - any other error is a failure of the test
         return f"{type(e).__name__}: {e}"
+    finally:
+        mixers.FAMILIES.update(saved)
     return "no error"
 
 
 @pytest.mark.parametrize(
     ("model_type", "message"),
     [
-        ("lfm2", "Lfm2ShortConv"),
-        ("qwen3_next", "Qwen3NextGatedDeltaNet"),
         ("mixtral", "coefficient 0.001"),
         ("qwen2_moe", "sliding window of 8 tokens"),
         ("llama4_text", "chunks of 8 tokens"),
@@ -109,6 +117,31 @@ def refusal(model_type: str, n: int = 29, **overrides) -> str:
 def test_refused_with_a_clear_error(model_type: str, message: str) -> None:
     for msg in run_ranks(2, refusal, model_type):
         assert msg.startswith("RingNotSupported") and message in msg, msg
+
+
+@pytest.mark.parametrize(("model_type", "message"), [("lfm2", "Lfm2ShortConv"), ("qwen3_next", "GatedDeltaNet")])
+def test_unrouted_mixers_are_refused(model_type: str, message: str) -> None:
+    """A mixer class without a context-parallel form (here: its route taken away) is refused at CP > 1."""
+    for msg in run_ranks(2, refusal, model_type, unroute=True):
+        assert msg.startswith("RingNotSupported") and message in msg and "no context-parallel form" in msg, msg
+
+
+def hand_sharded_hybrid() -> str:
+    """A hybrid run on a shard made by hand (no ring_context): its mixers cannot know the layout."""
+    model = build("lfm2", "ring")
+    batch = tiny_batch(2, 28)
+    kwargs = hf_ring.shard_batch(batch)
+    kwargs.pop("ring_context")
+    try:
+        model(**kwargs)
+    except hf_ring.RingNotSupported as e:
+        return str(e)
+    return "no error"
+
+
+def test_hybrid_without_ring_context_is_refused() -> None:
+    for msg in run_ranks(2, hand_sharded_hybrid):
+        assert "no ring_context" in msg and "shard_batch" in msg, msg
 
 
 def test_router_loss_without_coefficient_runs_exactly() -> None:

@@ -6,6 +6,9 @@
                                                                    RingTrainer, K / CP replicas of batch B
                                                                    (U: ulysses_size or auto, default 1)
 
+``HF_RING_TEST_MODEL=<model type>`` trains that family's tiny config (``testkit.families``, vocabulary
+97) instead of Llama: a hybrid such as ``qwen3_5_text``.
+
 Each run writes ``<name>.json`` (per-step loss and grad norm, eval loss, error messages checked on
 the way) and ``<name>.pt`` (final parameters) into OUT_DIR, from rank 0. The data: right-padded
 sequences of varied length with prompt spans masked out of the labels, so that micro-batches and
@@ -28,11 +31,21 @@ import hf_ring  # noqa: E402,F401  (registers attn_implementation="ring")
 TRAINER_LOADED_BY_IMPORT = "transformers.trainer" in sys.modules  # `import hf_ring` must stay light
 from testkit.models import tiny_model  # noqa: E402
 
+MODEL = os.environ.get("HF_RING_TEST_MODEL", "llama")
 N = 37  # padded length: not a multiple of 2 * CP
 B = 2  # per-replica batch
 GA = 2
 STEPS = 5
 TRAIN, EVAL = 40, 8
+
+
+def build_model(attn: str):
+    if MODEL == "llama":
+        return tiny_model("llama", attn)
+    from testkit.families import causal_lm_class, tiny_config
+
+    torch.manual_seed(0)
+    return causal_lm_class(MODEL)._from_config(tiny_config(MODEL, vocab_size=97), attn_implementation=attn)
 
 
 class Samples(torch.utils.data.Dataset):
@@ -116,7 +129,7 @@ def run_ref(out: Path, dps: list[int]) -> None:
     from transformers import Trainer
 
     for dp in dps:
-        model = tiny_model("llama", "sdpa")
+        model = build_model("sdpa")
         torch.save(params(model), out / "init.pt")
         trainer = Trainer(
             model=model,
@@ -144,10 +157,10 @@ def run_ring(out: Path, cp: int, ulysses: int | str = 1) -> None:
     world = int(os.environ["WORLD_SIZE"])
     errors = {}
     try:  # the wrong attention implementation is refused before anything else happens
-        RingTrainer(model=tiny_model("llama", "sdpa"), args=training_args(out / "bad", B), cp_size=cp)
+        RingTrainer(model=build_model("sdpa"), args=training_args(out / "bad", B), cp_size=cp)
     except ValueError as e:
         errors["sdpa"] = str(e)
-    model = tiny_model("llama", "ring")
+    model = build_model("ring")
     trainer = RingTrainer(
         model=model,
         args=training_args(out / f"ring{world}", B, cls=RingTrainingArguments, cp_size=cp, ulysses_size=ulysses),

@@ -22,7 +22,7 @@ from torch import Tensor
 
 from .layout import Run, ShardLayout
 
-__all__ = ["Halo", "RowPlan", "fetch_rows", "halo_plan", "plan_rows"]
+__all__ = ["Halo", "RowPlan", "fetch_rows", "halo_plan", "plan_rows", "tie"]
 
 Wanted = Callable[[int], list[tuple[int, int]]]  # CP rank -> (batch row, global position) pairs, in order
 
@@ -131,9 +131,30 @@ def fetch_rows(x: Tensor, plan: RowPlan, group: dist.ProcessGroup | None) -> Ten
     ``x``: ``[B, S_local, *F]``, this rank's rows. Returns ``[M, *F]`` (``M = plan.count``), row ``i``
     the ``i``-th wanted row. Collective: every rank of ``group`` calls it with its own plan of the same
     exchange. Differentiable in ``x``: each fetched row's gradient is added to the rank that holds it.
+    The backward is collective too: every rank's loss must depend on the output (``tie``).
     """
     flat = x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
     return _FetchRows.apply(flat, plan, group)
+
+
+class _Tie(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, out, *used):  # type: ignore[override]
+        ctx.like = [(u.shape, u.dtype, u.device) for u in used]
+        return out.clone()
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        return (grad, *(torch.zeros(s, dtype=d, device=dev) for s, d, dev in ctx.like))
+
+
+def tie(out: Tensor, *used: Tensor) -> Tensor:
+    """A copy of ``out`` that autograd sees as depending on ``used`` (with zero gradient).
+
+    The backward of ``fetch_rows`` (and of any collective) runs on a rank only if that rank's loss
+    depends on the collective's output; a rank that sends rows but uses none it receives would skip
+    it and leave the group waiting. Pass its output through ``tie(out, fetched)``."""
+    return _Tie.apply(out, *used)
 
 
 @dataclass(frozen=True, eq=False)

@@ -5,6 +5,7 @@
 - ``batch``: ``shard_batch``, a full batch -> this rank's model arguments and its ``RingContext``;
 - ``context``: ``RingContext``, the per-batch object that carries everything above;
 - ``patches``: opt-in model changes (chunked loss, tiled MLP, activation checkpointing + offload);
+- ``mixers``: the token mixers of hybrid models routed through their context-parallel forms;
 - ``support``: what ring attention computes exactly, and ``RingNotSupported`` for the rest.
 """
 
@@ -21,7 +22,9 @@ def register() -> None:
 
     Registers the attention function and the mask function under "ring", and wraps the causal-LM
     loss so that batches from ``shard_batch`` (which carry a ``ring_context``) get their loss summed
-    over the CP group; every other call of that loss is unchanged. Runs at ``import hf_ring``.
+    over the CP group; every other call of that loss is unchanged. Routes the token mixers of hybrid
+    models (``mixers.FAMILIES``) through their context-parallel forms for calls that carry a
+    ``ring_context``. Runs at ``import hf_ring``.
     """
     from transformers import AttentionInterface
     from transformers.loss.loss_utils import LOSS_MAPPING
@@ -29,11 +32,13 @@ def register() -> None:
 
     from .attention import ring_attention_forward, ring_mask
     from .loss import wrap_causal_lm_loss
+    from .mixers import install
     from .support import refuse_at_build
 
     AttentionInterface.register(NAME, ring_attention_forward)
     AttentionMaskInterface.register(NAME, ring_mask)
     refuse_at_build(NAME)
+    install()
     _wrap_causal_lm_loss(LOSS_MAPPING, wrap_causal_lm_loss)
 
 

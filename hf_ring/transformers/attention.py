@@ -139,7 +139,7 @@ def ring_attention_forward(
         ulysses = (cp.ulysses_group, cp.ring_group) if cp is not None and cp.ulysses_size > 1 else None
     labelled = ring_context.labelled if ring_context is not None else False
     given = ring_context.positions_given if ring_context is not None else True
-    check_layer(module, kwargs, query.shape[2] * size, labelled, size, given)
+    check_layer(module, kwargs, query.shape[2] * size, labelled, size, given, ring_context is not None)
     device = query.device.type
     if torch.is_autocast_enabled(device):  # as SDPA under autocast: all three in the autocast dtype
         dtype = torch.get_autocast_dtype(device)

@@ -6,8 +6,9 @@ ring reproduces. ``check_layer`` runs at every ring attention call (plain attrib
 raises ``RingNotSupported`` -- naming the model, the reason and the alternative -- for:
 
 - sequence mixers outside the attention registry (Mamba/SSM mixers, gated DeltaNet, lightning
-  and other linear attention, short convolutions, RG-LRU, ...): they would run on the local
-  zigzag shard as if it were a contiguous sequence;
+  and other linear attention, short convolutions, RG-LRU, ...) that have no context-parallel form
+  (``mixers.FAMILIES`` routes the rest): they would run on the local zigzag shard as if it were a
+  contiguous sequence; routed ones need the batch's ``ring_context``;
 - restrictions that live only in the mask or in the model (a sliding window or chunked attention
   shorter than the sequence; Llama 4's NoPE temperature tuning, which reads local positions);
 - the MoE router's auxiliary loss with a nonzero coefficient: transformers adds it after the
@@ -151,26 +152,50 @@ def _mask_window(module: nn.Module, config: Any) -> int | None:
     return window
 
 
+def _check_mixers(name: str, modeling_module: str, mixers: tuple[str, ...], context: bool) -> None:
+    """Mixers routed through their context-parallel form (``mixers.FAMILIES``) are exact on batches from
+    ``shard_batch``; any other mixer class is refused."""
+    from .mixers import routed_classes  # the routes import this module
+
+    routed = set(routed_classes(modeling_module))
+    unrouted = [m for m in mixers if m not in routed]
+    if unrouted:
+        raise RingNotSupported(
+            f'attn_implementation="ring": {name} mixes tokens outside attention ({", ".join(unrouted)}); those '
+            "layers would run on each rank's zigzag shard as if it were the whole sequence, and hf_ring has no "
+            "context-parallel form of them. Train this model without context parallelism (cp_size=1) or with "
+            "another attn_implementation."
+        )
+    if not context:
+        raise RingNotSupported(
+            f'attn_implementation="ring": {name} mixes tokens outside attention ({", ".join(mixers)}), which '
+            "hf_ring computes across the CP group from the batch's layout; this call has no ring_context. Pass "
+            "the full batch through hf_ring.shard_batch (RingTrainer does)."
+        )
+
+
 def check_layer(
-    module: nn.Module, kwargs: dict[str, Any], n_global: int, labelled: bool, cp_size: int, positions_given: bool = True
+    module: nn.Module,
+    kwargs: dict[str, Any],
+    n_global: int,
+    labelled: bool,
+    cp_size: int,
+    positions_given: bool = True,
+    context: bool = True,
 ) -> None:
     """Raise ``RingNotSupported`` if this attention call cannot be computed exactly by the ring.
 
     ``module``: the attention module transformers called us from; ``kwargs``: the keyword
     arguments it passed (``sliding_window``, ``softcap``, ``output_router_logits``, ...);
     ``n_global``: the whole sequence's length; ``labelled``: the batch computes a loss;
-    ``positions_given``: the batch came with its own ``position_ids`` (or from no ``shard_batch``).
+    ``positions_given``: the batch came with its own ``position_ids`` (or from no ``shard_batch``);
+    ``context``: the call carries the batch's ``ring_context`` (hybrid mixers need its layout).
     """
     config = getattr(module, "config", None)
     name = model_name(config)
     mixers = sequence_mixers(type(module).__module__)
     if mixers and cp_size > 1:
-        raise RingNotSupported(
-            f'attn_implementation="ring": {name} mixes tokens outside attention ({", ".join(mixers)}); those '
-            "layers would run on each rank's zigzag shard as if it were the whole sequence. Hybrid models "
-            "need a context-parallel form of each mixer, which hf_ring does not have; train this model "
-            "without context parallelism (cp_size=1) or with another attn_implementation."
-        )
+        _check_mixers(name, type(module).__module__, mixers, context)
     own_loss = computes_own_loss(type(module).__module__)
     if own_loss and labelled and cp_size > 1:
         raise RingNotSupported(

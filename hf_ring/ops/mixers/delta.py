@@ -1,0 +1,159 @@
+"""The context-parallel form of the gated delta rules (Gated DeltaNet: Qwen3.5, Qwen3-Next, OLMo-Hybrid,
+Lara; Kimi Delta Attention with its per-channel gate: Kimi Linear, Bailing hybrid) by state passing.
+
+A delta rule keeps a state ``S [Dk, Dv]`` per value head; each token multiplies it on the left by
+``diag(exp(g_t)) (I - beta_t k_t k_t^T)`` (``g_t`` a scalar per head, or per channel for KDA) and
+adds ``beta_t k_t v_t^T``; it reads ``o_t = q_t^T S_t``. So a run of tokens turns its incoming
+state into ``S_out = M S_in + E`` and its outputs into ``o = o_E + Q_M S_in``, where, from two calls
+of the installed rule (fla's kernel on CUDA, transformers' torch fallback otherwise) on the run:
+
+- zero state, the run's values: ``o_E`` and ``E`` (the final state);
+- identity state ``I [Dk, Dk]``, zero values: ``Q_M [L, Dk]`` (row ``t``: ``q_t^T M_t``) and ``M``.
+
+``ops.state_passing.incoming_states`` gathers every rank's ``(M, E)`` and composes each run's ``S_in``
+over its document in global order; the outputs then take ``Q_M S_in`` (a ``[L, Dk] x [Dk, Dv]``
+product per head). Runs that begin a document skip the identity call. Forward and backward are exact
+(everything is torch autograd through the rule, the all-gather and the product); communication is
+``O(runs x Hv x Dk x (Dk + Dv))`` per layer, whatever the sequence length. This module imports only
+torch; the group is passed in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ..exchange import tie
+from ..layout import ShardLayout
+from ..state_passing import StatePlan, apply_matrix, incoming_states, state_plan
+
+__all__ = ["DeltaPlan", "delta_plan", "delta_rule"]
+
+Rule = Callable[..., tuple[Tensor, Tensor | None]]
+# rule(q [N, L, Hk, Dk], k, v [N, L, Hv, Dv], g, beta, initial_state=[N, Hv, Dk, Dv] | None,
+#      output_final_state=True, **options) -> (out [N, L, Hv, Dv], final state [N, Hv, Dk, Dv])
+
+
+@dataclass(frozen=True, eq=False)
+class DeltaPlan:
+    """One rank's runs stacked for the rule (made once per batch from the layout).
+
+    ``state``: the state exchange (``StatePlan``); ``length``: the rule's sequence length (the
+    longest run); ``index``: ``[R, length]`` flat local rows (``b * S_local + t``) of each run,
+    ``B * S_local`` (a zero row) past its end; ``reshape``: the runs tile the local rows in order
+    with one length, so ``[B, S_local] -> [R, length]`` is a view (no gather, no scatter);
+    ``cont``: the runs that do not begin their document (they get an identity call).
+    """
+
+    state: StatePlan
+    layout: ShardLayout
+    rank: int
+    batch: int
+    local: int
+    length: int
+    index: Tensor
+    reshape: bool
+    cont: Tensor
+
+
+def delta_plan(layout: ShardLayout, batch: int, rank: int) -> DeltaPlan:
+    """The plan of ``delta_rule`` on CP rank ``rank`` for a batch of ``batch`` rows."""
+    plan = state_plan(layout, batch, rank)
+    runs = plan.runs
+    length = max((r.length for r in runs), default=1)
+    pad = batch * layout.local
+    index = torch.full((max(len(runs), 1), length), pad, dtype=torch.long)
+    for i, run in enumerate(runs):
+        index[i, : run.length] = torch.arange(run.length) + run.row * layout.local + run.local
+    tiles = len(runs) * length == pad and all(
+        r.length == length and r.row * layout.local + r.local == i * length for i, r in enumerate(runs)
+    )
+    cont = torch.tensor([i for i, first in enumerate(plan.first) if not first], dtype=torch.long)
+    return DeltaPlan(plan, layout, rank, batch, layout.local, length, index, tiles, cont)
+
+
+def _stack(x: Tensor, plan: DeltaPlan) -> Tensor:
+    """``[B, S_local, *F]`` -> ``[R, length, *F]`` (zeros past each run's end)."""
+    flat = x.reshape(plan.batch * plan.local, *x.shape[2:])
+    if plan.reshape:
+        return flat.view(-1, plan.length, *x.shape[2:])
+    flat = torch.cat((flat, flat.new_zeros((1, *x.shape[2:]))))
+    return flat[plan.index.to(x.device)]
+
+
+def _unstack(y: Tensor, plan: DeltaPlan) -> Tensor:
+    """``[R, length, *F]`` -> ``[B, S_local, *F]`` (zeros on padding rows)."""
+    feat = y.shape[2:]
+    if plan.reshape:
+        return y.reshape(plan.batch, plan.local, *feat)
+    rows = plan.batch * plan.local
+    out = y.new_zeros((rows + 1, *feat))
+    out = out.index_put((plan.index.to(y.device).reshape(-1),), y.reshape(-1, *feat), accumulate=True)
+    return out[:rows].view(plan.batch, plan.local, *feat)
+
+
+def delta_rule(
+    rule: Rule,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    plan: DeltaPlan,
+    group: dist.ProcessGroup | None,
+    **options,
+) -> Tensor:
+    """The delta rule over the whole (sharded) sequence, this rank's rows.
+
+    Args:
+        rule: the local kernel (see ``Rule``): transformers' ``torch_chunk_gated_delta_rule`` /
+            ``chunk_kimi_delta_attention`` or fla's ``chunk_gated_delta_rule`` / ``chunk_kda``.
+        q, k: ``[B, S_local, Hk, Dk]``; v: ``[B, S_local, Hv, Dv]`` (``Hv`` a multiple of ``Hk``).
+        g: log decay, ``[B, S_local, Hv]`` (Gated DeltaNet) or ``[B, S_local, Hv, Dk]`` (KDA).
+        beta: ``[B, S_local, Hv]``.
+        plan: ``delta_plan(layout, B, rank)``; group: the layout's CP group.
+        options: passed to every rule call (``use_qk_l2norm_in_kernel``, ``chunk_size``, ``scale``).
+
+    Returns ``[B, S_local, Hv, Dv]`` in ``q``'s dtype: each row's output as the rule over its
+    document in global order from a zero state (padding rows: zeros). Collective over ``group``
+    (one all-gather forward, one all-reduce backward).
+    """
+    hv, dk = v.shape[2], q.shape[3]
+    qs, ks, vs, gs, bs = (_stack(t, plan) for t in (q, k, v, g, beta))
+    out, ext = rule(qs, ks, vs, gs, bs, initial_state=None, output_final_state=True, **options)
+    cont = plan.cont.to(q.device)
+    maps: list[Tensor | None] = [None] * len(plan.state.runs)
+    q_map = None
+    if len(cont):
+        eye = torch.eye(dk, dtype=torch.float32, device=q.device).expand(len(cont), hv, dk, dk).contiguous()
+        zeros = vs.new_zeros((len(cont), plan.length, hv, dk))
+        picked = (t.index_select(0, cont) for t in (qs, ks, gs, bs))
+        qi, ki, gi, bi = picked
+        q_map, m = rule(qi, ki, zeros, gi, bi, initial_state=eye, output_final_state=True, **options)
+        for j, i in enumerate(plan.cont.tolist()):
+            maps[i] = m[j]
+    exts: list[Tensor | None] = list(ext.unbind(0))[: len(plan.state.runs)]
+    states = incoming_states(
+        plan.layout, plan.batch, plan.rank, group, maps, exts, apply_matrix,
+        map_shape=(hv, dk, dk), state_shape=(hv, dk, v.shape[3]), plan=plan.state,
+        dtype=torch.promote_types(q.dtype, torch.float32), device=q.device,
+    )  # fmt: skip
+    fixes = [(i, s) for i, s in enumerate(states) if s is not None]
+    if fixes:
+        rows = torch.tensor([i for i, _ in fixes], dtype=torch.long, device=q.device)
+        s_in = torch.stack([s for _, s in fixes])  # [F, Hv, Dk, Dv], float32 or wider
+        where = {int(i): j for j, i in enumerate(plan.cont.tolist())}
+        picks = [where.get(i, -1) for i, _ in fixes]
+        if min(picks) < 0:  # a zero state handed to a run that begins its document (see incoming_states)
+            out = tie(out, s_in)
+            keep = [j for j, p in enumerate(picks) if p >= 0]
+            rows, s_in, picks = rows[keep], s_in[keep], [picks[j] for j in keep]
+        if picks:
+            qm = q_map.index_select(0, torch.tensor(picks, dtype=torch.long, device=q.device))  # [F, L, Hv, Dk]
+            extra = torch.einsum("flhk,fhkv->flhv", qm.to(s_in.dtype), s_in)
+            out = out.index_add(0, rows, extra.to(out.dtype))
+    return _unstack(out, plan)

@@ -1,0 +1,145 @@
+"""Layouts and float64 oracles shared by the token-mixer tests: batches of one sequence per row and of
+packed documents (1, 2 and more tokens, crossing chunk and rank boundaries), laid out over P ranks
+exactly as ``shard_batch`` lays them out, and helpers to cut a full tensor into a rank's rows."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import Tensor
+
+from hf_ring.ops.layout import ShardLayout, sequence_layout
+from hf_ring.transformers.batch import _packed_layout
+
+# Document lengths of one packed row; each layout kind has two batch rows (the second: long_and_short).
+DOCS = {
+    "short_ones": [1, 2, 1, 3, 1, 1, 2, 5, 8],  # 24 tokens
+    "long_and_short": [2, 17, 1, 4],  # 24 tokens
+    "odd": [1, 13, 2, 7],  # 23 tokens: not a multiple of 2P
+}
+KINDS = ("sequence", *DOCS)
+
+
+def starts_of(lengths: list[int]) -> list[int]:
+    out, s = [], 0
+    for n in lengths:
+        out.append(s)
+        s += n
+    return out
+
+
+def make_layout(kind: str, size: int, ulysses: int = 1) -> tuple[ShardLayout, int]:
+    """The layout of a 2-row batch of ``kind`` over ``size`` ranks, and its batch size. ``sequence``:
+    one sequence of 24 tokens per row (zigzag); the others: packed rows (``DOCS[kind]`` and
+    ``long_and_short``; ``odd`` has 23 tokens per row, ``[1, 13, 2, 7]`` and ``[23]``)."""
+    if kind == "sequence":
+        return sequence_layout(24, size // ulysses, ulysses), 2
+    second = [23] if kind == "odd" else DOCS["long_and_short"]
+    n = sum(DOCS[kind])
+    return _packed_layout([starts_of(DOCS[kind]), starts_of(second)], n, size, ulysses)[0], 2
+
+
+def documents(layout: ShardLayout, row: int) -> list[tuple[int, int]]:
+    """``[start, stop)`` of every document of batch row ``row`` (one sequence: the whole row)."""
+    starts = list(layout.starts[row if len(layout.starts) > 1 else 0])
+    return list(zip(starts, [*starts[1:], layout.n]))
+
+
+def local_rows(full: Tensor, layout: ShardLayout, rank: int, dim: int = 1) -> Tensor:
+    """``full`` (``[B, n, ...]`` along ``dim``) -> this rank's rows ``[B, S_local, ...]`` (zeros for padding rows)."""
+    b = full.shape[0]
+    index = layout.index(b)[rank].to(full.device)  # [B, S_local], n for padding
+    moved = full.movedim(dim, 1)
+    padded = torch.cat((moved, moved.new_zeros((b, 1, *moved.shape[2:]))), dim=1)
+    idx = index.view(b, -1, *([1] * (moved.dim() - 2))).expand(b, index.shape[1], *moved.shape[2:])
+    return padded.gather(1, idx).movedim(1, dim)
+
+
+def real_rows(layout: ShardLayout, rank: int, batch: int) -> Tensor:
+    """``[B, S_local]`` bool: the local rows that hold a token (not padding)."""
+    return layout.index(batch)[rank] < layout.n
+
+
+def delta_rule_reference(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    chunk_size: int = 64,
+    initial_state: Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    **_: object,
+) -> tuple[Tensor, Tensor | None]:
+    """The gated delta rule token by token, in the inputs' dtype (float64 for the oracle), with the
+    signature of transformers' ``torch_chunk_gated_delta_rule`` (``chunk_size`` ignored).
+
+    ``query``/``key [B, L, Hk, Dk]``, ``value [B, L, Hv, Dv]``, ``g`` (log decay) ``[B, L, Hv]`` or
+    per channel ``[B, L, Hv, Dk]`` (KDA), ``beta [B, L, Hv]``, ``initial_state [B, Hv, Dk, Dv]``.
+    Per token: ``S <- diag(exp g) S``, ``S <- S + beta k (v - S^T k)^T``, ``o = S^T q / sqrt(Dk)``."""
+    dtype = torch.promote_types(query.dtype, torch.float32)
+    q, k, v, g, beta = (t.to(dtype) for t in (query, key, value, g, beta))
+    rep = v.shape[2] // q.shape[2]
+    q, k = q.repeat_interleave(rep, 2), k.repeat_interleave(rep, 2)
+    if use_qk_l2norm_in_kernel:
+        q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6)
+        k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    q = q * q.shape[-1] ** -0.5
+    b, n, h, dk = q.shape
+    s = q.new_zeros(b, h, dk, v.shape[-1]) if initial_state is None else initial_state.to(dtype)
+    outs = []
+    for t in range(n):
+        decay = g[:, t].exp()
+        s = s * (decay[..., None] if decay.dim() == 3 else decay[..., None, None])
+        delta = (v[:, t] - torch.einsum("bhkv,bhk->bhv", s, k[:, t])) * beta[:, t, :, None]
+        s = s + k[:, t, :, :, None] * delta[:, :, None, :]
+        outs.append(torch.einsum("bhkv,bhk->bhv", s, q[:, t]))
+    out = torch.stack(outs, 1) if outs else v.new_zeros(b, 0, h, v.shape[-1])
+    return out.to(query.dtype), (s if output_final_state else None)
+
+
+# transformers' torch fallbacks that compute in float32 whatever their inputs -> a float64 stand-in
+FLOAT64_KERNELS = {
+    "torch_chunk_gated_delta_rule": delta_rule_reference,
+    "chunk_kimi_delta_attention": delta_rule_reference,
+}
+
+
+@contextmanager
+def float64_kernels() -> Iterator[None]:
+    """Within: every routed modeling module's kernel named in ``FLOAT64_KERNELS`` is the float64
+    stand-in, for direct calls and under hf_ring's dispatcher alike (a float64 check that rounds
+    to float32 inside the kernel cannot tell the ring from rounding)."""
+    from hf_ring.transformers import mixers
+
+    saved = []
+    for short, family in mixers.FAMILIES.items():
+        try:
+            module = importlib.import_module("transformers.models." + short)
+        except ImportError:
+            continue
+        for name, route in family.functions.items():
+            if name in FLOAT64_KERNELS and hasattr(module, name):
+                saved.append((module, name, getattr(module, name)))
+                stand_in = mixers.ROUTES[route](FLOAT64_KERNELS[name])
+                stand_in.hf_ring_original = FLOAT64_KERNELS[name]  # type: ignore[attr-defined]
+                setattr(module, name, stand_in)
+    try:
+        yield
+    finally:
+        for module, name, fn in saved:
+            setattr(module, name, fn)
+
+
+def hybrid(model_type: str) -> bool:
+    """The family's causal LM has token mixers that hf_ring routes (``hf_ring.transformers.mixers``)."""
+    from hf_ring.transformers.mixers import routed_classes
+
+    from .families import causal_lm_class
+
+    cls = causal_lm_class(model_type)
+    return cls is not None and bool(routed_classes(cls.__module__))
