@@ -25,7 +25,8 @@ NAMES = ("out", "dq", "dk", "dv", "dsinks")
 def oracle(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, softcap: float | None, sinks: Tensor | None) -> Tensor:
     """Attention as transformers' eager functions compute it (Gemma 2's soft-capping, GPT-OSS's sinks:
     a logit per head joined to the scores, softmax, then dropped), in the dtype of the inputs.
-    ``q [B, N, Hq, D]``, ``k, v [B, N, Hkv, D]``, ``mask [B, 1, N, N]`` True where visible, ``sinks [Hq]``."""
+    ``q [B, N, Hq, D]``, ``k, v [B, N, Hkv, D]``, ``mask [B, 1, N, N]`` True where visible, ``sinks [Hq]``
+    or ``[B, N, Hq]`` (per token, as Inkling 2's)."""
     rep = q.shape[2] // k.shape[2]
     qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
     kt, vt = kt.repeat_interleave(rep, 1), vt.repeat_interleave(rep, 1)
@@ -34,7 +35,8 @@ def oracle(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, softcap: float | None,
         s = torch.tanh(s / softcap) * softcap
     s = s.masked_fill(~mask, float("-inf"))
     if sinks is not None:
-        s = torch.cat((s, sinks.view(1, -1, 1, 1).expand(*s.shape[:3], 1)), dim=-1)
+        col = sinks.view(1, -1, 1, 1) if sinks.dim() == 1 else sinks.transpose(1, 2)[..., None]
+        s = torch.cat((s, col.expand(*s.shape[:3], 1)), dim=-1)
     p = s.softmax(-1)
     if sinks is not None:
         p = p[..., :-1]
@@ -56,12 +58,12 @@ def starts(row: list[int]) -> list[int]:
 
 
 def ring_errors(
-    n: int, hq: int, hkv: int, d: int, softcap: float | None, sinks: bool, docs: list[list[int]] | None,
+    n: int, hq: int, hkv: int, d: int, softcap: float | None, sinks: str | None, docs: list[list[int]] | None,
     dtype_name: str = "float32", backend: str = "auto",
 ) -> dict[str, float]:  # fmt: skip
-    """This rank's ring attention against float64 (gathered over the ranks; the sinks' gradient summed
-    over them, as the DP x CP gradient reduction sums it), and the same-dtype one-process eager
-    attention as a yardstick (``eager_*``)."""
+    """This rank's ring attention against float64 (gathered over the ranks; per-head sinks' gradient
+    summed over them, as the DP x CP gradient reduction sums it), and the same-dtype one-process eager
+    attention as a yardstick (``eager_*``). ``sinks``: ``"head"`` ``[Hq]``, ``"row"`` ``[B, N, Hq]``, or None."""
     dtype = getattr(torch, dtype_name)
     size = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     rank = torch.distributed.get_rank() if size > 1 else 0
@@ -70,9 +72,11 @@ def ring_errors(
     q, dout = (torch.randn(b, n, hq, d, generator=g, dtype=torch.float64) for _ in range(2))
     k, v = (torch.randn(b, n, hkv, d, generator=g, dtype=torch.float64) for _ in range(2))
     q = q * 3.0  # scores well past the cap, so soft-capping changes them
-    snk = torch.randn(hq, generator=g, dtype=torch.float64) if sinks else None
+    snk = torch.randn(*((b, n) if sinks == "row" else ()), hq, generator=g, dtype=torch.float64) if sinks else None
     loc = [shard(t.to(dtype), dim=1).detach().requires_grad_(i < 3) for i, t in enumerate((q, k, v, dout))]
-    loc_sinks = snk.to(dtype).requires_grad_() if sinks else None
+    loc_sinks = None
+    if sinks:
+        loc_sinks = (shard(snk.to(dtype), dim=1) if sinks == "row" else snk.to(dtype)).detach().requires_grad_()
     sched = document_schedule([starts(r) for r in docs], n, rank, size) if docs else None
     kernel = backend
     if backend.startswith("flash_attn:"):
@@ -82,7 +86,9 @@ def ring_errors(
     out = ring_attention(*loc[:3], schedule=sched, softcap=softcap, sinks=loc_sinks, backend=kernel)
     out.backward(loc[3])
     got = [unshard(t, dim=1) for t in (out, loc[0].grad, loc[1].grad, loc[2].grad)]
-    if sinks:
+    if sinks == "row":
+        got.append(unshard(loc_sinks.grad, dim=1))
+    elif sinks:
         dsinks = loc_sinks.grad.double().clone()
         if size > 1:
             torch.distributed.all_reduce(dsinks)
@@ -109,9 +115,13 @@ DOCS = {1: [[3, 9, 2], [14]], 2: [[5, 1, 13, 9]], 3: [[7, 11, 1, 11]], 4: [[17, 
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
-@pytest.mark.parametrize("softcap, sinks", [(5.0, False), (None, True), (5.0, True)], ids=["softcap", "sinks", "both"])
+@pytest.mark.parametrize(
+    "softcap, sinks",
+    [(5.0, None), (None, "head"), (5.0, "head"), (None, "row")],
+    ids=["softcap", "sinks", "both", "row_sinks"],
+)
 @pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
-def test_ring_matches_float64(world: int, softcap: float | None, sinks: bool, packed: bool) -> None:
+def test_ring_matches_float64(world: int, softcap: float | None, sinks: str | None, packed: bool) -> None:
     """fp32 ring (torch kernel, or the reference one where soft-capped) within 1e-5 of float64: GQA 6/2,
     head_dim 80, output, dQ/dK/dV and the sinks' gradient summed over the ranks."""
     n = SHAPES[world] if not packed else sum(DOCS[world][0])
@@ -123,7 +133,7 @@ def test_ring_matches_float64(world: int, softcap: float | None, sinks: bool, pa
 @pytest.mark.parametrize("world", [2, 4])
 def test_bf16_within_twice_one_process(world: int) -> None:
     """bf16 ring with sinks and soft-capping within 2x of one-process bf16 eager attention."""
-    for r in run_ranks(world, ring_errors, SHAPES[world] * 2, 4, 2, 16, 5.0, True, None, "bfloat16"):
+    for r in run_ranks(world, ring_errors, SHAPES[world] * 2, 4, 2, 16, 5.0, "head", None, "bfloat16"):
         for name in NAMES:
             assert r[name] <= 2 * r[f"eager_{name}"] + 1e-3, (name, r)
 
@@ -136,13 +146,13 @@ def test_flash_attn_softcap_through_standin(world: int, packed: bool) -> None:
     n = SHAPES[world] if not packed else sum(DOCS[world][0])
     docs = DOCS[world] if packed else None
     for version in ("2.8-custom-op", "2.7-plain"):
-        for r in run_ranks(world, ring_errors, n, 6, 2, 80, 5.0, True, docs, "float32", f"flash_attn:{version}"):
+        for r in run_ranks(world, ring_errors, n, 6, 2, 80, 5.0, "head", docs, "float32", f"flash_attn:{version}"):
             assert max(r.values()) <= 1e-5, (version, r)
 
 
 def test_one_process_without_distributed() -> None:
     assert not torch.distributed.is_initialized()
-    r = ring_errors(14, 4, 4, 32, 5.0, True, None)
+    r = ring_errors(14, 4, 4, 32, 5.0, "head", None)
     assert max(r.values()) <= 1e-5, r
 
 
@@ -209,7 +219,7 @@ def test_sdpa_agrees_with_the_oracle() -> None:
     torch.testing.assert_close(oracle(q, k, v, mask, None, None), want)
 
 
-def ulysses_errors(ulysses_size: int, n: int, hq: int, hkv: int, d: int) -> dict[str, float]:
+def ulysses_errors(ulysses_size: int, n: int, hq: int, hkv: int, d: int, per_row: bool) -> dict[str, float]:
     """Sinks and soft-capping through ``hf_ring.ring_attention`` on a Ulysses x ring grid (the sinks cut
     to each rank's heads), against float64; the sinks' gradient summed over the grid."""
     import hf_ring
@@ -222,15 +232,18 @@ def ulysses_errors(ulysses_size: int, n: int, hq: int, hkv: int, d: int) -> dict
         q, dout = (torch.randn(2, n, hq, d, generator=g, dtype=torch.float64) for _ in range(2))
         k, v = (torch.randn(2, n, hkv, d, generator=g, dtype=torch.float64) for _ in range(2))
         q = q * 3.0
-        snk = torch.randn(hq, generator=g, dtype=torch.float64)
+        snk = torch.randn(*((2, n) if per_row else ()), hq, generator=g, dtype=torch.float64)
         loc = [hf_ring.shard(t.float()).detach().requires_grad_(i < 3) for i, t in enumerate((q, k, v, dout))]
-        loc_sinks = snk.float().requires_grad_()
+        loc_sinks = (hf_ring.shard(snk.float()) if per_row else snk.float()).detach().requires_grad_()
         out = hf_ring.ring_attention(*loc[:3], softcap=5.0, sinks=loc_sinks)
         out.backward(loc[3])
         got = [hf_ring.unshard(t) for t in (out, loc[0].grad, loc[1].grad, loc[2].grad)]
-        dsinks = loc_sinks.grad.double().clone()
-        torch.distributed.all_reduce(dsinks)
-        got.append(dsinks)
+        if per_row:
+            got.append(hf_ring.unshard(loc_sinks.grad))
+        else:
+            dsinks = loc_sinks.grad.double().clone()
+            torch.distributed.all_reduce(dsinks)
+            got.append(dsinks)
     finally:
         reset_context_parallel()
     xs = [t.float().double().requires_grad_() for t in (q, k, v, snk)]
@@ -239,7 +252,8 @@ def ulysses_errors(ulysses_size: int, n: int, hq: int, hkv: int, d: int) -> dict
     return {name: rel_err(a, w) for name, a, w in zip(NAMES, got, [ref, *(t.grad for t in xs)])}
 
 
+@pytest.mark.parametrize("per_row", [False, True], ids=["head_sinks", "row_sinks"])
 @pytest.mark.parametrize("ulysses", [2, 4], ids=["U2xR2", "U4"])
-def test_ulysses_grid_matches_float64(ulysses: int) -> None:
-    for r in run_ranks(4, ulysses_errors, ulysses, 40, 8, 2, 80):
+def test_ulysses_grid_matches_float64(ulysses: int, per_row: bool) -> None:
+    for r in run_ranks(4, ulysses_errors, ulysses, 40, 8, 2, 80, per_row):
         assert max(r.values()) <= 1e-5, r

@@ -167,7 +167,8 @@ def _take(t: Tensor, idx: Tensor) -> Tensor:
 def _add_sinks(out: Tensor, lse: Tensor, sinks: Tensor) -> tuple[Tensor, Tensor]:
     """Attention sinks after the merge: one more logit per head with no value.
 
-    ``out [B, S, Hq, D]`` and ``lse [B, S, Hq]`` of attention over the keys; ``sinks [Hq]``. Returns
+    ``out [B, S, Hq, D]`` and ``lse [B, S, Hq]`` of attention over the keys; ``sinks [Hq]`` (one per head)
+    or ``[B, S, Hq]`` (one per query row and head). Returns
     ``out * exp(lse - lse')`` (in ``out``'s dtype; the sink's share of each row's softmax mass is
     dropped, ``exp(lse - lse') = sigmoid(lse - sink)``) and ``lse' = logaddexp(lse, sink)``, computed in
     ``lse``'s dtype. With ``lse'`` and this ``out``, the block kernels' backward gives exactly the
@@ -178,11 +179,13 @@ def _add_sinks(out: Tensor, lse: Tensor, sinks: Tensor) -> tuple[Tensor, Tensor]
 
 
 def _sink_grad(dout: Tensor, out: Tensor, lse: Tensor, sinks: Tensor) -> Tensor:
-    """``d loss / d sinks [Hq]`` from this rank's rows: ``-sum_rows p_sink * (dO . O)``, with
-    ``p_sink = exp(sink - lse')`` (``out``/``lse`` those of attention with sinks)."""
+    """``d loss / d sinks``, shaped like ``sinks``: ``-p_sink * (dO . O)`` per row, with
+    ``p_sink = exp(sink - lse')`` (``out``/``lse`` those of attention with sinks), summed over this
+    rank's rows for per-head sinks ``[Hq]``."""
     ct = lse.dtype
     delta = (dout.to(ct) * out.to(ct)).sum(-1)  # (B, S, Hq)
-    return -(torch.exp(sinks.to(ct) - lse) * delta).sum((0, 1)).to(sinks.dtype)
+    grad = -(torch.exp(sinks.to(ct) - lse) * delta)
+    return (grad.sum((0, 1)) if sinks.dim() == 1 else grad).to(sinks.dtype)
 
 
 class _RingAttention(torch.autograd.Function):
@@ -415,7 +418,8 @@ def ring_attention(
             recompute), so the merge stays exact. Needs a kernel that has it (``get_kernel(...,
             softcap=True)``): flash-attn, or the reference kernel where "auto" finds no fused one.
         sinks: attention sinks ``[Hq]`` (GPT-OSS ``s_aux``): one learned logit per query head that
-            joins each row's softmax with no value. Applied once to the merged result (``out`` times
+            joins each row's softmax with no value; or ``[B, S_local, Hq]``, one per query row of
+            this rank's shard and head (per-token sinks). Applied once to the merged result (``out`` times
             ``sigmoid(lse - sink)``); differentiable. Its gradient is this rank's rows' share, like
             the gradient of every other parameter: summed over the CP group by the gradient
             reduction that already sums those (``RingContext.reduce_loss`` scales, DDP/FSDP average).
@@ -467,10 +471,10 @@ def _check_extras(q: Tensor, softcap: float | None, sinks: Tensor | None) -> flo
     cap = 0.0 if softcap is None else float(softcap)
     if not (math.isfinite(cap) and cap >= 0.0):
         raise ValueError(f"ring_attention: softcap={softcap} must be a positive number (or None: no capping)")
-    if sinks is not None and (sinks.dim() != 1 or sinks.shape[0] != q.shape[2] or not sinks.is_floating_point()):
+    if sinks is not None and (sinks.shape not in ((q.shape[2],), q.shape[:3]) or not sinks.is_floating_point()):
         raise ValueError(
-            f"ring_attention: sinks must be a float tensor [Hq] = [{q.shape[2]}] (one logit per query head), "
-            f"got {sinks.dtype} {tuple(sinks.shape)}"
+            f"ring_attention: sinks must be a float tensor [Hq] = [{q.shape[2]}] (one logit per query head) or "
+            f"[B, S_local, Hq] = {list(q.shape[:3])} (one per row), got {sinks.dtype} {tuple(sinks.shape)}"
         )
     if sinks is not None and sinks.device != q.device:
         raise ValueError(f"ring_attention: sinks on {sinks.device}, q on {q.device}")

@@ -152,7 +152,8 @@ def ulysses_attention(
             Ulysses group end to end), one step per ring rank; ``hf_ring.shard_batch`` makes it.
         softcap, sinks: as for ``ring_attention``; ``sinks [Hq]`` is cut to this rank's ``Hq / U`` heads
             (its gradient is zero for the other heads on this rank, and summed over the grid with
-            every other parameter's gradient).
+            every other parameter's gradient); per-row ``sinks [B, S_local, Hq]`` go through the
+            all-to-all as the queries do.
 
     Returns:
         ``[B, S_local, Hq, D]`` in the dtype of ``q``, differentiable in ``q``, ``k`` and ``v``.
@@ -180,10 +181,12 @@ def ulysses_attention(
     msg = torch.cat(parts, dim=3).flatten(2, 3)
     msg = all_to_all(msg, ulysses_group, scatter_dim=2, gather_dim=1)  # (B, U * S, (Hq + 2 Hkv) / U, D)
     ql, kl, vl = msg.split((hq // u_size, hkv // u_size, hkv // u_size), dim=2)
-    if sinks is not None:  # this rank received query heads [u * Hq / U, (u + 1) * Hq / U)
-        if sinks.shape != (hq,):
-            raise ValueError(f"ulysses_attention: sinks must be [Hq] = [{hq}], got {tuple(sinks.shape)}")
+    if sinks is not None and sinks.shape == (hq,):  # this rank received query heads [u Hq / U, (u + 1) Hq / U)
         sinks = sinks.view(u_size, -1)[group_size_rank(ulysses_group)[1]]
+    elif sinks is not None and sinks.shape == (b, s, hq):  # per-row sinks travel as the queries do
+        sinks = all_to_all(sinks, ulysses_group, scatter_dim=2, gather_dim=1)
+    elif sinks is not None:
+        raise ValueError(f"ulysses_attention: sinks must be [Hq] or [B, S, Hq], got {tuple(sinks.shape)}")
     out = ring_attention(
         ql,
         kl,
