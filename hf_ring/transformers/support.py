@@ -13,7 +13,8 @@ raises ``RingNotSupported`` -- naming the model, the reason and the alternative 
   shorter than the sequence; Llama 4's NoPE temperature tuning, which reads local positions);
 - the MoE router's auxiliary loss with a nonzero coefficient: transformers adds it after the
   causal-LM loss, from this rank's router logits only;
-- dropout, soft-capping, sinks, additive bias, KV-cache decoding, dynamic RoPE.
+- dropout, additive bias, KV-cache decoding, dynamic RoPE (logit soft-capping and attention sinks
+  are computed exactly inside the ring).
 
 ``check_layer`` also refuses, at CP > 1, causal LMs that compute their loss themselves (hf_ring sums
 the loss over the CP group through transformers' loss registry), and RoBERTa-style models that
