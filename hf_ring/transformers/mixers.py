@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,6 +31,7 @@ from torch import Tensor
 
 from ..ops.mixers.conv import causal_conv1d, conv_plan
 from ..ops.mixers.delta import delta_plan, delta_rule
+from ..ops.mixers.ssd import ssd_plan, ssd_scan
 from .context import RingContext
 from .support import RingNotSupported
 
@@ -48,6 +50,15 @@ def _check_rows(ctx: RingContext, rows: int, what: str) -> None:
         raise RingNotSupported(
             f"{what}: got {rows} tokens per row under a ring_context whose shard holds {ctx.layout.local}; "
             "a mixer under context parallelism must see the whole local shard (no cache, no decoding)."
+        )
+
+
+def _no_cache(fn: Callable, has_cache: bool) -> None:
+    if has_cache:
+        raise RingNotSupported(
+            f"{fn.__name__} under context parallelism runs the whole sharded sequence from a zero state; "
+            "a cache (initial or final recurrent state) is not supported. Pass use_cache=False "
+            "(shard_batch does) and generate without context parallelism."
         )
 
 
@@ -86,12 +97,7 @@ def delta_route(fn: Callable) -> Callable:
             return fn(query, key, value, g=g, beta=beta, chunk_size=chunk_size, initial_state=initial_state,
                       output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
                       **kwargs)  # fmt: skip
-        if initial_state is not None or output_final_state:
-            raise RingNotSupported(
-                f"{fn.__name__} under context parallelism runs the whole sharded sequence from a zero state; "
-                "a cache (initial or final recurrent state) is not supported. Pass use_cache=False "
-                "(shard_batch does) and generate without context parallelism."
-            )
+        _no_cache(fn, initial_state is not None or output_final_state)
         _check_rows(ctx, query.shape[1], fn.__name__)
         b = query.shape[0]
         plan = ctx.cached(("delta", b), lambda: delta_plan(ctx.layout, b, ctx.rank))
@@ -106,7 +112,55 @@ def delta_route(fn: Callable) -> Callable:
     return rule
 
 
-ROUTES: dict[str, Route] = {"conv": conv_route, "delta": delta_route}
+def ssd_route(fn: Callable) -> Callable:
+    """``mamba2_chunk_scan(x, dt, A, B, C, chunk_size, D=None, dt_bias=None, initial_states=None,
+    dt_softplus=False, dt_limit=(0, inf), return_final_states=False, **kwargs)``: transformers' SSD
+    chunk scan of the Mamba2 mixers, or mamba-ssm's ``mamba_chunk_scan_combined``."""
+
+    @functools.wraps(fn)
+    def scan(hidden_states: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, chunk_size: int,
+             D: Tensor | None = None, dt_bias: Tensor | None = None, initial_states: Tensor | None = None,
+             dt_softplus: bool = False, dt_limit: tuple[float, float] = (0.0, math.inf),
+             return_final_states: bool = False, **kwargs: Any) -> Any:  # fmt: skip
+        ctx = kwargs.get("ring_context")
+        if not _needs_cp(ctx):
+            return fn(hidden_states, dt, A, B, C, chunk_size=chunk_size, D=D, dt_bias=dt_bias,
+                      initial_states=initial_states, dt_softplus=dt_softplus, dt_limit=dt_limit,
+                      return_final_states=return_final_states, **kwargs)  # fmt: skip
+        _no_cache(fn, initial_states is not None or return_final_states)
+        if kwargs.get("z") is not None:
+            raise RingNotSupported(
+                f"{fn.__name__} with a gate z inside the scan is not supported under context parallelism "
+                "(the transformers mixers gate in their norm); run this model without context parallelism."
+            )
+        _check_rows(ctx, hidden_states.shape[1], fn.__name__)
+        b = hidden_states.shape[0]
+        plan = ctx.cached(("ssd", b), lambda: ssd_plan(ctx.layout, b, ctx.rank))
+
+        def local(x: Tensor, dt_: Tensor, a: Tensor, b_: Tensor, c: Tensor, chunk: int, **kw: Any) -> Any:
+            return fn(x, dt_, a, b_, c, chunk_size=chunk, **kw)
+
+        return ssd_scan(local, hidden_states, dt, A, B, C, plan, ctx.group, chunk_size=chunk_size, D=D,
+                        dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit)  # fmt: skip
+
+    return scan
+
+
+def unfused_route(fn: Callable) -> Callable:
+    """A fused kernel of a whole mixer (mamba-ssm's ``mamba_split_conv1d_scan_combined``): under a
+    ``ring_context`` it returns ``None``, which makes the mixer take its unfused path (convolution
+    and scan, each routed); every other call goes to the kernel."""
+
+    @functools.wraps(fn)
+    def fused(*args: Any, **kwargs: Any) -> Any:
+        if _needs_cp(kwargs.get("ring_context")):
+            return None
+        return fn(*args, **kwargs)
+
+    return fused
+
+
+ROUTES: dict[str, Route] = {"conv": conv_route, "delta": delta_route, "ssd": ssd_route, "unfused": unfused_route}
 
 
 @dataclass(frozen=True)
@@ -122,6 +176,7 @@ class Family:
 _GDN = {"causal_conv1d_fn": "conv", "torch_chunk_gated_delta_rule": "delta"}
 _KDA = {"causal_conv1d_fn": "conv", "chunk_kimi_delta_attention": "delta"}
 _CONV = {"causal_conv1d_fn": "conv"}
+_SSD = {"causal_conv1d_fn": "conv", "mamba2_chunk_scan": "ssd", "mamba2_split_conv1d_scan_combined": "unfused"}
 
 # modeling module (under transformers.models.) -> its routes
 FAMILIES: dict[str, Family] = {
@@ -137,6 +192,11 @@ FAMILIES: dict[str, Family] = {
     "lfm2.modeling_lfm2": Family(_CONV, ("Lfm2ShortConv",)),
     "lfm2_moe.modeling_lfm2_moe": Family(_CONV, ("Lfm2MoeShortConv",)),
     "lfm3.modeling_lfm3": Family(_CONV, ("Lfm3ShortConv",)),
+    "nemotron_h.modeling_nemotron_h": Family(_SSD, ("NemotronHMamba2Mixer",)),
+    "granitemoehybrid.modeling_granitemoehybrid": Family(_SSD, ("GraniteMoeHybridMambaLayer",)),
+    "bamba.modeling_bamba": Family(_SSD, ("BambaMixer",)),
+    "falcon_h1.modeling_falcon_h1": Family(_SSD, ("FalconH1Mixer",)),
+    "zamba2.modeling_zamba2": Family(_SSD, ("Zamba2MambaMixer", "Zamba2MambaDecoderLayer")),
 }
 
 
