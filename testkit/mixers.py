@@ -146,6 +146,45 @@ def ssd_reference(
     return (out, s) if return_final_states else out
 
 
+def selective_scan_reference(
+    hidden_states: Tensor,
+    dt: Tensor,
+    A: Tensor,
+    B: Tensor,
+    C: Tensor,
+    D: Tensor | None = None,
+    z: Tensor | None = None,
+    delta_bias: Tensor | None = None,
+    delta_softplus: bool = False,
+    return_last_state: bool = False,
+    **_: object,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Mamba's selective scan token by token, in float32 or the inputs' wider dtype (float64 for the
+    oracle), with the signature of transformers' ``mamba_selective_scan``.
+
+    ``hidden_states``/``dt``/``z [B, D, L]``, ``A [D, N]``, ``B``/``C [B, N, L]``, ``D``/``delta_bias
+    [D]``. Per token: ``dt = softplus(dt + delta_bias)``, ``S <- exp(dt A) S + dt x B``,
+    ``y = (S . C + D x) silu(z)``."""
+    dtype = torch.promote_types(hidden_states.dtype, torch.float32)
+    u, dt, b_, c_ = (t.to(dtype) for t in (hidden_states, dt, B, C))
+    if delta_bias is not None:
+        dt = dt + delta_bias.to(dtype)[:, None]
+    if delta_softplus:
+        dt = torch.nn.functional.softplus(dt)
+    a = A.to(dtype)
+    s = u.new_zeros(u.shape[0], u.shape[1], a.shape[1])
+    outs = []
+    for t in range(u.shape[2]):
+        s = torch.exp(dt[:, :, t, None] * a) * s + (dt[:, :, t] * u[:, :, t])[..., None] * b_[:, None, :, t]
+        outs.append((s * c_[:, None, :, t]).sum(-1))
+    out = torch.stack(outs, -1) if outs else u.new_zeros(u.shape)
+    if D is not None:
+        out = out + u * D.to(dtype)[:, None]
+    if z is not None:
+        out = out * torch.nn.functional.silu(z.to(dtype))
+    return (out, s) if return_last_state else out
+
+
 # transformers' torch fallbacks that compute in float32 whatever their inputs -> a float64 stand-in
 FLOAT64_KERNELS = {
     "torch_chunk_gated_delta_rule": delta_rule_reference,

@@ -24,6 +24,7 @@ import functools
 import importlib
 import math
 from collections.abc import Callable
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +32,7 @@ from torch import Tensor
 
 from ..ops.mixers.conv import causal_conv1d, conv_plan
 from ..ops.mixers.delta import delta_plan, delta_rule
+from ..ops.mixers.selective import selective_plan, selective_scan
 from ..ops.mixers.ssd import ssd_plan, ssd_scan
 from .context import RingContext
 from .support import RingNotSupported
@@ -39,6 +41,32 @@ __all__ = ["FAMILIES", "ROUTES", "Family", "install", "original", "routed_classe
 
 Route = Callable[[Callable], Callable]  # the original function -> its dispatcher
 _MODELS = "transformers.models."
+
+
+# The ring_context of the layer forward running now, for kernels called without the layer's **kwargs
+# (Jamba's decoder layer calls its mixer without them; Zamba's mixer calls its scan and convolution
+# without them): set by ``carry_context`` (a Family adapter).
+_ACTIVE: ContextVar[RingContext | None] = ContextVar("hf_ring_mixer_context", default=None)
+
+
+def _context(kwargs: dict[str, Any]) -> RingContext | None:
+    ctx = kwargs.get("ring_context")
+    return ctx if ctx is not None else _ACTIVE.get()
+
+
+def carry_context(forward: Callable) -> Callable:
+    """A mixer's ``forward`` that makes its ``ring_context`` keyword visible to the routed kernels it
+    calls without their ``**kwargs``, for the duration of the call (also when checkpointing reruns it)."""
+
+    @functools.wraps(forward)
+    def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
+        token = _ACTIVE.set(kwargs.get("ring_context"))
+        try:
+            return forward(self, *args, **kwargs)
+        finally:
+            _ACTIVE.reset(token)
+
+    return wrapped
 
 
 def _needs_cp(ctx: RingContext | None) -> bool:
@@ -68,7 +96,7 @@ def conv_route(fn: Callable) -> Callable:
     @functools.wraps(fn)
     def causal_conv1d_fn(hidden_states: Tensor, weight: Tensor, bias: Tensor | None = None,
                          activation: str | None = None, **kwargs: Any) -> Tensor:  # fmt: skip
-        ctx = kwargs.get("ring_context")
+        ctx = _context(kwargs)
         if not _needs_cp(ctx):
             return fn(hidden_states, weight, bias, activation=activation, **kwargs)
         _check_rows(ctx, hidden_states.shape[-1], "causal_conv1d_fn")
@@ -146,6 +174,34 @@ def ssd_route(fn: Callable) -> Callable:
     return scan
 
 
+def selective_route(fn: Callable) -> Callable:
+    """``mamba_selective_scan(u, dt, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
+    return_last_state=False, **kwargs)``: transformers' selective scan of the Mamba mixers, or
+    mamba-ssm's ``selective_scan_fn``."""
+
+    @functools.wraps(fn)
+    def scan(hidden_states: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor | None = None,
+             z: Tensor | None = None, delta_bias: Tensor | None = None, delta_softplus: bool = False,
+             return_last_state: bool = False, **kwargs: Any) -> Any:  # fmt: skip
+        ctx = _context(kwargs)
+        if not _needs_cp(ctx):
+            return fn(hidden_states, dt, A, B, C, D=D, z=z, delta_bias=delta_bias, delta_softplus=delta_softplus,
+                      return_last_state=return_last_state, **kwargs)  # fmt: skip
+        _no_cache(fn, return_last_state)
+        _check_rows(ctx, hidden_states.shape[-1], fn.__name__)
+        b = hidden_states.shape[0]
+        plan = ctx.cached(("selective", b), lambda: selective_plan(ctx.layout, b, ctx.rank))
+        options = {k: v for k, v in kwargs.items() if k in ("use_mambapy", "use_associative_scan")}
+
+        def local(u: Tensor, dt_: Tensor, a: Tensor, b_: Tensor, c: Tensor, **kw: Any) -> Any:
+            return fn(u, dt_, a, b_, c, **kw)
+
+        return selective_scan(local, hidden_states, dt, A, B, C, plan, ctx.group, D=D, z=z, delta_bias=delta_bias,
+                              delta_softplus=delta_softplus, **options)  # fmt: skip
+
+    return scan
+
+
 def unfused_route(fn: Callable) -> Callable:
     """A fused kernel of a whole mixer (mamba-ssm's ``mamba_split_conv1d_scan_combined``): under a
     ``ring_context`` it returns ``None``, which makes the mixer take its unfused path (convolution
@@ -160,7 +216,8 @@ def unfused_route(fn: Callable) -> Callable:
     return fused
 
 
-ROUTES: dict[str, Route] = {"conv": conv_route, "delta": delta_route, "ssd": ssd_route, "unfused": unfused_route}
+ROUTES: dict[str, Route] = {"conv": conv_route, "delta": delta_route, "ssd": ssd_route, "selective": selective_route,
+                             "unfused": unfused_route}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -176,6 +233,7 @@ class Family:
 _GDN = {"causal_conv1d_fn": "conv", "torch_chunk_gated_delta_rule": "delta"}
 _KDA = {"causal_conv1d_fn": "conv", "chunk_kimi_delta_attention": "delta"}
 _CONV = {"causal_conv1d_fn": "conv"}
+_MAMBA = {"causal_conv1d_fn": "conv", "mamba_selective_scan": "selective"}
 _SSD = {"causal_conv1d_fn": "conv", "mamba2_chunk_scan": "ssd", "mamba2_split_conv1d_scan_combined": "unfused"}
 
 # modeling module (under transformers.models.) -> its routes
@@ -197,6 +255,12 @@ FAMILIES: dict[str, Family] = {
     "bamba.modeling_bamba": Family(_SSD, ("BambaMixer",)),
     "falcon_h1.modeling_falcon_h1": Family(_SSD, ("FalconH1Mixer",)),
     "zamba2.modeling_zamba2": Family(_SSD, ("Zamba2MambaMixer", "Zamba2MambaDecoderLayer")),
+    "jamba.modeling_jamba": Family(
+        _MAMBA, ("JambaMambaMixer", "JambaMambaDecoderLayer"), {"JambaMambaDecoderLayer": carry_context}
+    ),
+    "zamba.modeling_zamba": Family(
+        _MAMBA, ("ZambaMambaMixer", "ZambaMambaDecoderLayer"), {"ZambaMambaMixer": carry_context}
+    ),
 }
 
 
