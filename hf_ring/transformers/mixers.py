@@ -23,15 +23,18 @@ from __future__ import annotations
 import functools
 import importlib
 import math
+import sys
 from collections.abc import Callable
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from ..ops.mixers.conv import causal_conv1d, conv_plan
 from ..ops.mixers.delta import delta_plan, delta_rule
+from ..ops.mixers.lightning import lightning_attention
 from ..ops.mixers.selective import selective_plan, selective_scan
 from ..ops.mixers.ssd import ssd_plan, ssd_scan
 from .context import RingContext
@@ -216,6 +219,34 @@ def unfused_route(fn: Callable) -> Callable:
     return fused
 
 
+def lightning_forward(forward: Callable) -> Callable:
+    """``MiniMaxLightningAttention.forward`` (its recurrence is inline, no kernel function to route):
+    with a ``ring_context`` the same projections, norm and gate around ``ops.mixers.lightning``;
+    every other call goes to the original."""
+
+    @functools.wraps(forward)
+    def wrapped(self: Any, hidden_states: Tensor, *args: Any, **kwargs: Any) -> Any:
+        ctx = kwargs.get("ring_context")
+        if not _needs_cp(ctx):
+            return forward(self, hidden_states, *args, **kwargs)
+        _no_cache(forward, kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None)
+        b, s, _ = hidden_states.shape
+        _check_rows(ctx, s, type(self).__name__)
+        h, d = self.num_attention_heads, self.head_dim
+        qkv = self.act_fn(self.qkv_proj(hidden_states))
+        mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
+        if mask is not None:
+            qkv = sys.modules[type(self).__module__].apply_mask_to_padding_states(qkv, mask)
+        q, k, v = qkv.view(b, s, h, 3 * d).split(d, dim=3)
+        plan = ctx.cached(("ssd", b), lambda: ssd_plan(ctx.layout, b, ctx.rank))
+        out = lightning_attention(q, k, v, self.slope_rate.reshape(h), plan, ctx.group, block_size=self.block_size)
+        out = self.norm(out.reshape(b, s, h * d))
+        out = self.out_proj(torch.sigmoid(self.output_gate(hidden_states)) * out)
+        return out, None
+
+    return wrapped
+
+
 ROUTES: dict[str, Route] = {"conv": conv_route, "delta": delta_route, "ssd": ssd_route, "selective": selective_route,
                              "unfused": unfused_route}  # fmt: skip
 
@@ -255,6 +286,9 @@ FAMILIES: dict[str, Family] = {
     "bamba.modeling_bamba": Family(_SSD, ("BambaMixer",)),
     "falcon_h1.modeling_falcon_h1": Family(_SSD, ("FalconH1Mixer",)),
     "zamba2.modeling_zamba2": Family(_SSD, ("Zamba2MambaMixer", "Zamba2MambaDecoderLayer")),
+    "minimax.modeling_minimax": Family(
+        {}, ("MiniMaxLightningAttention",), {"MiniMaxLightningAttention": lightning_forward}
+    ),
     "jamba.modeling_jamba": Family(
         _MAMBA, ("JambaMambaMixer", "JambaMambaDecoderLayer"), {"JambaMambaDecoderLayer": carry_context}
     ),

@@ -35,7 +35,7 @@ from ..layout import ShardLayout
 from ..state_passing import apply_scalar, incoming_states
 from .runs import RunPlan, run_plan, stack_runs, unstack_runs
 
-__all__ = ["ssd_plan", "ssd_scan", "step_sizes"]
+__all__ = ["ssd_plan", "ssd_scan", "step_sizes", "torch_ssd_scan"]
 
 Scan = Callable[..., tuple[Tensor, Tensor]]
 # scan(x [N, L, H, P], dt [N, L, H], A [H], B [N, L, G, Nst], C [N, L, G, Nst], chunk_size, D=[H] | None,
@@ -57,6 +57,56 @@ def step_sizes(dt: Tensor, dt_bias: Tensor | None, softplus: bool, limit: tuple[
     if softplus:
         dt = F.softplus(dt)
     return torch.clamp(dt, min=limit[0], max=limit[1])
+
+
+def torch_ssd_scan(
+    x: Tensor,
+    dt: Tensor,
+    A: Tensor,
+    B: Tensor,
+    C: Tensor,
+    chunk_size: int,
+    D: Tensor | None = None,
+    dt_bias: Tensor | None = None,
+    initial_states: Tensor | None = None,
+    dt_softplus: bool = False,
+    dt_limit: tuple[float, float] = (0.0, math.inf),
+    return_final_states: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """The SSD scan in torch, chunk by chunk, in float32 or the inputs' wider dtype (the ``Scan``
+    contract; for mixers whose model has no scan function of its own, e.g. lightning attention).
+
+    Within a chunk ``y_i = sum_{j <= i} exp(l_i - l_j) (C_i . B_j) dt_j x_j + exp(l_i) S C_i``
+    (``l``: the cumulative log decay in the chunk, ``S``: the state entering it). Returns ``y [N, L,
+    H, P]`` in the wide dtype, and the final state ``[N, H, P, Nst]`` if ``return_final_states``."""
+    wide = torch.promote_types(x.dtype, torch.float32)
+    batch, length, h, p = x.shape
+    step = step_sizes(dt, dt_bias, dt_softplus, dt_limit)  # [N, L, H]
+    log_a = step * A.to(wide)
+    xs = x.to(wide) * step[..., None]
+    b_ = B.to(wide).repeat_interleave(h // B.shape[2], dim=2)
+    c_ = C.to(wide).repeat_interleave(h // C.shape[2], dim=2)
+    state = (x.new_zeros((batch, h, p, B.shape[3]), dtype=wide) if initial_states is None
+             else initial_states.to(wide))  # fmt: skip
+    outs = []
+    for lo in range(0, length, chunk_size):
+        part = slice(lo, lo + chunk_size)
+        cum = log_a[:, part].cumsum(1)  # [N, l, H]
+        n = cum.shape[1]
+        causal = torch.ones(n, n, dtype=torch.bool, device=x.device).tril()[None, :, :, None]
+        weight = torch.exp((cum[:, :, None] - cum[:, None, :]).masked_fill(~causal, -math.inf))  # [N, i, j, H]
+        weight = weight * torch.einsum("bihn,bjhn->bijh", c_[:, part], b_[:, part])
+        y = torch.einsum("bijh,bjhp->bihp", weight, xs[:, part])
+        y = y + torch.exp(cum)[..., None] * torch.einsum("bihn,bhpn->bihp", c_[:, part], state)
+        tail = torch.exp(cum[:, -1:] - cum)  # [N, l, H]: decay from each row to the chunk's end
+        state = torch.exp(cum[:, -1])[..., None, None] * state + torch.einsum(
+            "bjh,bjhn,bjhp->bhpn", tail, b_[:, part], xs[:, part]
+        )
+        outs.append(y)
+    out = torch.cat(outs, 1) if outs else x.new_zeros((batch, 0, h, p), dtype=wide)
+    if D is not None:
+        out = out + x.to(wide) * D.to(wide)[:, None]
+    return (out, state) if return_final_states else out
 
 
 def ssd_scan(
