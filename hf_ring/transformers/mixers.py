@@ -34,6 +34,7 @@ from torch import Tensor
 
 from ..ops.mixers.conv import causal_conv1d, conv_plan
 from ..ops.mixers.delta import delta_plan, delta_rule
+from ..ops.mixers.diagonal import diagonal_plan, diagonal_recurrence
 from ..ops.mixers.lightning import lightning_attention
 from ..ops.mixers.selective import selective_plan, selective_scan
 from ..ops.mixers.ssd import ssd_plan, ssd_scan
@@ -247,6 +248,56 @@ def lightning_forward(forward: Callable) -> Callable:
     return wrapped
 
 
+def recurrent_block_forward(forward: Callable) -> Callable:
+    """``RecurrentGemmaRecurrentBlock.forward`` (its convolution is an ``nn.Conv1d`` called inline):
+    with a ``ring_context`` the same branches around ``ops.mixers.conv.causal_conv1d`` and the RG-LRU,
+    whose scan (``rnn_scan_method``) sees the context; no cache. Every other call: the original."""
+
+    @functools.wraps(forward)
+    def wrapped(self: Any, input_states: Tensor, *args: Any, **kwargs: Any) -> Any:
+        ctx = kwargs.get("ring_context")
+        if not _needs_cp(ctx):
+            return forward(self, input_states, *args, **kwargs)
+        position_ids = kwargs["position_ids"] if "position_ids" in kwargs else args[0]
+        b, s, _ = input_states.shape
+        _check_rows(ctx, s, type(self).__name__)
+        self.conv1d_state, self.rg_lru.recurrent_states = None, None  # no cache under context parallelism
+        y = self.act_fn(self.linear_y(input_states))
+        x = self.linear_x(input_states).transpose(1, 2)
+        weight = self.conv_1d.weight[:, 0]
+        width = weight.shape[-1] - 1
+        plan = ctx.cached(("conv", b, width), lambda: conv_plan(ctx.layout, b, ctx.rank, width))
+        x = causal_conv1d(x, weight, self.conv_1d.bias, None, plan, ctx.group)
+        token = _ACTIVE.set(ctx)
+        try:
+            x = self.rg_lru(x.transpose(1, 2), position_ids)
+        finally:
+            _ACTIVE.reset(token)
+            self.rg_lru.recurrent_states = None
+        return self.linear_out(x * y), None
+
+    return wrapped
+
+
+def rnn_scan_method(scan: Callable) -> Callable:
+    """``RecurrentGemmaRglru._rnn_scan(hidden_states, recurrent_gate, reset, recurrent_states,
+    acc_dtype)``: under the block's ``ring_context``, ``ops.mixers.diagonal`` over the CP group."""
+
+    @functools.wraps(scan)
+    def wrapped(self: Any, hidden_states: Tensor, recurrent_gate: Tensor, reset: Tensor,
+                recurrent_states: Tensor | None = None, acc_dtype: torch.dtype = torch.float32) -> Any:  # fmt: skip
+        ctx = _ACTIVE.get()
+        if not _needs_cp(ctx):
+            return scan(self, hidden_states, recurrent_gate, reset, recurrent_states, acc_dtype)
+        _no_cache(scan, recurrent_states is not None)
+        b = hidden_states.shape[0]
+        plan = ctx.cached(("diagonal", b), lambda: diagonal_plan(ctx.layout, b, ctx.rank))
+        out = diagonal_recurrence(recurrent_gate * ~reset, hidden_states, plan, ctx.group)
+        return out.to(hidden_states.dtype), None
+
+    return wrapped
+
+
 ROUTES: dict[str, Route] = {"conv": conv_route, "delta": delta_route, "ssd": ssd_route, "selective": selective_route,
                              "unfused": unfused_route}  # fmt: skip
 
@@ -258,7 +309,7 @@ class Family:
 
     functions: dict[str, str]
     classes: tuple[str, ...]
-    adapters: dict[str, Callable] = field(default_factory=dict)  # class name -> forward adapter
+    adapters: dict[str, Callable] = field(default_factory=dict)  # "Class" or "Class.method" -> adapter
 
 
 _GDN = {"causal_conv1d_fn": "conv", "torch_chunk_gated_delta_rule": "delta"}
@@ -288,6 +339,10 @@ FAMILIES: dict[str, Family] = {
     "zamba2.modeling_zamba2": Family(_SSD, ("Zamba2MambaMixer", "Zamba2MambaDecoderLayer")),
     "minimax.modeling_minimax": Family(
         {}, ("MiniMaxLightningAttention",), {"MiniMaxLightningAttention": lightning_forward}
+    ),
+    "recurrent_gemma.modeling_recurrent_gemma": Family(
+        {}, ("RecurrentGemmaRecurrentBlock", "RecurrentGemmaRglru"),
+        {"RecurrentGemmaRecurrentBlock": recurrent_block_forward, "RecurrentGemmaRglru._rnn_scan": rnn_scan_method},
     ),
     "jamba.modeling_jamba": Family(
         _MAMBA, ("JambaMambaMixer", "JambaMambaDecoderLayer"), {"JambaMambaDecoderLayer": carry_context}
@@ -328,10 +383,12 @@ def install() -> list[str]:
                 dispatcher.hf_ring_original = fn  # type: ignore[attr-defined]
                 setattr(module, name, dispatcher)
             done.append(f"{short}.{name}")
-        for cls_name, adapter in family.adapters.items():
+        for target, adapter in family.adapters.items():
+            cls_name, _, method = target.partition(".")
             cls = getattr(module, cls_name, None)
-            if cls is not None and not hasattr(cls.forward, "hf_ring_original"):
-                forward = adapter(cls.forward)
-                forward.hf_ring_original = cls.forward
-                cls.forward = forward
+            fn = getattr(cls, method or "forward", None)
+            if fn is not None and not hasattr(fn, "hf_ring_original"):
+                wrapped = adapter(fn)
+                wrapped.hf_ring_original = fn
+                setattr(cls, method or "forward", wrapped)
     return done
