@@ -229,7 +229,7 @@ def check_layer(
     floor = getattr(config, "floor_scale", None)
     if (
         getattr(config, "attn_temperature_tuning", False)
-        and getattr(module, "use_rope", True) is False
+        and not getattr(module, "use_rope", True)  # transformers sets it from no_rope_layers[i]: 0 or 1
         and isinstance(floor, (int, float))
         and n_global > floor
     ):
