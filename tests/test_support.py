@@ -144,14 +144,6 @@ def test_hybrid_without_ring_context_is_refused() -> None:
         assert "no ring_context" in msg and "shard_batch" in msg, msg
 
 
-def test_llama4_nope_temperature_with_integer_flags_is_refused() -> None:
-    """transformers sets ``use_rope`` from ``config.no_rope_layers[i]``, an int: layer 1 (``0``) is a
-    NoPE layer whose temperature grows past ``floor_scale`` tokens."""
-    kw = dict(attention_chunk_size=64, no_rope_layers=[1, 0], floor_scale=4, attn_temperature_tuning=True)
-    for msg in run_ranks(2, refusal, "llama4_text", **kw):
-        assert msg.startswith("RingNotSupported") and "temperature" in msg, msg
-
-
 def test_router_loss_without_coefficient_runs_exactly() -> None:
     for r in run_ranks(2, step_errors, "mixtral", router_aux_loss_coef=0.0):
         assert r["loss"] <= 1e-5 and r["grads"] <= 1e-5, r
