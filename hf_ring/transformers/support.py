@@ -10,7 +10,8 @@ raises ``RingNotSupported`` -- naming the model, the reason and the alternative 
   (``mixers.FAMILIES`` routes the rest): they would run on the local zigzag shard as if it were a
   contiguous sequence; routed ones need the batch's ``ring_context``;
 - restrictions that live only in the mask or in the model (a sliding window or chunked attention
-  shorter than the sequence; Llama 4's NoPE temperature tuning, which reads local positions);
+  shorter than the sequence; Llama 4's NoPE temperature tuning on a shard made by hand -- with the
+  batch's ``ring_context`` it is computed from global positions, ``temperature.py``);
 - the MoE router's auxiliary loss with a nonzero coefficient: transformers adds it after the
   causal-LM loss, from this rank's router logits only;
 - dropout, additive bias, KV-cache decoding, dynamic RoPE (logit soft-capping and attention sinks
@@ -230,14 +231,17 @@ def check_layer(
     floor = getattr(config, "floor_scale", None)
     if (
         getattr(config, "attn_temperature_tuning", False)
-        and getattr(module, "use_rope", True) is False
+        and not getattr(module, "use_rope", True)  # transformers sets it from no_rope_layers[i]: 0 or 1
         and isinstance(floor, (int, float))
         and n_global > floor
+        and cp_size > 1
+        and not context
     ):
         raise RingNotSupported(
             f'attn_implementation="ring": {name} scales the queries of its NoPE layers by a temperature '
-            f"computed from local positions, which differ from the global ones beyond {int(floor)} tokens. "
-            "Set config.attn_temperature_tuning = False, or keep sequences within floor_scale tokens."
+            f"of their positions, which beyond {int(floor)} tokens hf_ring takes from the batch's layout; "
+            "this call has no ring_context. Pass the full batch through hf_ring.shard_batch (RingTrainer "
+            "does), or set config.attn_temperature_tuning = False."
         )
     coef = router_loss_coefficient(config)
     if kwargs.get("output_router_logits") and coef and labelled and cp_size > 1:
