@@ -14,7 +14,8 @@ raises ``RingNotSupported`` -- naming the model, the reason and the alternative 
   batch's ``ring_context`` it is computed from global positions, ``temperature.py``);
 - the MoE router's auxiliary loss with a nonzero coefficient in models whose loss ``router.py``
   does not compute over the CP group, or on a shard made by hand (no ``ring_context``);
-- dropout, soft-capping, sinks, additive bias, KV-cache decoding, dynamic RoPE.
+- dropout, additive bias, KV-cache decoding, dynamic RoPE (logit soft-capping and attention sinks
+  are computed exactly inside the ring).
 
 ``check_layer`` also refuses, at CP > 1, causal LMs that compute their loss themselves (hf_ring sums
 the loss over the CP group through transformers' loss registry), and RoBERTa-style models that
