@@ -12,8 +12,8 @@ raises ``RingNotSupported`` -- naming the model, the reason and the alternative 
 - restrictions that live only in the mask or in the model (a sliding window or chunked attention
   shorter than the sequence; Llama 4's NoPE temperature tuning on a shard made by hand -- with the
   batch's ``ring_context`` it is computed from global positions, ``temperature.py``);
-- the MoE router's auxiliary loss with a nonzero coefficient: transformers adds it after the
-  causal-LM loss, from this rank's router logits only;
+- the MoE router's auxiliary loss with a nonzero coefficient in models whose loss ``router.py``
+  does not compute over the CP group, or on a shard made by hand (no ``ring_context``);
 - dropout, additive bias, KV-cache decoding, dynamic RoPE (logit soft-capping and attention sinks
   are computed exactly inside the ring).
 
@@ -176,6 +176,27 @@ def _check_mixers(name: str, modeling_module: str, mixers: tuple[str, ...], cont
         )
 
 
+def _check_router_loss(name: str, modeling_module: str, coef: float, context: bool) -> None:
+    """The router load-balancing loss is exact over the CP group where ``router.install`` routed it
+    and the call carries the batch's ``ring_context``; refused otherwise."""
+    from .router import routed  # the route imports this module
+
+    if not routed(modeling_module):
+        raise RingNotSupported(
+            f'attn_implementation="ring": {name} adds the router load-balancing loss '
+            f"(coefficient {coef}) after the language-model loss, computed from this rank's "
+            "router logits only, so each rank would train on a different loss, and hf_ring has no "
+            "context-parallel form of this model's loss. Set config.output_router_logits = False "
+            "(or router_aux_loss_coef = 0) for context-parallel training."
+        )
+    if not context:
+        raise RingNotSupported(
+            f'attn_implementation="ring": {name} adds the router load-balancing loss (coefficient {coef}), '
+            "which hf_ring sums over the CP group from the batch's layout; this call has no ring_context. "
+            "Pass the full batch through hf_ring.shard_batch (RingTrainer does)."
+        )
+
+
 def check_layer(
     module: nn.Module,
     kwargs: dict[str, Any],
@@ -244,13 +265,8 @@ def check_layer(
             "does), or set config.attn_temperature_tuning = False."
         )
     coef = router_loss_coefficient(config)
-    if kwargs.get("output_router_logits") and coef and labelled and cp_size > 1:
-        raise RingNotSupported(
-            f'attn_implementation="ring": {name} adds the router load-balancing loss '
-            f"(coefficient {coef}) after the language-model loss, computed from this rank's "
-            "router logits only, so each rank would train on a different loss. Set "
-            "config.output_router_logits = False (or router_aux_loss_coef = 0) for context-parallel training."
-        )
+    if kwargs.get("output_router_logits") and coef and (labelled or not context) and cp_size > 1:
+        _check_router_loss(name, type(module).__module__, coef, context)
     rope = getattr(config, "rope_parameters", None) or {}
     if isinstance(rope, dict) and rope.get("rope_type") in ("dynamic", "longrope"):
         raise RingNotSupported(
