@@ -262,7 +262,8 @@ def _hybrid(c: dict[str, Any]) -> tuple[tuple[tuple[str, ...], ...], MixerShape 
         mixer = MixerShape("gated_deltanet", c["linear_num_key_heads"], c["linear_num_value_heads"],
                            c["linear_key_head_dim"], c["linear_value_head_dim"],
                            c.get("linear_conv_kernel_dim", 4))  # fmt: skip
-        return tuple(_QWEN_LAYERS[t] for t in types), mixer
+        ffn = "moe" if c.get("num_experts") else "mlp"  # Qwen3.5-MoE, Qwen3-Next: experts (not priced yet)
+        return tuple((_QWEN_LAYERS[t][0], ffn) for t in types), mixer
     if mt.startswith("nemotron_h"):
         types = c.get("layers_block_type") or c.get("layer_types")
         if not types:
