@@ -226,6 +226,9 @@ def test_hybrid_shapes_from_configs():
     lora = q.lora_params(16, ("in_proj_qkv", "in_proj_z", "out_proj"))
     assert lora == 16 * 24 * (4096 + 8192 + 4096 + 4096 + 4096 + 4096)  # 24 Gated DeltaNet layers
     assert L8.hybrid is False and L8.layer_blocks == (("attention", "mlp"),) * 32
+    moe = model_shape({**HYBRID, "model_type": "qwen3_5_moe_text", "num_experts": 4})
+    with pytest.raises(ValueError, match="mixture-of-experts blocks are not priced yet"):
+        plan(moe, PlanSettings(seq_len=2**12, gpus=1))
 
 
 # --- offload gives the same step ------------------------------------------------------------------------

@@ -15,12 +15,22 @@ Imports neither torch nor transformers.
 
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 __all__ = ["KNOWN_MODELS", "LORA_TARGETS", "MixerShape", "ModelShape", "known_config", "model_shape"]
+
+QWEN3_5_9B_TEXT: dict[str, Any] = dict(
+    model_type="qwen3_5_text", hidden_size=4096, intermediate_size=12288, num_hidden_layers=32,
+    num_attention_heads=16, num_key_value_heads=4, head_dim=256, vocab_size=248320, tie_word_embeddings=False,
+    linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
+    linear_conv_kernel_dim=4, max_position_embeddings=262144,
+    rope_parameters=dict(rope_type="default", rope_theta=10000000, partial_rotary_factor=0.25,
+                         mrope_section=[11, 11, 10], mrope_interleaved=True),
+)  # fmt: skip
 
 # Plain dicts of the published config.json fields that matter here (nothing is downloaded).
 KNOWN_MODELS: dict[str, dict[str, Any]] = {
@@ -48,13 +58,9 @@ KNOWN_MODELS: dict[str, dict[str, Any]] = {
     "Mistral-7B-v0.3": dict(model_type="mistral", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                             num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=32768,
                             tie_word_embeddings=False),
-    # The language model of Qwen3.5-9B (transformers' Qwen3_5TextConfig defaults are this model's):
-    # 3 Gated DeltaNet layers, then one gated full-attention layer, 8 times.
-    "Qwen3.5-9B": dict(model_type="qwen3_5_text", hidden_size=4096, intermediate_size=12288, num_hidden_layers=32,
-                       num_attention_heads=16, num_key_value_heads=4, head_dim=256, vocab_size=248320,
-                       tie_word_embeddings=False, linear_num_key_heads=16, linear_num_value_heads=32,
-                       linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
-                       full_attention_interval=4),
+    # Qwen3.5-9B, a multimodal config: its language model (text_config) interleaves 3 Gated DeltaNet
+    # layers with one gated full-attention layer; 262K positions natively.
+    "Qwen3.5-9B": dict(model_type="qwen3_5", tie_word_embeddings=False, text_config=QWEN3_5_9B_TEXT),
     # Nemotron-H-8B: 24 Mamba2, 4 attention and 24 MLP blocks (transformers' NemotronHConfig defaults).
     "Nemotron-H-8B-Base-8K": dict(model_type="nemotron_h", hidden_size=4096, intermediate_size=21504,
                                   num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=131072,
@@ -256,7 +262,8 @@ def _hybrid(c: dict[str, Any]) -> tuple[tuple[tuple[str, ...], ...], MixerShape 
         mixer = MixerShape("gated_deltanet", c["linear_num_key_heads"], c["linear_num_value_heads"],
                            c["linear_key_head_dim"], c["linear_value_head_dim"],
                            c.get("linear_conv_kernel_dim", 4))  # fmt: skip
-        return tuple(_QWEN_LAYERS[t] for t in types), mixer
+        ffn = "moe" if c.get("num_experts") else "mlp"  # Qwen3.5-MoE, Qwen3-Next: experts (not priced yet)
+        return tuple((_QWEN_LAYERS[t][0], ffn) for t in types), mixer
     if mt.startswith("nemotron_h"):
         types = c.get("layers_block_type") or c.get("layer_types")
         if not types:
@@ -270,7 +277,7 @@ def _hybrid(c: dict[str, Any]) -> tuple[tuple[tuple[str, ...], ...], MixerShape 
 def known_config(name: str) -> dict[str, Any] | None:
     """The catalogued config fields of a known model name (with or without its hub prefix), or None."""
     key = _ALIASES.get(str(name).lower())
-    return dict(KNOWN_MODELS[key]) if key is not None else None
+    return copy.deepcopy(KNOWN_MODELS[key]) if key is not None else None
 
 
 def model_shape(source: str | dict[str, Any] | ModelShape) -> ModelShape:

@@ -93,7 +93,7 @@ def run(recipe: Recipe) -> dict[str, Any]:
     longest = max([s["seq_len"] for s in stages_of(recipe.data)] + [(recipe.data.get("eval") or {}).get("seq_len", 0)])
     check_ring_model(config, recipe.model.get("attn_implementation", "ring"), args.cp_size, longest)
     tokenizer = _tokenizer(recipe) if recipe.data.get("task") != "passkey" else None
-    train = build_train_dataset(recipe, world // args.cp_size, tokenizer, config.vocab_size)
+    train = build_train_dataset(recipe, world // args.cp_size, tokenizer, config.get_text_config().vocab_size)
     model = build_model(recipe.model, recipe.lora, args.seed, recipe.path)
     trainer = RingTrainer(
         model=model, args=args, train_dataset=train, data_collator=collate, processing_class=tokenizer
