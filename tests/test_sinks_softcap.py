@@ -257,3 +257,33 @@ def ulysses_errors(ulysses_size: int, n: int, hq: int, hkv: int, d: int, per_row
 def test_ulysses_grid_matches_float64(ulysses: int, per_row: bool) -> None:
     for r in run_ranks(4, ulysses_errors, ulysses, 40, 8, 2, 80, per_row):
         assert max(r.values()) <= 1e-5, r
+
+
+def packed_model_errors(family: str, lengths: list[int]) -> dict[str, float]:
+    """A packed row (position_ids restarting per document) of a model with sinks or soft-capping at
+    CP = world, float64, against each document run alone in one process with eager attention;
+    gradients averaged over the group as DDP would (the sinks' included)."""
+    import hf_ring
+    from testkit.families import tiny_config
+    from testkit.models import cp_grad_error, documents_alone_loss
+    from testkit.sweep import _build
+
+    config = tiny_config(family)
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, config.vocab_size, (1, sum(lengths)), generator=g)
+    labels = ids.clone()
+    labels[0, 10:13] = -100
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    ring, ref = (_build(family, tiny_config(family), attn, 0, torch.float64).train() for attn in ("ring", "eager"))
+    out = ring(**hf_ring.shard_batch({"input_ids": ids, "labels": labels, "position_ids": positions}))
+    out.loss.backward()
+    want = documents_alone_loss(ref, ids, labels, lengths)
+    want.backward()
+    return {"loss": abs(out.loss.item() - want.item()) / want.item(), "grads": cp_grad_error(ring, ref)}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("family", ["gpt_oss", "gemma2"])
+def test_packed_documents_model_step(family: str, world: int) -> None:
+    for r in run_ranks(world, packed_model_errors, family, [9, 13, 5, 14]):
+        assert r["loss"] <= 1e-5 and r["grads"] <= 1e-5, r
