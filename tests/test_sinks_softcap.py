@@ -257,3 +257,64 @@ def ulysses_errors(ulysses_size: int, n: int, hq: int, hkv: int, d: int, per_row
 def test_ulysses_grid_matches_float64(ulysses: int, per_row: bool) -> None:
     for r in run_ranks(4, ulysses_errors, ulysses, 40, 8, 2, 80, per_row):
         assert max(r.values()) <= 1e-5, r
+
+
+def packed_model_errors(family: str, lengths: list[int]) -> dict[str, float]:
+    """A packed row (position_ids restarting per document) of a model with sinks or soft-capping at
+    CP = world, float64, against each document run alone in one process with eager attention;
+    gradients averaged over the group as DDP would (the sinks' included)."""
+    import hf_ring
+    from testkit.families import tiny_config
+    from testkit.models import cp_grad_error, documents_alone_loss
+    from testkit.sweep import _build
+
+    config = tiny_config(family)
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, config.vocab_size, (1, sum(lengths)), generator=g)
+    labels = ids.clone()
+    labels[0, 10:13] = -100
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    ring, ref = (_build(family, tiny_config(family), attn, 0, torch.float64).train() for attn in ("ring", "eager"))
+    out = ring(**hf_ring.shard_batch({"input_ids": ids, "labels": labels, "position_ids": positions}))
+    out.loss.backward()
+    want = documents_alone_loss(ref, ids, labels, lengths)
+    want.backward()
+    return {"loss": abs(out.loss.item() - want.item()) / want.item(), "grads": cp_grad_error(ring, ref)}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("family", ["gpt_oss", "gemma2"])
+def test_packed_documents_model_step(family: str, world: int) -> None:
+    for r in run_ranks(world, packed_model_errors, family, [9, 13, 5, 14]):
+        assert r["loss"] <= 1e-5 and r["grads"] <= 1e-5, r
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
+def test_cuda_kernels_with_sinks_and_softcap(dtype_name: str) -> None:
+    """On a GPU (scripts/gpu_check.sh runs it): "auto" picks flash-attn with its own softcap for bf16
+    where it is installed, the reference kernel otherwise; one process against float64 (fp32: 1e-5,
+    bf16: within 2x of one-process bf16 eager attention)."""
+    dtype = getattr(torch, dtype_name)
+    g = torch.Generator().manual_seed(2)
+    n, hq, hkv, d = 256, 8, 2, 80
+    q, dout = ((torch.randn(2, n, hq, d, generator=g, dtype=torch.float64) * s) for s in (3.0, 1.0))
+    k, v = (torch.randn(2, n, hkv, d, generator=g, dtype=torch.float64) for _ in range(2))
+    snk = torch.randn(hq, generator=g, dtype=torch.float64)
+    mask = torch.ones(n, n, dtype=torch.bool).tril()[None, None]
+
+    def grads(fn, dt: torch.dtype, device: str) -> list[Tensor]:
+        xs = [t.to(dtype).to(dt).to(device).requires_grad_() for t in (q, k, v, snk)]
+        o = fn(*xs)
+        o.backward(dout.to(dtype).to(dt).to(device))
+        return [x.detach().cpu().double() for x in (o, *(t.grad for t in xs))]
+
+    want = grads(lambda a, b, c, s: oracle(a, b, c, mask, 5.0, s), torch.float64, "cpu")
+    got = grads(lambda a, b, c, s: ring_attention(a, b, c, softcap=5.0, sinks=s), dtype, "cuda")
+    if dtype == torch.float32:
+        for name, a, w in zip(NAMES, got, want):
+            assert rel_err(a, w) <= 1e-5, (name, rel_err(a, w))
+        return
+    eager = grads(lambda a, b, c, s: oracle(a, b, c, mask.cuda(), 5.0, s), dtype, "cuda")
+    for name, a, e, w in zip(NAMES, got, eager, want):
+        assert rel_err(a, w) <= 2 * rel_err(e, w) + 1e-3, (name, rel_err(a, w), rel_err(e, w))

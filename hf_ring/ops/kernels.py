@@ -85,14 +85,15 @@ class ReferenceKernel:
     before the causal mask and the softmax; the backward applies the chain rule through the cap,
     ``dS_raw = dS * (1 - tanh^2)``, on the recomputed scores. Queries are processed in tiles of
     ``max(1, tile_elems // (B * Hq * Sk))`` rows, so a block holds at most ``tile_elems`` scores at once
-    (O(S) memory per row of queries, like the fused kernels, not O(Sq * Sk)).
+    (O(S) memory per row of queries, like the fused kernels, not O(Sq * Sk)). Grouped-query heads are
+    batched matmuls over ``[B, Hkv, Hq / Hkv, rows, D]`` views: K/V are never expanded.
     """
 
     name = "reference"
     heads_major = False
     softcap = True  # takes softcap > 0 (the fused CPU/CUDA torch ops do not)
 
-    def __init__(self, tile_elems: int = 1 << 25) -> None:
+    def __init__(self, tile_elems: int = 1 << 22) -> None:
         self.tile_elems = tile_elems
 
     def _tiles(self, q: Tensor, k: Tensor) -> range:
@@ -101,37 +102,50 @@ class ReferenceKernel:
         return range(0, sq, rows)
 
     @staticmethod
+    def _grouped(t: Tensor, hkv: int, ct: torch.dtype) -> Tensor:
+        """``[B, S, Hq, D]`` -> ``[B, Hkv, Hq / Hkv, S, D]`` in ``ct`` (query head h = g * rep + r)."""
+        b, s, hq, d = t.shape
+        return t.to(ct).view(b, s, hkv, hq // hkv, d).permute(0, 2, 3, 1, 4)
+
+    @staticmethod
+    def _ungrouped(t: Tensor) -> Tensor:
+        """``[B, Hkv, rep, S, ...]`` -> ``[B, S, Hq, ...]``."""
+        b, hkv, rep, s = t.shape[:4]
+        return t.movedim(3, 1).reshape(b, s, hkv * rep, *t.shape[4:])
+
+    @staticmethod
     def _scores(
-        q: Tensor, kx: Tensor, causal: bool, scale: float, softcap: float, q0: int
+        qg: Tensor, kt: Tensor, causal: bool, scale: float, softcap: float, q0: int
     ) -> tuple[Tensor, Tensor | None]:
-        """Scores ``[B, H, Sq, Sk]`` of query rows ``q0 ...`` of the block (``kx`` expanded, compute dtype),
-        and ``tanh`` of the capped ones (``None`` without a cap) for the backward's chain rule."""
-        s = torch.einsum("bqhd,bkhd->bhqk", q.to(kx.dtype), kx) * scale
+        """Scores ``[B, Hkv, rep, rows, Sk]`` of query rows ``q0 ...`` of the block (``qg`` grouped,
+        ``kt [B, Hkv, 1, D, Sk]``), and ``tanh`` of the capped ones (``None`` without a cap) for the
+        backward's chain rule."""
+        s = torch.matmul(qg, kt).mul_(scale)
         t = None
         if softcap:
-            t = torch.tanh(s / softcap)
+            t = s.div_(softcap).tanh_()
             s = t * softcap
         if causal:
-            sq, sk = s.shape[-2:]
-            rows = torch.arange(q0, q0 + sq, device=s.device)[:, None]
-            s = s.masked_fill(torch.arange(sk, device=s.device)[None, :] > rows, float("-inf"))
+            rows, sk = s.shape[-2:]
+            hide = torch.arange(sk, device=s.device)[None, :] > torch.arange(q0, q0 + rows, device=s.device)[:, None]
+            s = s.masked_fill_(hide, float("-inf"))
         return s, t
 
     def forward(
         self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float, softcap: float = 0.0
     ) -> tuple[Tensor, Tensor]:
         ct = torch.float64 if q.dtype == torch.float64 else torch.float32
-        rep = q.shape[2] // k.shape[2]
-        kx = k.to(ct).repeat_interleave(rep, dim=2)
-        vx = v.to(ct).repeat_interleave(rep, dim=2)
+        hkv = k.shape[2]
+        kt = k.to(ct).permute(0, 2, 3, 1).unsqueeze(2)  # (B, Hkv, 1, D, Sk)
+        vh = v.to(ct).transpose(1, 2).unsqueeze(2)  # (B, Hkv, 1, Sk, D)
         outs, lses = [], []
         tiles = self._tiles(q, k)
         for q0 in tiles:
-            s, _ = self._scores(q[:, q0 : q0 + tiles.step], kx, causal, scale, softcap, q0)
-            lse = torch.logsumexp(s, dim=-1)  # (B, H, rows)
-            p = torch.exp(s - lse[..., None]).nan_to_num_(0.0)  # rows with no key: all zero
-            outs.append(torch.einsum("bhqk,bkhd->bqhd", p, vx).to(q.dtype))
-            lses.append(lse.transpose(1, 2))
+            s, _ = self._scores(self._grouped(q[:, q0 : q0 + tiles.step], hkv, ct), kt, causal, scale, softcap, q0)
+            lse = torch.logsumexp(s, dim=-1)  # (B, Hkv, rep, rows)
+            p = s.sub_(lse[..., None]).exp_().nan_to_num_(0.0)  # rows with no key: all zero
+            outs.append(self._ungrouped(torch.matmul(p, vh)).to(q.dtype))
+            lses.append(self._ungrouped(lse))
             del s, p
         return torch.cat(outs, 1), torch.cat(lses, 1)
 
@@ -149,29 +163,28 @@ class ReferenceKernel:
         softcap: float = 0.0,
     ) -> tuple[Tensor, Tensor, Tensor]:
         ct = torch.float64 if q.dtype == torch.float64 else torch.float32
-        rep = q.shape[2] // k.shape[2]
-        kx = k.to(ct).repeat_interleave(rep, dim=2)
-        vx = v.to(ct).repeat_interleave(rep, dim=2)
-        dkx, dvx, dqs = torch.zeros_like(kx), torch.zeros_like(vx), []
+        hkv = k.shape[2]
+        kt = k.to(ct).permute(0, 2, 3, 1).unsqueeze(2)  # (B, Hkv, 1, D, Sk)
+        vt = v.to(ct).permute(0, 2, 3, 1).unsqueeze(2)  # (B, Hkv, 1, D, Sk)
+        dk = torch.zeros(k.shape[0], hkv, k.shape[1], k.shape[3], dtype=ct, device=k.device)  # (B, Hkv, Sk, D)
+        dv, dqs = torch.zeros_like(dk), []
         tiles = self._tiles(q, k)
         for q0 in tiles:
             rows = slice(q0, q0 + tiles.step)
-            s, t = self._scores(q[:, rows], kx, causal, scale, softcap, q0)
-            p = torch.exp(s - lse[:, rows].to(ct).transpose(1, 2)[..., None]).nan_to_num_(0.0)
-            do = dout[:, rows].to(ct)
-            dvx += torch.einsum("bhqk,bqhd->bkhd", p, do)
-            dp = torch.einsum("bqhd,bkhd->bhqk", do, vx)
-            delta = (do * out[:, rows].to(ct)).sum(-1).transpose(1, 2)[..., None]  # (B, H, rows, 1)
-            ds = p * (dp - delta)
-            if t is not None:  # through s = softcap * tanh(s_raw / softcap)
-                ds = ds * (1.0 - t * t)
-            dqs.append((torch.einsum("bhqk,bkhd->bqhd", ds, kx) * scale).to(q.dtype))
-            dkx += torch.einsum("bhqk,bqhd->bkhd", ds, q[:, rows].to(ct)) * scale
-            del s, t, p, dp, ds
-        b, sk, hkv, d = k.shape
-        dk = dkx.view(b, sk, hkv, rep, d).sum(3)
-        dv = dvx.view(b, sk, hkv, rep, d).sum(3)
-        return torch.cat(dqs, 1), dk.to(k.dtype), dv.to(v.dtype)
+            qg = self._grouped(q[:, rows], hkv, ct)
+            s, t = self._scores(qg, kt, causal, scale, softcap, q0)
+            lse_g = self._grouped(lse[:, rows, :, None], hkv, ct)  # (B, Hkv, rep, rows, 1)
+            p = s.sub_(lse_g).exp_().nan_to_num_(0.0)
+            do = self._grouped(dout[:, rows], hkv, ct)
+            dv += torch.matmul(p.transpose(-1, -2), do).sum(2)
+            delta = (do * self._grouped(out[:, rows], hkv, ct)).sum(-1, keepdim=True)  # (B, Hkv, rep, rows, 1)
+            ds = torch.matmul(do, vt).sub_(delta).mul_(p)  # p * (dP - delta)
+            if t is not None:  # through s = softcap * tanh(s_raw / softcap): times 1 - tanh^2
+                ds.mul_(t.square_().neg_().add_(1.0))
+            dqs.append(self._ungrouped(torch.matmul(ds, kt.transpose(-1, -2)).mul_(scale)).to(q.dtype))
+            dk += torch.matmul(ds.transpose(-1, -2), qg).sum(2).mul_(scale)
+            del s, t, p, ds
+        return torch.cat(dqs, 1), dk.transpose(1, 2).to(k.dtype), dv.transpose(1, 2).to(v.dtype)
 
 
 class TorchCPUKernel:
