@@ -50,9 +50,12 @@ class BlockKernel(Protocol):
     ``heads_major``: the kernel reads K/V faster from ``[B, H, S, D]`` memory; the ring then keeps
     the K/V message it sends around in that order and hands the kernel ``[B, S, H, D]`` views of it.
 
-    Optional: a kernel with ``varlen = True`` also has ``varlen_forward``/``varlen_backward`` over
-    sequences packed along rows (``[T, H, D]`` with int32 cumulative lengths; ``FlashAttnKernel``),
-    and the ring then makes a step's packed-document blocks one call per mask kind.
+    Optional: a kernel with ``softcap = True`` takes a keyword ``softcap: float`` in every method
+    (``0``: none; ``> 0``: scores capped to ``softcap * tanh(scores / softcap)`` before masking, as
+    Gemma 2 does); the ring passes it only when it is nonzero. A kernel with ``varlen = True`` also
+    has ``varlen_forward``/``varlen_backward`` over sequences packed along rows (``[T, H, D]`` with
+    int32 cumulative lengths; ``FlashAttnKernel``), and the ring then makes a step's packed-document
+    blocks one call per mask kind.
     """
 
     name: str
@@ -75,53 +78,100 @@ class BlockKernel(Protocol):
 
 
 class ReferenceKernel:
-    """Plain-torch attention in float32 (float64 for float64 inputs): the oracle and the fallback."""
+    """Plain-torch attention in float32 (float64 for float64 inputs): the oracle, the fallback, and the
+    kernel for logit soft-capping where no fused kernel has it.
+
+    ``softcap > 0`` caps the scaled scores as Gemma 2 does, ``s = softcap * tanh(scale * q.k / softcap)``,
+    before the causal mask and the softmax; the backward applies the chain rule through the cap,
+    ``dS_raw = dS * (1 - tanh^2)``, on the recomputed scores. Queries are processed in tiles of
+    ``max(1, tile_elems // (B * Hq * Sk))`` rows, so a block holds at most ``tile_elems`` scores at once
+    (O(S) memory per row of queries, like the fused kernels, not O(Sq * Sk)).
+    """
 
     name = "reference"
     heads_major = False
+    softcap = True  # takes softcap > 0 (the fused CPU/CUDA torch ops do not)
+
+    def __init__(self, tile_elems: int = 1 << 25) -> None:
+        self.tile_elems = tile_elems
+
+    def _tiles(self, q: Tensor, k: Tensor) -> range:
+        b, sq, hq, _ = q.shape
+        rows = max(1, self.tile_elems // max(1, b * hq * k.shape[1]))
+        return range(0, sq, rows)
 
     @staticmethod
-    def _scores(q: Tensor, k: Tensor, causal: bool, scale: float) -> Tensor:
+    def _scores(
+        q: Tensor, kx: Tensor, causal: bool, scale: float, softcap: float, q0: int
+    ) -> tuple[Tensor, Tensor | None]:
+        """Scores ``[B, H, Sq, Sk]`` of query rows ``q0 ...`` of the block (``kx`` expanded, compute dtype),
+        and ``tanh`` of the capped ones (``None`` without a cap) for the backward's chain rule."""
+        s = torch.einsum("bqhd,bkhd->bhqk", q.to(kx.dtype), kx) * scale
+        t = None
+        if softcap:
+            t = torch.tanh(s / softcap)
+            s = t * softcap
+        if causal:
+            sq, sk = s.shape[-2:]
+            rows = torch.arange(q0, q0 + sq, device=s.device)[:, None]
+            s = s.masked_fill(torch.arange(sk, device=s.device)[None, :] > rows, float("-inf"))
+        return s, t
+
+    def forward(
+        self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float, softcap: float = 0.0
+    ) -> tuple[Tensor, Tensor]:
         ct = torch.float64 if q.dtype == torch.float64 else torch.float32
         rep = q.shape[2] // k.shape[2]
         kx = k.to(ct).repeat_interleave(rep, dim=2)
-        s = torch.einsum("bqhd,bkhd->bhqk", q.to(ct), kx) * scale  # (B, H, Sq, Sk)
-        if causal:
-            sq, sk = s.shape[-2:]
-            mask = torch.ones(sq, sk, dtype=torch.bool, device=s.device).triu_(1)
-            s = s.masked_fill(mask, float("-inf"))
-        return s
-
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
-        s = self._scores(q, k, causal, scale)
-        lse = torch.logsumexp(s, dim=-1)  # (B, H, Sq)
-        p = torch.exp(s - lse[..., None]).nan_to_num_(0.0)  # rows with no key: all zero
-        rep = q.shape[2] // k.shape[2]
-        vx = v.to(s.dtype).repeat_interleave(rep, dim=2)
-        out = torch.einsum("bhqk,bkhd->bqhd", p, vx)
-        return out.to(q.dtype), lse.transpose(1, 2)
+        vx = v.to(ct).repeat_interleave(rep, dim=2)
+        outs, lses = [], []
+        tiles = self._tiles(q, k)
+        for q0 in tiles:
+            s, _ = self._scores(q[:, q0 : q0 + tiles.step], kx, causal, scale, softcap, q0)
+            lse = torch.logsumexp(s, dim=-1)  # (B, H, rows)
+            p = torch.exp(s - lse[..., None]).nan_to_num_(0.0)  # rows with no key: all zero
+            outs.append(torch.einsum("bhqk,bkhd->bqhd", p, vx).to(q.dtype))
+            lses.append(lse.transpose(1, 2))
+            del s, p
+        return torch.cat(outs, 1), torch.cat(lses, 1)
 
     def backward(
-        self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *, causal: bool, scale: float
+        self,
+        dout: Tensor,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        out: Tensor,
+        lse: Tensor,
+        *,
+        causal: bool,
+        scale: float,
+        softcap: float = 0.0,
     ) -> tuple[Tensor, Tensor, Tensor]:
-        s = self._scores(q, k, causal, scale)
-        ct = s.dtype
-        lse_t = lse.to(ct).transpose(1, 2)[..., None]  # (B, H, Sq, 1)
-        p = torch.exp(s - lse_t).nan_to_num_(0.0)
+        ct = torch.float64 if q.dtype == torch.float64 else torch.float32
         rep = q.shape[2] // k.shape[2]
         kx = k.to(ct).repeat_interleave(rep, dim=2)
         vx = v.to(ct).repeat_interleave(rep, dim=2)
-        do = dout.to(ct)
-        dv = torch.einsum("bhqk,bqhd->bkhd", p, do)
-        dp = torch.einsum("bqhd,bkhd->bhqk", do, vx)
-        delta = (do * out.to(ct)).sum(-1).transpose(1, 2)[..., None]  # (B, H, Sq, 1)
-        ds = p * (dp - delta)
-        dq = torch.einsum("bhqk,bkhd->bqhd", ds, kx) * scale
-        dk = torch.einsum("bhqk,bqhd->bkhd", ds, q.to(ct)) * scale
+        dkx, dvx, dqs = torch.zeros_like(kx), torch.zeros_like(vx), []
+        tiles = self._tiles(q, k)
+        for q0 in tiles:
+            rows = slice(q0, q0 + tiles.step)
+            s, t = self._scores(q[:, rows], kx, causal, scale, softcap, q0)
+            p = torch.exp(s - lse[:, rows].to(ct).transpose(1, 2)[..., None]).nan_to_num_(0.0)
+            do = dout[:, rows].to(ct)
+            dvx += torch.einsum("bhqk,bqhd->bkhd", p, do)
+            dp = torch.einsum("bqhd,bkhd->bhqk", do, vx)
+            delta = (do * out[:, rows].to(ct)).sum(-1).transpose(1, 2)[..., None]  # (B, H, rows, 1)
+            ds = p * (dp - delta)
+            if t is not None:  # through s = softcap * tanh(s_raw / softcap)
+                ds = ds * (1.0 - t * t)
+            dqs.append((torch.einsum("bhqk,bkhd->bqhd", ds, kx) * scale).to(q.dtype))
+            dkx += torch.einsum("bhqk,bqhd->bkhd", ds, q[:, rows].to(ct)) * scale
+            del s, t, p, dp, ds
         b, sk, hkv, d = k.shape
-        dk = dk.view(b, sk, hkv, rep, d).sum(3)
-        dv = dv.view(b, sk, hkv, rep, d).sum(3)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+        dk = dkx.view(b, sk, hkv, rep, d).sum(3)
+        dv = dvx.view(b, sk, hkv, rep, d).sum(3)
+        return torch.cat(dqs, 1), dk.to(k.dtype), dv.to(v.dtype)
 
 
 class TorchCPUKernel:
@@ -132,6 +182,7 @@ class TorchCPUKernel:
     """
 
     name = "torch"
+    softcap = False
     heads_major = True  # its backward reads K/V 3-5% faster from [B, H, S, D] memory (benchmarks/NOTES.md)
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
@@ -234,7 +285,7 @@ def available_backends(device: torch.device | str = "cpu") -> list[str]:
     return ["torch", "reference"]
 
 
-def get_kernel(backend: str, device: torch.device | str, dtype: torch.dtype) -> BlockKernel:
+def get_kernel(backend: str, device: torch.device | str, dtype: torch.dtype, softcap: bool = False) -> BlockKernel:
     """The block kernel for ``backend`` (one of ``BACKENDS``) on ``device`` for ``dtype`` inputs.
 
     "auto" picks, on CUDA: flash-attn for fp16/bf16 when it imports (else torch's flash op), torch's
@@ -246,10 +297,26 @@ def get_kernel(backend: str, device: torch.device | str, dtype: torch.dtype) -> 
     torch's fused CPU op (any float dtype). An explicit backend that cannot run here raises
     ``ValueError``. Kernel objects are cached per (backend, device type, dtype, compute capability):
     they hold no per-call state the ring depends on.
+
+    ``softcap=True``: the kernel must take logit soft-capping (``softcap = True`` on it). "auto" then picks
+    flash-attn on CUDA for fp16/bf16 when it imports, and the reference kernel (tiled over query rows,
+    float32 math) everywhere else: torch's fused ops have no soft-capping. An explicit backend without it
+    raises ``ValueError``.
     """
     device = torch.device(device)
     capability = _cuda_capability(device) if device.type == "cuda" else None
-    return _kernel(backend, device.type, dtype, capability)
+    if not softcap:
+        return _kernel(backend, device.type, dtype, capability)
+    if backend == "auto":
+        kernel = _kernel("auto", device.type, dtype, capability)
+        return kernel if getattr(kernel, "softcap", False) else _kernel("reference", device.type, dtype, capability)
+    kernel = _kernel(backend, device.type, dtype, capability)
+    if not getattr(kernel, "softcap", False):
+        raise ValueError(
+            f"backend={backend!r} has no attention logit soft-capping (torch's fused attention ops do not); "
+            "use backend='auto', 'reference' or 'flash_attn' (CUDA, fp16/bf16) for a soft-capped model."
+        )
+    return kernel
 
 
 @functools.cache
