@@ -123,3 +123,22 @@ def test_bf16_within_twice_one_process(world: int) -> None:
     for r in run_ranks(world, selective_errors, "long_and_short", 1, "transformers", "bfloat16"):
         for name in ("out", *NAMES, *PARAMS):
             assert r["err"][name] <= 2 * r["err"][f"one_process_{name}"] + 1e-3 * r["scale"][name], (name, r)
+
+
+def test_correction_in_blocks_equals_one_block() -> None:
+    """The incoming state's effect, computed in blocks of rows recomputed in the backward (bounded
+    memory on long runs), equals one block: value and every gradient."""
+    from hf_ring.ops.mixers.selective import _block, _correction
+
+    g = torch.Generator().manual_seed(0)
+    cum = torch.rand(2, 5, 37, generator=g, dtype=torch.float64).cumsum(-1).requires_grad_()
+    a = (-torch.rand(5, 4, generator=g, dtype=torch.float64)).requires_grad_()
+    c = torch.randn(2, 4, 37, generator=g, dtype=torch.float64).requires_grad_()
+    s = torch.randn(2, 5, 4, generator=g, dtype=torch.float64).requires_grad_()
+    w = torch.randn(2, 5, 37, generator=g, dtype=torch.float64)
+    whole = _block(cum, a, c, s)
+    blocks = _correction(cum, a, c, s, budget=2 * 5 * 4 * 6)  # blocks of 6 rows
+    for x, y in zip(torch.autograd.grad((whole * w).sum(), (cum, a, c, s)),
+                    torch.autograd.grad((blocks * w).sum(), (cum, a, c, s))):  # fmt: skip
+        assert (x - y).abs().max() < 1e-12
+    assert (whole - blocks).abs().max() < 1e-12

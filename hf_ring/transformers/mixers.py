@@ -13,9 +13,11 @@ call module-level kernel functions of their modeling module (``causal_conv1d_fn`
 - every other call goes to the original, unchanged.
 
 Adding a family is one entry: its modeling module, the function names with their route
-(``ROUTES``: ``"conv"``, ``"delta"``, ...), and the mixer classes the routes make exact (what
-``support.check_layer`` stops refusing). Rebinding is idempotent; ``original(module, name)`` gives
-back what transformers had. Every rebinding is listed in docs/architecture.md.
+(``ROUTES``: ``"conv"``, ``"delta"``, ``"ssd"``, ``"selective"``, ``"unfused"``), the mixer classes
+the routes make exact (what ``support.check_layer`` stops refusing), and ``adapters`` for mixers
+that call a kernel without their ``**kwargs`` (``carry_context``) or compute inline
+(``lightning_forward``, ``recurrent_block_forward``, ``rnn_scan_method``). Rebinding is idempotent;
+``original(module, name)`` gives back what transformers had. Every rebinding is listed in docs/architecture.md.
 """
 
 from __future__ import annotations

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
+from torch.utils.checkpoint import checkpoint
 
 from ..layout import ShardLayout
 from ..state_passing import apply_elementwise, incoming_states
@@ -48,6 +49,28 @@ def selective_plan(layout: ShardLayout, batch: int, rank: int) -> RunPlan:
 def _stack(x: Tensor, plan: RunPlan) -> Tensor:
     """``[B, F, S_local]`` (channels first, the kernel's layout) -> ``[R, F, length]``."""
     return stack_runs(x.transpose(1, 2), plan).transpose(1, 2).contiguous()
+
+
+def _block(cum: Tensor, a: Tensor, c: Tensor, s_in: Tensor) -> Tensor:
+    """``sum_n C_t exp(A cum_t) S_in``: ``cum [F, D, l]``, ``a [D, N]``, ``c [F, N, l]``, ``s_in [F, D, N]``."""
+    return torch.einsum("fnl,fdln,fdn->fdl", c, torch.exp(cum[..., None] * a[:, None, :]), s_in)
+
+
+def _correction(cum: Tensor, a: Tensor, c: Tensor, s_in: Tensor, budget: int = 1 << 26) -> Tensor:
+    """``_block`` over the whole run, in blocks of rows whose ``[F, D, rows, N]`` decay holds at most
+    ``budget`` elements, each recomputed in the backward (so the memory does not grow with the run)."""
+    f, d, length = cum.shape
+    rows = max(1, budget // max(1, f * d * a.shape[1]))
+    if rows >= length:
+        return _block(cum, a, c, s_in)
+    parts = []
+    for lo in range(0, length, rows):
+        piece = (cum[..., lo : lo + rows], a, c[..., lo : lo + rows], s_in)
+        if torch.is_grad_enabled():
+            parts.append(checkpoint(_block, *piece, use_reentrant=False))
+        else:
+            parts.append(_block(*piece))
+    return torch.cat(parts, -1)
 
 
 def selective_scan(
@@ -107,8 +130,7 @@ def selective_scan(
     if fixes:  # y_t += (sum_n C_t exp(A cumsum dt) S_in) silu(z_t); a zero state on a first run adds zeros
         rows = torch.tensor([i for i, _ in fixes], dtype=torch.long, device=u.device)
         s_in = torch.stack([s for _, s in fixes])  # [F, D, N]
-        decay = torch.exp(step.index_select(0, rows).cumsum(-1)[..., None] * a[:, None, :])  # [F, D, L, N]
-        extra = torch.einsum("fnl,fdln,fdn->fdl", cs.index_select(0, rows).to(wide), decay, s_in)
+        extra = _correction(step.index_select(0, rows).cumsum(-1), a, cs.index_select(0, rows).to(wide), s_in)
         if zs is not None:
             extra = extra * F.silu(zs.index_select(0, rows).to(wide))
         out = out.index_add(0, rows, extra.to(out.dtype))
