@@ -71,6 +71,23 @@ def test_temperature_tuning_is_exact_with_ulysses() -> None:
         assert r["loss"] <= 1e-6 and r["grads"] <= 1e-6, r
 
 
+def autocast_errors() -> dict[str, float]:
+    """float32 weights under bf16 autocast: ring at CP = world and one-process sdpa under the same
+    autocast, each against the float64 model."""
+    batch = tiny_batch(2, N)
+    want = build("sdpa")(**batch).loss.item()
+    ring, sdpa = build("ring").float(), build("sdpa").float()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = ring(**hf_ring.shard_batch(batch)).loss.item()
+        base = sdpa(**batch).loss.item()
+    return {"ring": abs(got - want) / want, "sdpa": abs(base - want) / want}
+
+
+def test_temperature_tuning_under_bf16_autocast() -> None:
+    for r in run_ranks(2, autocast_errors):
+        assert r["ring"] <= 2 * r["sdpa"] + 1e-3, r
+
+
 def packed_errors() -> dict[str, float]:
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(0, 97, (1, sum(DOCS)), generator=g)
