@@ -1,9 +1,10 @@
-"""Hybrid models (Gated DeltaNet, KDA, Mamba2, short convolutions) under context parallelism, model level:
-one training step against one process in float64 (the gated delta rules in float64 too,
-``testkit.mixers.float64_kernels``; transformers' own compute in float32 inside): Qwen3.5 dense and
-MoE and Nemotron-H at CP = 4 with LoRA on the mixer projections and activation checkpointing; packed documents of
-1, 2 and more tokens against each document alone (also at CP = 1, where the dispatchers restart the
-state at each document); chunked loss; Ulysses x ring."""
+"""Hybrid models (Gated DeltaNet, KDA, Mamba2, Mamba, lightning attention, RG-LRU, short convolutions)
+under context parallelism, model level: one training step against one process in float64 (the
+gated delta rules and the SSD scan in float64 too, ``testkit.mixers.float64_kernels``; transformers'
+own compute in float32 inside): Qwen3.5 dense and MoE and Nemotron-H at CP = 4 with LoRA on the
+mixer projections and activation checkpointing; packed documents of 1, 2 and more tokens against
+each document alone (also at CP = 1, where the dispatchers restart the state at each document);
+chunked loss; Ulysses x ring."""
 
 from __future__ import annotations
 
@@ -96,7 +97,8 @@ def test_lora_checkpointing_step_at_cp4(model_type: str) -> None:
 
 @pytest.mark.parametrize(("world", "model_type", "chunked"), [
     (4, "qwen3_5_text", False), (1, "qwen3_5_text", False), (3, "kimi_linear", False), (3, "lfm2", True),
-    (4, "nemotron_h", False), (1, "nemotron_h", True),
+    (4, "nemotron_h", False), (1, "nemotron_h", True), (3, "jamba", False), (4, "minimax", False),
+    (3, "recurrent_gemma", False), (1, "recurrent_gemma", False), (2, "zamba2", True),
 ])  # fmt: skip
 def test_packed_documents_equal_each_document_alone(world: int, model_type: str, chunked: bool) -> None:
     check(run_ranks(world, step_errors, model_type, packed=True, chunked=chunked))
@@ -107,3 +109,4 @@ def test_ulysses_times_ring() -> None:
     CP group in the hybrid layout (their runs follow the layout's pieces)."""
     check(run_ranks(4, step_errors, "qwen3_5_text", ulysses=2))
     check(run_ranks(4, step_errors, "qwen3_5_text", packed=True, ulysses=2))
+    check(run_ranks(4, step_errors, "nemotron_h", packed=True, ulysses=2))

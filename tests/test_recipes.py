@@ -34,6 +34,7 @@ NAMES = [
     "llama-3.1-8b-128k",
     "llama-3.1-8b-1m",
     "qwen2.5-7b-256k",
+    "qwen3.5-9b-1m",
     "tiny-cpu-demo",
     "tiny-cpu-demo-pretrain",
 ]
@@ -123,7 +124,7 @@ def test_every_recipe_parses_and_builds_its_model_config(path: Path) -> None:
     check_config_fields(config, r.model.get("overrides") or {}, "model.overrides")  # no typo in the overrides
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, attn_implementation="ring")
-    assert model.config.vocab_size == config.vocab_size
+    assert model.config.vocab_size == config.get_text_config().vocab_size  # a multimodal config: its text model
     check_model(model, r.args.cp_size, max(s["seq_len"] for s in stages_of(r.data)))  # the ring computes it exactly
     if r.lora:
         from peft import LoraConfig
