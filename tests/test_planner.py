@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 import hf_ring
 from hf_ring.cli import main as cli_main
-from hf_ring.planner import GiB, PlanSettings, max_seq_len, model_shape, plan, smallest_cp, tokens
+from hf_ring.planner import GiB, PlanSettings, known_config, max_seq_len, model_shape, plan, smallest_cp, tokens
 from hf_ring.recipes import packaged_recipes, recipe_memory, recipe_model
 from testkit.live_tensors import LiveTensorBytes
 from testkit.models import prepare_step_model, tiny_batch, tiny_model
@@ -347,6 +347,50 @@ def test_ring_overlap_threshold_with_gqa():
     two_nodes = plan(L8, PlanSettings(seq_len=2**16, gpus=16, cp=16, flops=400e12, inter_GBps=45))
     assert two_nodes.overlap["link"] == "inter-node" and two_nodes.overlap["forward_threshold"] == 4445
     assert not two_nodes.overlap["hidden"]  # 4K tokens per rank are too few across nodes
+
+
+def test_moe_windowed_and_sink_shapes():
+    """GPT-OSS-20B and Gemma 3 27B (its language model) from the catalogue: parameters as published,
+    the MoE, window and sink fields; an MoE layer's activations grow with the active experts only."""
+    from hf_ring.planner import activation_terms
+
+    oss, gemma = model_shape("openai/gpt-oss-20b"), model_shape("google/gemma-3-27b-pt")
+    assert oss.params / 20.9e9 == pytest.approx(1, abs=0.01) and gemma.params / 27.0e9 == pytest.approx(1, abs=0.01)
+    assert (oss.experts, oss.active_experts, oss.expert_intermediate, oss.sinks) == (32, 4, 2880, True)
+    assert (oss.window, oss.windowed_layers, gemma.window, gemma.windowed_layers) == (128, 12, 1024, 52)
+    assert set(oss.linear_shapes()) == {"q_proj", "k_proj", "v_proj", "o_proj"}  # experts: no nn.Linear for LoRA
+    more = model_shape({**known_config("gpt-oss-20b"), "num_local_experts": 64})
+    assert activation_terms(more, 2)["mlp_saved"] == activation_terms(oss, 2)["mlp_saved"] + 4 * 32
+    assert more.params - oss.params == 24 * 32 * (3 * 2880 * 2880 + 2880)
+
+
+def test_windowed_layers_send_only_the_border():
+    """A windowed layer within a zigzag chunk sends 2 (W - 1) keys and values forward and their
+    float32 gradients back: flat in N, where a full layer's ring grows as N; a window longer than a
+    chunk turns the ring as far as it reaches."""
+    from hf_ring.planner.terms import attention_comm_bytes, window_comm_bytes
+
+    gemma = model_shape("gemma-3-27b")
+    kv = 2 * gemma.kv_heads * gemma.head_dim
+    for n in (2**16, 2**20):
+        border = window_comm_bytes(gemma, 2, n, 8)
+        assert border["ring_forward"] == 2 * 1023 * kv * 2 and border["ring_backward"] == 2 * 1023 * kv * 4
+    full = [attention_comm_bytes(gemma, 2, n, 8)["total"] for n in (2**16, 2**20)]
+    assert full[1] == 16 * full[0]
+    # 4K tokens on 8 ranks: chunks of 256, a window of 1024 reaches 4 chunks back -> all 7 hops
+    assert window_comm_bytes(gemma, 2, 2**12, 8)["total"] == attention_comm_bytes(gemma, 2, 2**12, 8)["total"]
+    # 32K: chunks of 2048 hold the window
+    p = plan(gemma, PlanSettings(seq_len=2**17, gpus=8, cp=8, sharding="fsdp"))
+    c = p.comm
+    assert c["border"] and (c["full_layers"], c["windowed_layers"]) == (10, 52)
+    assert c["total"] == 10 * c["full_layer_bytes"] + 52 * c["windowed_layer_bytes"]
+    assert c["windowed_layer_bytes"] < c["full_layer_bytes"] / 50
+    assert "52 windowed layers (1024 tokens, window border)" in p.table()
+    # a model whose every layer is windowed keeps the border's K/V, not the ring's buffers
+    mistral = model_shape({**known_config("Mistral-7B-v0.3"), "sliding_window": 4096})
+    rows = [plan(mistral, PlanSettings(seq_len=n, gpus=8, cp=8)).rows["ring buffers (attention backward)"]
+            for n in (2**17, 2**20)]  # fmt: skip
+    assert rows[0] == pytest.approx(rows[1]) and rows[0] == pytest.approx(2 * 4095 * 2 * 8 * 128 * (2 + 4))
 
 
 def test_smallest_cp_and_longest_sequence():

@@ -137,7 +137,11 @@ def documents_alone(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> t
     return lm + config.router_aux_loss_coef * aux, aux
 
 
-def model_errors(family: str, kind: str) -> dict[str, float]:
+def model_errors(family: str, kind: str, ulysses: int = 1) -> dict[str, float]:
+    if ulysses > 1:
+        import torch.distributed as dist
+
+        hf_ring.setup_context_parallel(dist.get_world_size(), ulysses_size=ulysses)
     batch = _batch(kind)
     ring, ref = build(family, "ring"), build(family, "sdpa")
     out = ring(**hf_ring.shard_batch(batch))
@@ -161,6 +165,12 @@ def model_errors(family: str, kind: str) -> dict[str, float]:
 def test_model_with_padding_is_exact(family: str, world: int) -> None:
     for r in run_ranks(world, model_errors, family, "padded"):
         assert r["aux_share"] > 0.01, r  # the router loss is a visible part of the loss
+        assert r["loss"] <= 1e-6 and r["aux"] <= 1e-6 and r["grads"] <= 1e-5, r
+
+
+def test_model_with_ulysses_is_exact() -> None:
+    """CP 4 as Ulysses 2 x ring 2, with padding."""
+    for r in run_ranks(4, model_errors, "qwen3_moe", "padded", 2):
         assert r["loss"] <= 1e-6 and r["aux"] <= 1e-6 and r["grads"] <= 1e-5, r
 
 

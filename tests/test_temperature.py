@@ -3,8 +3,8 @@
 A tiny Llama 4 text model whose layer 1 is a NoPE layer (``no_rope_layers=[1, 0]``, an int as
 transformers stores it) with ``attn_temperature_tuning`` and ``floor_scale = 4``, so the query
 temperature changes every 4 tokens across a sequence of 61: one training step at CP = world against
-one process with sdpa, all in float64 (loss on every rank and every gradient); packed documents
-against each document alone; a shard made by hand (no ring_context) refused.
+one process with sdpa, all in float64 (loss on every rank and every gradient), also as Ulysses 2 x
+ring 2; packed documents against each document alone; a shard made by hand (no ring_context) refused.
 """
 
 from __future__ import annotations
@@ -34,7 +34,9 @@ def build(attn: str) -> torch.nn.Module:
     return model.to(torch.float64)
 
 
-def step_errors() -> dict[str, float]:
+def step_errors(ulysses: int = 1) -> dict[str, float]:
+    if ulysses > 1:
+        hf_ring.setup_context_parallel(torch.distributed.get_world_size(), ulysses_size=ulysses)
     batch = tiny_batch(2, N)
     ring, ref = build("ring"), build("sdpa")
     out = ring(**hf_ring.shard_batch(batch))
@@ -61,6 +63,29 @@ def test_temperature_tuning_is_exact(world: int) -> None:
     assert temperature_changes_the_loss() > 1e-3
     for r in run_ranks(world, step_errors):
         assert r["loss"] <= 1e-6 and r["grads"] <= 1e-6, r
+
+
+def test_temperature_tuning_is_exact_with_ulysses() -> None:
+    """CP 4 as Ulysses 2 x ring 2: each rank's rows are a contiguous piece of its ring position's shard."""
+    for r in run_ranks(4, step_errors, 2):
+        assert r["loss"] <= 1e-6 and r["grads"] <= 1e-6, r
+
+
+def autocast_errors() -> dict[str, float]:
+    """float32 weights under bf16 autocast: ring at CP = world and one-process sdpa under the same
+    autocast, each against the float64 model."""
+    batch = tiny_batch(2, N)
+    want = build("sdpa")(**batch).loss.item()
+    ring, sdpa = build("ring").float(), build("sdpa").float()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = ring(**hf_ring.shard_batch(batch)).loss.item()
+        base = sdpa(**batch).loss.item()
+    return {"ring": abs(got - want) / want, "sdpa": abs(base - want) / want}
+
+
+def test_temperature_tuning_under_bf16_autocast() -> None:
+    for r in run_ranks(2, autocast_errors):
+        assert r["ring"] <= 2 * r["sdpa"] + 1e-3, r
 
 
 def packed_errors() -> dict[str, float]:

@@ -67,6 +67,29 @@ KNOWN_MODELS: dict[str, dict[str, Any]] = {
                                   tie_word_embeddings=False, mamba_num_heads=128, mamba_head_dim=64,
                                   ssm_state_size=128, n_groups=8, conv_kernel=4, chunk_size=128,
                                   hybrid_override_pattern="M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-"),
+    # MoE: 32 experts, 4 active; 128-token windows on every other layer; learned attention sinks
+    "gpt-oss-20b": dict(model_type="gpt_oss", hidden_size=2880, intermediate_size=2880, num_hidden_layers=24,
+                        num_attention_heads=64, num_key_value_heads=8, head_dim=64, vocab_size=201088,
+                        num_local_experts=32, num_experts_per_tok=4, sliding_window=128,
+                        layer_types=["sliding_attention", "full_attention"] * 12, attention_bias=True,
+                        tie_word_embeddings=False, max_position_embeddings=131072,
+                        rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=32.0, beta_fast=32.0,
+                                             beta_slow=1.0, truncate=False, original_max_position_embeddings=4096)),
+    # Gemma 3's language model: five layers with 1024-token windows to one with full attention
+    "gemma-3-27b": dict(model_type="gemma3_text", hidden_size=5376, intermediate_size=21504, num_hidden_layers=62,
+                        num_attention_heads=32, num_key_value_heads=16, head_dim=128, vocab_size=262208,
+                        query_pre_attn_scalar=168, sliding_window=1024,
+                        layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 10 + ["sliding_attention"] * 2,
+                        tie_word_embeddings=True, max_position_embeddings=131072,
+                        rope_parameters=dict(full_attention=dict(rope_type="linear", factor=8.0, rope_theta=1e6),
+                                             sliding_attention=dict(rope_type="default", rope_theta=10000.0))),
+    "gemma-3-12b": dict(model_type="gemma3_text", hidden_size=3840, intermediate_size=15360, num_hidden_layers=48,
+                        num_attention_heads=16, num_key_value_heads=8, head_dim=256, vocab_size=262208,
+                        query_pre_attn_scalar=256, sliding_window=1024,
+                        layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 8,
+                        tie_word_embeddings=True, max_position_embeddings=131072,
+                        rope_parameters=dict(full_attention=dict(rope_type="linear", factor=8.0, rope_theta=1e6),
+                                             sliding_attention=dict(rope_type="default", rope_theta=10000.0))),
 }  # fmt: skip
 
 _ALIASES = {k.lower(): k for k in KNOWN_MODELS}
@@ -75,6 +98,8 @@ _ALIASES.update({f"meta-llama/{k}".lower(): k for k in KNOWN_MODELS if k.startsw
 _ALIASES.update({f"meta-llama/meta-{k}".lower(): k for k in KNOWN_MODELS if k.startswith("Llama")})
 _ALIASES.update({f"qwen/{k}".lower(): k for k in KNOWN_MODELS if k.startswith("Qwen")})
 _ALIASES.update({f"mistralai/{k}".lower(): k for k in KNOWN_MODELS if k.startswith("Mistral")})
+_ALIASES.update({f"openai/{k}".lower(): k for k in KNOWN_MODELS if k.startswith("gpt-oss")})
+_ALIASES.update({f"google/{k}-pt".lower(): k for k in KNOWN_MODELS if k.startswith("gemma")})
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -160,6 +185,12 @@ class ModelShape:
     mixer: MixerShape | None = None
     attn_gate: bool = False
     mlp_gated: bool = True
+    experts: int = 0  # routed experts of each MoE layer (0: a dense MLP)
+    active_experts: int = 0  # experts each token goes through (top-k)
+    expert_intermediate: int = 0  # the intermediate size of one expert
+    window: int = 0  # the sliding window of the windowed layers (0: none)
+    windowed_layers: int = 0  # layers that attend within ``window`` tokens; the others attend to all
+    sinks: bool = False  # one learned attention-sink logit per head and layer (GPT-OSS)
 
     @classmethod
     def from_config(cls, config: dict[str, Any], name: str = "model") -> ModelShape:
@@ -171,6 +202,17 @@ class ModelShape:
         heads = c["num_attention_heads"]
         blocks, mixer = _hybrid(c)
         mt = str(c.get("model_type", ""))
+        experts = c.get("num_local_experts") or c.get("num_experts") or c.get("n_routed_experts") or 0
+        experts = 0 if blocks else int(experts)  # a hybrid's experts are its own "moe" part
+        window = c.get("sliding_window")
+        window = window if isinstance(window, int) and not isinstance(window, bool) and window > 0 else 0
+        types = c.get("layer_types")
+        if not window or blocks:
+            windowed = 0
+        elif isinstance(types, (list, tuple)):
+            windowed = sum(t == "sliding_attention" for t in types[: c["num_hidden_layers"]])
+        else:
+            windowed = c["num_hidden_layers"] if c.get("use_sliding_window", True) is not False else 0
         return cls(
             name=name,
             hidden=c["hidden_size"],
@@ -181,13 +223,29 @@ class ModelShape:
             head_dim=c.get("head_dim") or c["hidden_size"] // heads,
             vocab=c["vocab_size"],
             tied=bool(c.get("tie_word_embeddings", False)),
-            qk_norm=mt in ("qwen3", "qwen3_moe") or mt.startswith(("qwen3_5", "qwen3_next")),
+            qk_norm=mt in ("qwen3", "qwen3_moe", "gemma3_text") or mt.startswith(("qwen3_5", "qwen3_next")),
             qkv_bias=bool(c.get("attention_bias", mt == "qwen2")),
             blocks=blocks,
             mixer=mixer,
             attn_gate=mt.startswith(("qwen3_5", "qwen3_next")),
             mlp_gated=not mt.startswith("nemotron_h"),
+            experts=experts,
+            active_experts=int(c.get("num_experts_per_tok") or 0) if experts else 0,
+            expert_intermediate=int(c.get("moe_intermediate_size") or c["intermediate_size"]) if experts else 0,
+            window=window if windowed else 0,
+            windowed_layers=windowed,
+            sinks=mt == "gpt_oss",
         )
+
+    @property
+    def moe(self) -> bool:
+        """The MLP of every layer is a mixture of experts (a plain MoE transformer)."""
+        return self.experts > 0
+
+    @property
+    def expert_params(self) -> int:
+        """Parameters of one MoE layer's experts (gate, up, down each) and router; 0 when dense."""
+        return self.experts * 3 * self.hidden * self.expert_intermediate + self.hidden * self.experts
 
     @property
     def hybrid(self) -> bool:
@@ -205,6 +263,8 @@ class ModelShape:
         if part == "attention":
             return {"q_proj": (h, q * (2 if self.attn_gate else 1)), "k_proj": (h, kv), "v_proj": (h, kv),
                     "o_proj": (q, h)}  # fmt: skip
+        if part == "mlp" and self.moe:
+            return {}  # stacked expert weights in transformers 5: no nn.Linear for LoRA's target_modules
         if part == "mlp":
             return {"gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)} if self.mlp_gated else \
                 {"up_proj": (h, i), "down_proj": (i, h)}  # fmt: skip
@@ -222,6 +282,10 @@ class ModelShape:
                 n += (self.heads + 2 * self.kv_heads) * self.head_dim
             if self.qk_norm:
                 n += 2 * self.head_dim
+            if self.sinks:
+                n += self.heads
+        elif part == "mlp":
+            n += self.expert_params
         elif part != "mlp" and self.mixer is not None:
             n += self.mixer.other_params
         return n

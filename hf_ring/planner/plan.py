@@ -26,7 +26,17 @@ from typing import Any
 from .layouts import LayoutCost, choose_ulysses_size, compare_layouts, recommend
 from .models import ModelShape
 from .settings import PlanSettings
-from .terms import DTYPE_BYTES, activation_terms, mixer_comm_bytes, mixer_terms, ring_buffer_bytes
+from .terms import (
+    DTYPE_BYTES,
+    activation_terms,
+    attention_comm_bytes,
+    mixer_comm_bytes,
+    mixer_terms,
+    ring_buffer_bytes,
+    window_border,
+    window_buffer_bytes,
+    window_comm_bytes,
+)
 
 __all__ = ["GiB", "Plan", "max_seq_len", "plan", "smallest_cp"]
 
@@ -42,7 +52,8 @@ class Plan:
     the activation bytes live at each candidate peak of a step; ``peak``: the largest total.
     ``settings``: those planned for, with ``cp`` and ``ulysses_size`` resolved. ``layouts``: every
     ring / Ulysses layout of the CP group priced per layer (``hf_ring.planner.layouts``), the
-    recommended one first among equals (``recommended``)."""
+    recommended one first among equals (``recommended``). ``comm``: the attention bytes one rank
+    sends per step, full-attention and windowed layers apart (``attention_comm``)."""
 
     model: ModelShape
     settings: PlanSettings
@@ -53,6 +64,7 @@ class Plan:
     overlap: dict[str, Any]
     notes: list[str] = field(default_factory=list)
     layouts: list[LayoutCost] = field(default_factory=list)
+    comm: dict[str, Any] = field(default_factory=dict)
 
     @property
     def ulysses(self) -> int:
@@ -132,6 +144,7 @@ class Plan:
             "ulysses_size": self.ulysses,
             "layouts": [c.as_dict() for c in self.layouts],
             "recommended_ulysses_size": self.recommended.ulysses if self.recommended else None,
+            "attention_comm": self.comm,
         }
 
     def table(self) -> str:
@@ -161,6 +174,16 @@ class Plan:
             f"{o['link']} {o['link_GBps']:g} GB/s, {o['flops'] / 1e12:g} TFLOP/s, GQA {self.model.heads}/"
             f"{self.model.kv_heads}): {'hidden' if o['hidden'] else 'NOT hidden'}"
         )
+        c = self.comm
+        if c:
+            parts = [f"{c['full_layers']} full layers x {c['full_layer_bytes'] / 2**20:.1f} MiB"]
+            if c["windowed_layers"]:
+                how = "window border" if c["border"] else "ring turned as far as the window reaches"
+                parts.append(
+                    f"{c['windowed_layers']} windowed layers ({self.model.window} tokens, {how}) x "
+                    f"{c['windowed_layer_bytes'] / 2**20:.2f} MiB"
+                )
+            lines.append(f"  attention sent per step and rank: {c['total'] / GiB:.2f} GiB ({'; '.join(parts)})")
         lines.extend(self.layout_lines())
         lines.extend(f"  note: {n}" for n in self.notes)
         return "\n".join(lines)
@@ -298,6 +321,10 @@ def plan(model: ModelShape, settings: PlanSettings) -> Plan:
     # working sets, each at its own time in the backward pass
     unpacked = t * a["layer_input"] if offload else 0.0  # the input of the layer being recomputed, back
     ring = ring_buffer_bytes(m, b, cp, u)
+    n_tokens = t * cp // s.micro_batch
+    if m.windowed_layers == m.layers and window_border(m, n_tokens, cp, u):
+        # every layer windowed within a chunk: the border's keys and values instead of the ring's buffers
+        ring = window_buffer_bytes(m, b, n_tokens, cp, u) * s.micro_batch / t
     dx = t * m.hidden * b
     # decoder state once the loss's backward is done (and the full logits, which the output holds)
     base = t * a["rope"] + (unpacked if offload else t * layers_kept)
@@ -363,8 +390,38 @@ def plan(model: ModelShape, settings: PlanSettings) -> Plan:
         notes.append(f"{mixing} of {m.layers} layers mix tokens by "
                      f"{m.mixer.kind} (state passing over the CP group: {sent / 2**20:.1f} MiB sent per layer and "
                      f"rank, whatever the length; kernels: {s.mixer_kernels})")  # fmt: skip
+    if m.moe:
+        notes.append(f"MoE: {m.experts} experts, {m.active_experts} active per token; the router's "
+                     "load-balancing loss is summed over the CP group (one all-reduce of 2E + 1 numbers)")  # fmt: skip
+    if m.sinks:
+        notes.append("attention sinks: one logit per head and layer, merged after the ring; "
+                     "their gradient is summed over the CP group")  # fmt: skip
     resolved = replace(s, cp=cp, ulysses_size=u)
-    return Plan(m, resolved, t, rows, phases, host, overlap, notes, compare_layouts(m, resolved, cp))
+    comm = attention_comm(m, b, t * cp, cp, u, checkpointing)
+    return Plan(m, resolved, t, rows, phases, host, overlap, notes, compare_layouts(m, resolved, cp), comm)
+
+
+def attention_comm(m: ModelShape, b: int, tokens: int, cp: int, ulysses: int, recompute: bool) -> dict[str, Any]:
+    """Bytes one rank sends for attention in one step (``tokens``: of the whole sequence, times the
+    micro-batch): the full-attention layers' ring and all-to-alls, the windowed layers' (``border``:
+    only the window's border, ``terms.window_comm_bytes``); with checkpointing the forward twice.
+    Layers without attention (a hybrid's mixers) are not counted here."""
+
+    def per_layer(c: dict[str, float]) -> float:
+        return c["total"] + (c["ring_forward"] + c["all_to_all_forward"] if recompute else 0.0)
+
+    attention_layers = sum("attention" in parts for parts in m.layer_blocks)
+    full_layers = attention_layers - m.windowed_layers
+    full = per_layer(attention_comm_bytes(m, b, tokens, cp, ulysses))
+    windowed = per_layer(window_comm_bytes(m, b, tokens, cp, ulysses)) if m.windowed_layers else 0.0
+    return {
+        "full_layers": full_layers,
+        "windowed_layers": m.windowed_layers,
+        "full_layer_bytes": full,
+        "windowed_layer_bytes": windowed,
+        "border": window_border(m, tokens, cp, ulysses) if m.windowed_layers else False,
+        "total": full_layers * full + m.windowed_layers * windowed,
+    }
 
 
 def smallest_cp(model: ModelShape, settings: PlanSettings) -> int | None:

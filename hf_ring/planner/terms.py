@@ -2,8 +2,9 @@
 
 Per token of a rank's shard (``T = micro_batch * seq_len / cp``), in bytes: what transformers'
 Llama/Qwen/Mistral layers save for backward (RMSNorm in float32, the ring attention Function, a
-gated MLP, LoRA adapters) and the ring's working set in attention backward; and the bytes
-attention sends per layer, ring and Ulysses all-to-all (``attention_comm_bytes``). Checked with
+gated MLP or the active experts of an MoE layer, LoRA adapters) and the ring's working set in
+attention backward; and the bytes attention sends per layer, ring and Ulysses all-to-all
+(``attention_comm_bytes``; a windowed layer: ``window_comm_bytes``). Checked with
 ``testkit.live_tensors.LiveTensorBytes`` on small models (``tests/test_planner.py``,
 ``benchmarks/memory.py``).
 
@@ -24,6 +25,9 @@ __all__ = [
     "mixer_terms",
     "ring_buffer_bytes",
     "state_slots",
+    "window_border",
+    "window_buffer_bytes",
+    "window_comm_bytes",
 ]
 
 DTYPE_BYTES = {"bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "fp32": 4, "float32": 4}
@@ -66,6 +70,13 @@ def activation_terms(
     if m.attn_gate:  # output * sigmoid(gate): the sigmoid's output and the product (o_proj's input)
         attn += 2 * b * m.heads * d
     mlp = (4 if m.mlp_gated else 2) * i * b  # gate, silu(gate), up, product; ungated: up, act(up)
+    mlp_grads = 2 * i * b  # dL/d(gate), dL/d(up) in flight in the MLP's backward
+    if m.moe:
+        # each token through its k experts: the gathered input, gate, silu(gate), up and their
+        # product per expert; the router's float32 probabilities and the chosen experts' weights
+        k, ie = m.active_experts, m.expert_intermediate
+        mlp = k * (4 * ie * b + h * b) + 4 * m.experts + k * (4 + 8)
+        mlp_grads = 2 * k * ie * b + k * h * b
     adapters = {"attn": 0, "mlp": 0}
     if lora:
         rank, targets = lora
@@ -73,7 +84,7 @@ def activation_terms(
             if t in targets:
                 part = "mlp" if t in ("gate_proj", "up_proj", "down_proj") else "attn"
                 adapters[part] += 4 * (fan_in + rank) if lora_fp32 and not f32 else rank * b
-        if "down_proj" not in targets:
+        if "down_proj" not in targets and not m.moe:
             mlp -= i * b
     mlp_total = mlp + adapters["mlp"]  # per token of the MLP, saved for its backward
     return {
@@ -86,7 +97,7 @@ def activation_terms(
         "final_norm": norm_io,
         # backward transients of the MLP phase: dL/d(gate), dL/d(up) in flight, and dL/dx
         # (tiled: the MLP's dL/dx accumulator instead; the tile's own tensors are counted apart)
-        "mlp_backward": (h * b if tiled_mlp else 2 * i * b) + h * b + 24,
+        "mlp_backward": (h * b if tiled_mlp else mlp_grads) + h * b + 24,
         "norm1": norm1,
         "norm_io": norm_io,
     }
@@ -222,4 +233,53 @@ def attention_comm_bytes(m: ModelShape, b: int, tokens: int, cp: int, ulysses: i
         "all_to_all_forward": a2a_fwd,
         "all_to_all_backward": a2a_fwd,  # the same tensors' gradients, the other way
         "total": ring_fwd + ring_bwd + 2 * a2a_fwd,
+    }
+
+
+def window_border(m: ModelShape, tokens: int, cp: int, ulysses: int = 1) -> bool:
+    """A windowed layer exchanges only its window's border: the window (``W - 1`` keys before a
+    query) fits in one zigzag chunk of the ring (``N / 2R`` tokens)."""
+    ring = cp // ulysses
+    return m.window > 0 and (ring == 1 or m.window - 1 <= tokens // (2 * ring))
+
+
+def window_buffer_bytes(m: ModelShape, b: int, tokens: int, cp: int, ulysses: int = 1) -> float:
+    """Bytes (not per token) of a windowed layer's working set beyond what it saves, when it exchanges
+    only the border (``window_border``): for each of the rank's two chunks the ``W - 1`` keys and
+    values before it, and their float32 dK/dV going back; 0 without a window or ring."""
+    if not window_border(m, tokens, cp, ulysses) or cp // ulysses == 1:
+        return 0.0
+    kv = m.kv_heads * m.head_dim * (ulysses // math.gcd(m.kv_heads, ulysses))
+    return 2 * (m.window - 1) * 2 * kv * (b + 4)
+
+
+def window_comm_bytes(m: ModelShape, b: int, tokens: int, cp: int, ulysses: int = 1) -> dict[str, float]:
+    """Bytes one rank sends per windowed layer for one forward and one backward (as
+    ``attention_comm_bytes``; ``m.window`` keys before each query, ``W``).
+
+    When ``W - 1`` fits in a zigzag chunk (``N / 2R`` tokens, ``window_border``) each of the rank's
+    two chunks gets the ``W - 1`` keys and values before it from the rank that holds them, and their
+    float32 dK/dV go back in backward: ``O(W)``, flat in ``N``. A longer window turns the ring only as
+    far as it reaches: a query chunk needs the ``c = ceil((W - 1) / chunk)`` chunks before it, which
+    zigzag places ``1..c`` and ``R - 1 .. R - c`` ring steps away, so ``min(R - 1, 2c)`` of the full
+    ring's ``R - 1`` hops. The Ulysses all-to-alls are those of a full layer.
+    """
+    full = attention_comm_bytes(m, b, tokens, cp, ulysses)
+    ring = cp // ulysses
+    if ring == 1 or not m.window:
+        return full
+    kv = 2 * m.kv_heads * (ulysses // math.gcd(m.kv_heads, ulysses)) / ulysses * m.head_dim
+    chunk = tokens // (2 * ring)
+    if window_border(m, tokens, cp, ulysses):
+        fwd = 2 * (m.window - 1) * kv * b
+        bwd = 2 * (m.window - 1) * kv * 4  # dK/dV of the border, float32
+    else:
+        share = min(ring - 1, 2 * -(-(m.window - 1) // chunk)) / (ring - 1)
+        fwd, bwd = full["ring_forward"] * share, full["ring_backward"] * share
+    return {
+        "ring_forward": fwd,
+        "ring_backward": bwd,
+        "all_to_all_forward": full["all_to_all_forward"],
+        "all_to_all_backward": full["all_to_all_backward"],
+        "total": fwd + bwd + full["all_to_all_forward"] + full["all_to_all_backward"],
     }

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from .context import RingContext
+from .support import RingNotSupported
 
 __all__ = ["global_temperature", "nope_temperature"]
 
@@ -63,8 +64,13 @@ def global_temperature(module: nn.Module, query: Tensor, ctx: RingContext) -> Te
         return query
     floor, scale = params
     b, s = query.shape[0], query.shape[2]
-    if s != ctx.layout.local or math.isclose(scale, 0.0):
-        return query  # a shape the ring refuses anyway, or a temperature of 1 everywhere
+    if math.isclose(scale, 0.0):
+        return query  # a temperature of 1 everywhere
+    if s != ctx.layout.local:
+        raise RingNotSupported(
+            f"Llama 4 temperature tuning: got {s} query rows under a ring_context whose shard holds "
+            f"{ctx.layout.local}; the rows must be the whole local shard (no cache, no decoding)."
+        )
 
     def factor() -> Tensor:
         local = _tau(torch.arange(s), floor, scale)
