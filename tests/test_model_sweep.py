@@ -1,5 +1,7 @@
 """Every causal-LM family of the installed transformers at CP=2: ring attention is exact or refused;
-hybrid families (routed token mixers) and families with attention sinks or soft-capping also exact at CP=4.
+hybrid families (routed token mixers) and families with attention sinks or soft-capping also exact at
+CP=4, and every MoE family with its router load-balancing loss on exact at CP=4 (or refused for
+another reason).
 
 One test per family and variant (``testkit.families``): one training step on 2 gloo ranks against
 one process (``testkit.sweep.check_family``). WRONG (runs, differs) and BROKEN (another exception)
@@ -46,6 +48,22 @@ def test_ring_is_exact_or_refused(family: str, variant: str | None) -> None:
     if r["status"] == "skipped":
         pytest.skip(r["detail"])
     assert r["status"] in ("exact", "refused"), f"{r['status'].upper()}: {r['detail']}"
+    if variant == "router_aux":
+        assert "load-balancing" not in r["detail"], r["detail"]  # summed over the CP group, never refused
+
+
+ROUTER_AUX = [family for family in families() if "router_aux" in variants(family)]
+
+
+@pytest.mark.parametrize("family", ROUTER_AUX)
+def test_router_loss_is_exact_at_cp4(family: str) -> None:
+    """Every MoE family with its router load-balancing loss on at CP = 4: exact, or refused for
+    something else (sinks, a mask used outside attention, a mixer without a context-parallel form)."""
+    r = check_family(family, "router_aux", n=N, cp=4)
+    if r["status"] == "skipped":
+        pytest.skip(r["detail"])
+    assert r["status"] in ("exact", "refused"), f"{r['status'].upper()}: {r['detail']}"
+    assert "load-balancing" not in r["detail"], r["detail"]
 
 
 HYBRIDS = [family for family in families() if hybrid(family)]

@@ -27,7 +27,14 @@ from hf_ring.recipes import (
 from hf_ring.recipes.recipe import parse_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
-NAMES = ["llama-3.1-8b-128k", "llama-3.1-8b-1m", "qwen2.5-7b-256k", "tiny-cpu-demo", "tiny-cpu-demo-pretrain"]
+NAMES = [
+    "llama-3.1-8b-128k",
+    "llama-3.1-8b-1m",
+    "qwen2.5-7b-256k",
+    "qwen3.5-9b-1m",
+    "tiny-cpu-demo",
+    "tiny-cpu-demo-pretrain",
+]
 
 
 def test_recipes_are_package_resources() -> None:
@@ -101,7 +108,7 @@ def test_every_recipe_parses_and_builds_its_model_config(path: Path) -> None:
     check_config_fields(config, r.model.get("overrides") or {}, "model.overrides")  # no typo in the overrides
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, attn_implementation="ring")
-    assert model.config.vocab_size == config.vocab_size
+    assert model.config.vocab_size == config.get_text_config().vocab_size  # a multimodal config: its text model
     check_model(model, r.args.cp_size, max(s["seq_len"] for s in stages_of(r.data)))  # the ring computes it exactly
     if r.lora:
         from peft import LoraConfig

@@ -26,7 +26,7 @@ from typing import Any
 from .layouts import LayoutCost, choose_ulysses_size, compare_layouts, recommend
 from .models import ModelShape
 from .settings import PlanSettings
-from .terms import DTYPE_BYTES, activation_terms, ring_buffer_bytes
+from .terms import DTYPE_BYTES, activation_terms, mixer_comm_bytes, mixer_terms, ring_buffer_bytes
 
 __all__ = ["GiB", "Plan", "max_seq_len", "plan", "smallest_cp"]
 
@@ -258,8 +258,23 @@ def plan(model: ModelShape, settings: PlanSettings) -> Plan:
     lora = (s.lora_rank, tuple(s.lora_targets)) if s.mode == "lora" else None
     a = activation_terms(m, b, tiled_mlp=bool(tile), lora=lora, lora_fp32=s.lora_fp32, ulysses=u)
     checkpointing = s.checkpointing
-    per_layer_kept = a["layer_input"] if checkpointing else (a["layer_input"] if f32 else 0) + a["layer_saved"]
-    decoder_kept = t * (m.layers * per_layer_kept + a["rope"] + a["final_norm"])
+    # each layer is a sequence of parts, each after its RMSNorm (a plain transformer: attention, MLP)
+    mix = mixer_terms(m, b, cp, s.mixer_kernels, lora, s.lora_fp32)
+    part_saved = {"attention": a["layer_saved_attn"] - a["norm1"], "mlp": 0 if tile else a["mlp_saved"],
+                  "gated_deltanet": mix["saved"], "mamba2": mix["saved"]}  # fmt: skip
+
+    def saved_through(parts: tuple[str, ...], i: int) -> float:
+        """What a layer of ``parts`` saves for backward in its parts ``0..i``, norms included."""
+        return a["norm1"] + part_saved[parts[0]] + sum(a["norm_io"] + part_saved[q] for q in parts[1 : i + 1])
+
+    kinds = list(dict.fromkeys(m.layer_blocks))
+    count = {k: m.layer_blocks.count(k) for k in kinds}
+    if checkpointing:
+        layers_kept = m.layers * a["layer_input"]
+    else:
+        own = a["layer_input"] if f32 else 0
+        layers_kept = sum(count[k] * (own + saved_through(k, len(k) - 1)) for k in kinds)
+    decoder_kept = t * (layers_kept + a["rope"] + a["final_norm"])
     vocab_row = m.vocab  # the loss's per-token bytes are per vocabulary entry
     if s.chunked_loss:
         chunk = min(t, s.loss_chunk or _default_chunk_size(m.vocab))
@@ -274,7 +289,7 @@ def plan(model: ModelShape, settings: PlanSettings) -> Plan:
     if offload and not checkpointing:
         raise ValueError("offload moves checkpointed activations to host memory: it needs checkpointing=True")
     # offloaded: the layer inputs and the final norm's tensors (RoPE's cos/sin stay, held by the layers' calls)
-    offloaded = t * (m.layers * per_layer_kept + a["final_norm"]) if offload else 0.0
+    offloaded = t * (layers_kept + a["final_norm"]) if offload else 0.0
     host = {"checkpointed activations": offloaded}
     kept = decoder_kept - offloaded + loss_kept
     rows["checkpointed activations" if checkpointing else "saved activations"] = decoder_kept - offloaded
@@ -285,7 +300,7 @@ def plan(model: ModelShape, settings: PlanSettings) -> Plan:
     ring = ring_buffer_bytes(m, b, cp, u)
     dx = t * m.hidden * b
     # decoder state once the loss's backward is done (and the full logits, which the output holds)
-    base = t * a["rope"] + (unpacked if offload else t * m.layers * per_layer_kept)
+    base = t * a["rope"] + (unpacked if offload else t * layers_kept)
     if not s.chunked_loss:
         base += t * vocab_row * b
     # one MLP tile recomputed in backward: what it saves, two gradients; the tile's weight gradients
@@ -293,21 +308,29 @@ def plan(model: ModelShape, settings: PlanSettings) -> Plan:
     tile_ws = tile * (a["mlp_saved"] + 2 * m.intermediate * b)
     if tile and s.mode == "full":
         tile_ws += 3 * m.hidden * m.intermediate * (4 + b)
-    if checkpointing:
-        mlp_ws = t * (a["layer_saved"] + a["mlp_backward"]) + dx + tile_ws
-        attn_ws = t * (a["layer_saved_attn"] + ring) + dx
-    else:
-        mlp_ws = t * a["mlp_backward"] + dx + tile_ws
-        attn_ws = t * ring + dx
+    # each part's backward, last part first: what the layer saved up to it (recomputed under
+    # checkpointing), its transients, the gradient flowing in; the mixers' state message per sequence
+    transient = {"attention": ring, "mlp": a["mlp_backward"], "gated_deltanet": mix["backward"],
+                 "mamba2": mix["backward"]}  # fmt: skip
+    names = {"mlp": "layer backward, MLP", "attention": "layer backward, attention + ring",
+             "gated_deltanet": "layer backward, Gated DeltaNet", "mamba2": "layer backward, Mamba2"}  # fmt: skip
+    work: dict[str, float] = {}
+    for k in kinds:
+        for i, part in enumerate(k):
+            ws = t * ((saved_through(k, i) if checkpointing else 0) + transient[part]) + dx
+            ws += tile_ws if part == "mlp" else 0
+            ws += s.micro_batch * mix["fixed"] if part in ("gated_deltanet", "mamba2") else 0
+            work[part] = max(work.get(part, 0.0), ws)
+    mlp_ws = work.get("mlp", 0.0)
     rows["recompute working set (one layer)" if checkpointing else "backward working set (one layer)"] = mlp_ws
     rows["ring buffers (attention backward)"] = t * ring
+    for part in ("gated_deltanet", "mamba2"):
+        if part in work:
+            rows[f"{names[part].split(', ')[1]} working set (one layer)"] = work[part]
     rows["loss working set (backward)"] = loss_bwd
     rows["runtime reserve"] = s.reserve_gib * GiB
-    phases = {
-        "loss backward": kept + loss_bwd,
-        "layer backward, MLP": base + mlp_ws,
-        "layer backward, attention + ring": base + attn_ws,
-    }
+    phases = {"loss backward": kept + loss_bwd}
+    phases.update({names[part]: base + ws for part, ws in sorted(work.items(), key=lambda kv: kv[0] != "mlp")})
 
     # ring overlap: per hop, 2 T^2 Hq d FLOPs forward (half a block, zigzag) vs K/V of T tokens; with
     # Ulysses T = N / R tokens on Hq / U heads, and K/V on Hkv / gcd(Hkv, U) heads
@@ -334,6 +357,12 @@ def plan(model: ModelShape, settings: PlanSettings) -> Plan:
     if rep > 1:
         notes.append(f"ulysses_size={u} does not divide the {m.kv_heads} K/V heads: each is repeated {rep}x "
                      "(saved K/V, ring messages and all-to-all grow by that)")  # fmt: skip
+    if m.mixer is not None:
+        sent = mixer_comm_bytes(m, b, cp)["total"]
+        mixing = sum(m.mixer.kind in parts for parts in m.layer_blocks)
+        notes.append(f"{mixing} of {m.layers} layers mix tokens by "
+                     f"{m.mixer.kind} (state passing over the CP group: {sent / 2**20:.1f} MiB sent per layer and "
+                     f"rank, whatever the length; kernels: {s.mixer_kernels})")  # fmt: skip
     resolved = replace(s, cp=cp, ulysses_size=u)
     return Plan(m, resolved, t, rows, phases, host, overlap, notes, compare_layouts(m, resolved, cp))
 

@@ -23,6 +23,7 @@ from ..ops.ulysses import ulysses_attention
 from ..parallel import context_parallel_state, default_group
 from .context import RingContext
 from .support import RingMaskUsed, RingNotSupported, check_layer
+from .temperature import global_temperature
 
 _MASK_USED = (
     'attn_implementation="ring": this model uses the attention mask itself, outside transformers\' '
@@ -139,6 +140,8 @@ def ring_attention_forward(
     labelled = ring_context.labelled if ring_context is not None else False
     given = ring_context.positions_given if ring_context is not None else True
     check_layer(module, kwargs, query.shape[2] * size, labelled, size, given, ring_context is not None)
+    if ring_context is not None:  # Llama 4's NoPE temperature from global positions
+        query = global_temperature(module, query, ring_context)
     device = query.device.type
     if torch.is_autocast_enabled(device):  # as SDPA under autocast: all three in the autocast dtype
         dtype = torch.get_autocast_dtype(device)
