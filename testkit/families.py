@@ -15,7 +15,10 @@ variant asks for a short one.
 - ``router_aux``: MoE router load-balancing loss on (``output_router_logits=True``, coef 0.1);
 - ``sliding``: a window shorter than the sequence, through the field the family uses;
 - ``mla``: multi-head latent attention with ``v_head_dim != qk head dim`` (the shape of released
-  MLA models; the plain config has ``v_head_dim`` equal to the qk head dim).
+  MLA models; the plain config has ``v_head_dim`` equal to the qk head dim);
+- ``temperature``: Llama 4's NoPE query temperature on a NoPE last layer, ``floor_scale=4`` (the
+  temperature steps every 4 tokens), with weights (``initializer_range=0.2``) large enough for it
+  to move the loss.
 """
 
 from __future__ import annotations
@@ -366,7 +369,13 @@ def _variant_kwargs(names: set[str], *, sliding: int | None, router_aux: bool, m
 
 
 def tiny_config(
-    model_type: str, *, sliding: int | None = None, router_aux: bool = False, mla: bool = False, **fields: Any
+    model_type: str,
+    *,
+    sliding: int | None = None,
+    router_aux: bool = False,
+    mla: bool = False,
+    temperature: bool = False,
+    **fields: Any,
 ) -> Any:
     """A tiny config of ``model_type`` (``None`` when its ``ForCausalLM`` class has no config class).
 
@@ -412,6 +421,10 @@ def tiny_config(
                 kwargs[name] = (kwargs.get(name) or v)[:n]
         kwargs = _drop_rederived(cls, kwargs, default, n)
     kwargs.update(_variant_kwargs(names, sliding=sliding, router_aux=router_aux, mla=mla))
+    if temperature:
+        n = kwargs.get("num_hidden_layers", 2)
+        kwargs.update(attn_temperature_tuning=True, floor_scale=4, attn_scale=1.0, initializer_range=0.2,
+                      no_rope_layers=[1] * (n - 1) + [0])  # fmt: skip
     kwargs.update(fields)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -514,6 +527,8 @@ def variants(model_type: str) -> list[str]:
     out = []
     if "output_router_logits" in names:
         out.append("router_aux")
+    if {"attn_temperature_tuning", "no_rope_layers", "floor_scale"} <= names:
+        out.append("temperature")
     kinds = {str(t) for t in (getattr(default, "layer_types", None) or [])}
     if any(k in names for k in _WINDOWS) or any("sliding" in k or "chunked" in k for k in kinds):
         out.append("sliding")

@@ -63,6 +63,8 @@ def variant_kwargs(variant: str | None, n: int) -> dict[str, Any]:
         return {"router_aux": True}
     if variant == "mla":
         return {"mla": True}
+    if variant == "temperature":
+        return {"temperature": True}
     raise ValueError(f"unknown variant {variant!r}")
 
 

@@ -66,6 +66,16 @@ def test_router_loss_is_exact_at_cp4(family: str) -> None:
     assert "load-balancing" not in r["detail"], r["detail"]
 
 
+TEMPERATURE = [family for family in families() if "temperature" in variants(family)]
+
+
+@pytest.mark.parametrize("family", TEMPERATURE)
+def test_temperature_is_exact_at_cp4(family: str) -> None:
+    """Llama 4's NoPE query temperature (``floor_scale=4``) from global positions at CP = 4."""
+    r = check_family(family, "temperature", n=N, cp=4)
+    assert r["status"] == "exact", f"{r['status'].upper()}: {r['detail']}"
+
+
 HYBRIDS = [family for family in families() if hybrid(family)]
 
 
