@@ -452,7 +452,7 @@ def plot(rows: list[dict], path: Path) -> Path:
 
     names = list(dict.fromkeys(r["x"] for r in rows))
     p = max(r["P"] for r in rows)
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    fig, axes = plt.subplots(1, 2, figsize=(11, 6))
     for j, name in enumerate(names):
         color = f"C{j}"
         for metric, style in (("t_one/(P*t_rank)", "-o"), ("t_one/(P*t_rank)(cpu)", "--s")):
@@ -477,10 +477,11 @@ def plot(rows: list[dict], path: Path) -> Path:
         ax.set_xscale("log", base=2)
         ax.set_xlabel("N (tokens)")
         ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=6, ncol=2, loc="upper center", bbox_to_anchor=(0.5, -0.14))
     m, v = rows[0]["machine"], rows[0]["versions"]
+    commits = ", ".join(dict.fromkeys(str(r["versions"].get("hf_ring_commit", "?")) for r in rows))
     fig.suptitle(f"fp32, gloo, 1 thread per rank; {m['cpu']}, {m['cores']} cores; torch {v['torch']}, hf_ring "
-                 f"{v.get('hf_ring_commit', '?')}", fontsize=7, color="dimgray")  # fmt: skip
+                 f"{commits}", fontsize=7, color="dimgray")  # fmt: skip
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
