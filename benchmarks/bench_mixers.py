@@ -3,6 +3,7 @@
     python -m benchmarks.bench_mixers --out benchmarks/results/mixers.jsonl --max-foreign 1   # ~2 min idle
     python -m benchmarks.bench_mixers --quick --out /tmp/mixers.jsonl           # smoke test, < 20 s
     python -m benchmarks.bench_mixers --plot-only                               # redraw mixers.png
+    python -m benchmarks.bench_mixers --mixers rg_lru --keep                    # rerun one family, keep the rest
 
 Each mixer family that hf_ring runs under CP (``MIXERS``: one entry per family, one line each) runs
 forward + backward, fp32, B = 1, one thread per rank, on one sequence of N tokens:
@@ -52,7 +53,9 @@ class Mixer:
     inputs ``[1, n, ...]`` (float32 leaves) and the gradient of the output; ``full(xs)`` the local
     kernel on the whole sequence; ``plan(layout, rank)`` what the CP form needs once per batch;
     ``cp(xs, plan, group)`` the CP form on this rank's rows; ``sent(n, P)`` the elements per rank
-    a head-parallel all-to-all form would send (forward and backward)."""
+    a head-parallel all-to-all form would send (forward and backward); ``max_n``: the longest N it runs
+    at (transformers' token-by-token torch scans take O(N^2) in backward: each step's gradient is a
+    full-length tensor)."""
 
     shape: dict
     seq_dims: tuple[int | None, ...]
@@ -61,6 +64,7 @@ class Mixer:
     plan: Callable[..., Any]
     cp: Callable[..., Any]
     sent: Callable[[int, int], float]
+    max_n: int | None = None
 
 
 def _delta_rule():
@@ -164,11 +168,195 @@ def _conv_a2a(n: int, p: int) -> float:
     return 2 * 2 * CONV["C"] * n / p * (p - 1) / p  # the input and the output, forward and backward
 
 
+def _original(module: str, name: str):
+    """transformers' local kernel ``module.name`` (``Class.method`` too) as transformers has it (what
+    the CP form calls)."""
+    import importlib
+
+    from hf_ring.transformers.mixers import original
+
+    owner: object = importlib.import_module(f"transformers.models.{module}")
+    *path, name = name.split(".")
+    for part in path:
+        owner = getattr(owner, part)
+    return original(owner, name)
+
+
+# Mamba2's SSD scan (Nemotron-H, Granite 4, Bamba, ...; heads scaled down) through transformers' torch
+# chunk scan: step sizes with bias, softplus and limit, D skip; the convolution before it is ``short_conv``'s.
+SSD = dict(H=8, P=64, G=1, Nst=32, chunk=128)
+
+
+def _ssd_inputs(n: int, g) -> list:
+    import torch
+
+    s = SSD
+    x = torch.randn(1, n, s["H"], s["P"], generator=g)
+    dt = torch.randn(1, n, s["H"], generator=g) - 2
+    b, c = (torch.randn(1, n, s["G"], s["Nst"], generator=g) for _ in range(2))
+    a = -0.5 - torch.rand(s["H"], generator=g)
+    d, bias = torch.randn(s["H"], generator=g), torch.randn(s["H"], generator=g) / 4
+    return [x, dt, b, c, a, d, bias, torch.randn(1, n, s["H"], s["P"], generator=g)]
+
+
+def _ssd_full(xs):
+    x, dt, b, c, a, d, bias = xs
+    scan = _original("nemotron_h.modeling_nemotron_h", "mamba2_chunk_scan")
+    return scan(x, dt, a, b, c, chunk_size=SSD["chunk"], D=d, dt_bias=bias, dt_softplus=True)
+
+
+def _ssd_plan(layout, rank: int):
+    from hf_ring.ops.mixers.ssd import ssd_plan
+
+    return ssd_plan(layout, 1, rank)
+
+
+def _ssd_cp(xs, plan, group):
+    from hf_ring.ops.mixers.ssd import ssd_scan
+
+    x, dt, b, c, a, d, bias = xs
+    scan = _original("nemotron_h.modeling_nemotron_h", "mamba2_chunk_scan")
+
+    def local(x, dt, a, b, c, chunk, **kw):
+        return scan(x, dt, a, b, c, chunk_size=chunk, **kw)
+
+    return ssd_scan(local, x, dt, a, b, c, plan, group, chunk_size=SSD["chunk"], D=d, dt_bias=bias, dt_softplus=True)
+
+
+def _ssd_a2a(n: int, p: int) -> float:
+    s = SSD
+    per_token = 2 * s["H"] * s["P"] + s["H"] + 2 * s["G"] * s["Nst"]  # x dt B C, out
+    return 2 * per_token * n / p * (p - 1) / p
+
+
+# Mamba's selective scan (Jamba, Zamba, Falcon-Mamba; channels scaled down) through transformers' torch
+# scan (token by token): delta bias and softplus, D skip and the gate z.
+SEL = dict(D=16, Nst=16)
+
+
+def _sel_inputs(n: int, g) -> list:
+    import torch
+
+    s = SEL
+    u, dt, z = (torch.randn(1, s["D"], n, generator=g) for _ in range(3))
+    b, c = (torch.randn(1, s["Nst"], n, generator=g) for _ in range(2))
+    a = -torch.arange(1, s["Nst"] + 1, dtype=torch.float32).repeat(s["D"], 1)  # Mamba's A init
+    d, bias = torch.randn(s["D"], generator=g), torch.randn(s["D"], generator=g) / 4 - 2
+    return [u, dt, b, c, z, a, d, bias, torch.randn(1, s["D"], n, generator=g)]
+
+
+def _sel_full(xs):
+    u, dt, b, c, z, a, d, bias = xs
+    scan = _original("jamba.modeling_jamba", "mamba_selective_scan")
+    return scan(u, dt, a, b, c, D=d, z=z, delta_bias=bias, delta_softplus=True)
+
+
+def _sel_plan(layout, rank: int):
+    from hf_ring.ops.mixers.selective import selective_plan
+
+    return selective_plan(layout, 1, rank)
+
+
+def _sel_cp(xs, plan, group):
+    from hf_ring.ops.mixers.selective import selective_scan
+
+    u, dt, b, c, z, a, d, bias = xs
+    scan = _original("jamba.modeling_jamba", "mamba_selective_scan")
+    return selective_scan(scan, u, dt, a, b, c, plan, group, D=d, z=z, delta_bias=bias, delta_softplus=True)
+
+
+def _sel_a2a(n: int, p: int) -> float:
+    s = SEL
+    return 2 * (4 * s["D"] + 2 * s["Nst"]) * n / p * (p - 1) / p  # u dt z B C, out
+
+
+# MiniMax's lightning attention (heads scaled down): S = exp(-slope) S + k^T v, o = q S, in blocks.
+LIGHT = dict(H=4, Dh=64, block=64)
+
+
+def _light_inputs(n: int, g) -> list:
+    import torch
+
+    s = LIGHT
+    q, k, v = (torch.randn(1, n, s["H"], s["Dh"], generator=g) / 4 for _ in range(3))
+    slope = 2.0 ** -(8 * torch.arange(1, s["H"] + 1) / s["H"])  # ALiBi-like slopes, as MiniMax builds them
+    return [q, k, v, slope, torch.randn(1, n, s["H"], s["Dh"], generator=g)]
+
+
+def _light_full(xs):
+    from hf_ring.ops.mixers.ssd import torch_ssd_scan
+
+    q, k, v, slope = xs
+    return torch_ssd_scan(v, v.new_ones(v.shape[:3]), -slope, k, q, LIGHT["block"])
+
+
+def _light_plan(layout, rank: int):
+    from hf_ring.ops.mixers.ssd import ssd_plan
+
+    return ssd_plan(layout, 1, rank)
+
+
+def _light_cp(xs, plan, group):
+    from hf_ring.ops.mixers.lightning import lightning_attention
+
+    return lightning_attention(*xs, plan, group, block_size=LIGHT["block"])
+
+
+def _light_a2a(n: int, p: int) -> float:
+    return 2 * 4 * LIGHT["H"] * LIGHT["Dh"] * n / p * (p - 1) / p  # q k v, out
+
+
+# RecurrentGemma's RG-LRU (width scaled down): h = a * h + x through transformers' token-by-token scan.
+LRU = dict(D=64)
+
+
+def _lru_inputs(n: int, g) -> list:
+    import torch
+
+    a = torch.rand(1, n, LRU["D"], generator=g) * 0.3 + 0.7
+    return [a, torch.randn(1, n, LRU["D"], generator=g), torch.randn(1, n, LRU["D"], generator=g)]
+
+
+def _lru_full(xs):
+    import torch
+
+    scan = _original("recurrent_gemma.modeling_recurrent_gemma", "RecurrentGemmaRglru._rnn_scan")
+    a, x = xs
+    return scan(None, x, a, torch.zeros(a.shape[:2] + (1,), dtype=torch.bool), None)[0]
+
+
+def _lru_plan(layout, rank: int):
+    from hf_ring.ops.mixers.diagonal import diagonal_plan
+
+    return diagonal_plan(layout, 1, rank)
+
+
+def _lru_cp(xs, plan, group):
+    from hf_ring.ops.mixers.diagonal import diagonal_recurrence
+
+    return diagonal_recurrence(xs[0], xs[1], plan, group)
+
+
+def _lru_a2a(n: int, p: int) -> float:
+    return 2 * 3 * LRU["D"] * n / p * (p - 1) / p  # a x, out
+
+
 # One line per family; seq_dims: each input's (and the output gradient's) sequence dimension.
 MIXERS: dict[str, Mixer] = {
     "gated_deltanet": Mixer(GDN, (2, None, 1, 1, 1), _gdn_inputs, _gdn_full, _gdn_plan, _gdn_cp, _gdn_a2a),
     "short_conv": Mixer(CONV, (2, None, 2), _conv_inputs, _conv_full, _conv_plan, _conv_cp, _conv_a2a),
+    "mamba2_ssd": Mixer(SSD, (1, 1, 1, 1, None, None, None, 1), _ssd_inputs, _ssd_full, _ssd_plan, _ssd_cp, _ssd_a2a),
+    "mamba_selective": Mixer(
+        SEL, (2, 2, 2, 2, 2, None, None, None, 2), _sel_inputs, _sel_full, _sel_plan, _sel_cp, _sel_a2a, max_n=8192
+    ),  # fmt: skip
+    "lightning": Mixer(LIGHT, (1, 1, 1, None, 1), _light_inputs, _light_full, _light_plan, _light_cp, _light_a2a),
+    "rg_lru": Mixer(LRU, (1, 1, 1), _lru_inputs, _lru_full, _lru_plan, _lru_cp, _lru_a2a, max_n=8192),
 }
+
+
+def _lengths(mixer: Mixer, ns: list[int]) -> list[int]:
+    """The sequence lengths ``mixer`` runs at (up to its ``max_n``)."""
+    return [n for n in ns if mixer.max_n is None or n <= mixer.max_n]
 
 
 # ============================================================================ worker side
@@ -185,7 +373,7 @@ def worker(rank: int, size: int, cfg: dict) -> dict:
     out: dict = {}
     for name in cfg["mixers"]:
         mixer = MIXERS[name]
-        for n in cfg["Ns"]:
+        for n in _lengths(mixer, cfg["Ns"]):
             g = torch.Generator().manual_seed(n)
             *full, dout = mixer.inputs(n, g)
             layout = sequence_layout(n, size)
@@ -228,7 +416,7 @@ def build_rows(results: dict[int, list[dict]], cfg: dict, meta: dict) -> list[di
     table = H.Table(meta, lambda _: 1)
     for name in cfg["mixers"]:
         shape = ", ".join(f"{k} {v}" for k, v in MIXERS[name].shape.items())
-        for n in cfg["Ns"]:
+        for n in _lengths(MIXERS[name], cfg["Ns"]):
             key = f"{name}/{n}"
             for p, per_rank in sorted(results.items()):
                 redone = max(r[key]["redone"] for r in per_rank)
@@ -264,7 +452,7 @@ def plot(rows: list[dict], path: Path) -> Path:
 
     names = list(dict.fromkeys(r["x"] for r in rows))
     p = max(r["P"] for r in rows)
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    fig, axes = plt.subplots(1, 2, figsize=(11, 6))
     for j, name in enumerate(names):
         color = f"C{j}"
         for metric, style in (("t_one/(P*t_rank)", "-o"), ("t_one/(P*t_rank)(cpu)", "--s")):
@@ -289,10 +477,11 @@ def plot(rows: list[dict], path: Path) -> Path:
         ax.set_xscale("log", base=2)
         ax.set_xlabel("N (tokens)")
         ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=6, ncol=2, loc="upper center", bbox_to_anchor=(0.5, -0.14))
     m, v = rows[0]["machine"], rows[0]["versions"]
+    commits = ", ".join(dict.fromkeys(str(r["versions"].get("hf_ring_commit", "?")) for r in rows))
     fig.suptitle(f"fp32, gloo, 1 thread per rank; {m['cpu']}, {m['cores']} cores; torch {v['torch']}, hf_ring "
-                 f"{v.get('hf_ring_commit', '?')}", fontsize=7, color="dimgray")  # fmt: skip
+                 f"{commits}", fontsize=7, color="dimgray")  # fmt: skip
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -310,6 +499,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per spawned group")
     ap.add_argument("--max-foreign", type=float, default=0.25, help="redo an iteration above this foreign load")
     ap.add_argument("--plot-only", action="store_true", help="only redraw the figure from --out")
+    ap.add_argument("--keep", action="store_true", help="keep the rows of the other mixers already in --out")
     args = ap.parse_args(argv)
     out = Path(args.out)
     if args.plot_only:
@@ -333,6 +523,9 @@ def main(argv: list[str] | None = None) -> int:
         if r["P"] > 1 and (r["name"] == "efficiency" or r["metric"] == "bytes_sent_per_rank.total"):
             print(f"  {r['x']:15s} {r['provider']:10s} {r['metric']:28s} P={r['P']} N={r['N']:6d}: {r['median']:.4g}")
     out.parent.mkdir(parents=True, exist_ok=True)
+    if args.keep and out.exists():  # each kept row carries its own run's machine, versions and load
+        old = [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
+        rows = [r for r in old if r["x"] not in cfg["mixers"]] + rows
     H.write_rows(out, rows)
     print(f"wrote {len(rows)} rows to {out}")
     try:

@@ -218,7 +218,7 @@ def test_autocast_errors_quick(tmp_path):
 @pytest.mark.timeout(120)
 def test_quick_mixer_benchmark(tmp_path):
     """Every mixer family at P = 2: times, efficiency, and the bytes counted from the collectives equal
-    the state passing's and the halos' sizes (one state map per slot, K - 1 rows per border)."""
+    the state passing's and the halos' sizes (one (map, state) slot, K - 1 rows per border)."""
     from benchmarks import bench_mixers as B
 
     out = tmp_path / "mixers.jsonl"
@@ -242,5 +242,15 @@ def test_quick_mixer_benchmark(tmp_path):
     slot = s["Hv"] * s["Dk"] * (s["Dk"] + s["Dv"]) * 4  # M [Hv, Dk, Dk] and E [Hv, Dk, Dv], float32
     assert got[("gated_deltanet", "comm_bytes", "hf_ring", "bytes_sent_per_rank.forward", 2, n)] == slot + halo
     assert got[("gated_deltanet", "comm_bytes", "hf_ring", "bytes_sent_per_rank.backward", 2, n)] == 2 * slot + halo
+    # the scans pass one slot of (map, state) forward and all-reduce the gathered [P, slots] backward
+    ssd, sel, light, lru = B.SSD, B.SEL, B.LIGHT, B.LRU
+    for name, slot in (
+        ("mamba2_ssd", ssd["H"] * (1 + ssd["P"] * ssd["Nst"])),  # m [H], E [H, P, Nst]
+        ("mamba_selective", 2 * sel["D"] * sel["Nst"]),  # m and E [D, Nst]
+        ("lightning", light["H"] * (1 + light["Dh"] ** 2)),  # m [H], E [H, Dh, Dh]
+        ("rg_lru", 2 * lru["D"]),  # m and E [D]
+    ):
+        assert got[(name, "comm_bytes", "hf_ring", "bytes_sent_per_rank.forward", 2, n)] == 4 * slot, name
+        assert got[(name, "comm_bytes", "hf_ring", "bytes_sent_per_rank.backward", 2, n)] == 2 * 4 * slot, name
     png = B.plot(rows, tmp_path / "mixers.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
