@@ -66,12 +66,18 @@ def _check(cond: bool, msg: str) -> None:
         raise RuntimeError(msg)  # what TORCH_CHECK raises
 
 
-def _fa_scores(q: Tensor, k: Tensor, scale: float, causal: bool) -> Tensor:
+def _fa_scores(q: Tensor, k: Tensor, scale: float, causal: bool, wl: int = -1, wr: int = -1) -> Tensor:
     rep = q.shape[2] // k.shape[2]
     s = torch.einsum("bqhd,bkhd->bhqk", q.float(), k.float().repeat_interleave(rep, 2)) * scale
+    sq, sk = s.shape[-2:]
     if causal:  # flash-attn >= 2.1: aligned to the bottom-right corner
-        sq, sk = s.shape[-2:]
         s = s.masked_fill(torch.ones(sq, sk, dtype=torch.bool).triu(sk - sq + 1), float("-inf"))
+    # window_size (left, right), -1 unbounded: key j visible iff i + sk - sq - left <= j <= i + sk - sq + right
+    d = torch.arange(sk)[None, :] - torch.arange(sq)[:, None] - (sk - sq)
+    if wl >= 0:
+        s = s.masked_fill(d < -wl, float("-inf"))
+    if wr >= 0:
+        s = s.masked_fill(d > wr, float("-inf"))
     return s
 
 
@@ -88,8 +94,9 @@ def _fa_check_inputs(q: Tensor, k: Tensor, v: Tensor) -> None:
 
 
 def _fa_check_defaults(dropout_p: float, wl: int, wr: int, softcap: float, alibi_slopes: Tensor | None) -> None:
-    # everything the ring must leave at its default
-    _check(dropout_p == 0.0 and wl == -1 and wr == -1 and softcap == 0.0 and alibi_slopes is None, "options")
+    # everything the ring must leave at its default; windows are ints, -1 unbounded (band blocks set them)
+    _check(isinstance(wl, int) and isinstance(wr, int) and wl >= -1 and wr >= -1, "window_size")
+    _check(dropout_p == 0.0 and softcap == 0.0 and alibi_slopes is None, "options")
 
 
 def flash_attn_forward(
@@ -109,7 +116,7 @@ def flash_attn_forward(
     _fa_check_inputs(q, k, v)
     _fa_check_defaults(dropout_p, window_size_left, window_size_right, softcap, alibi_slopes)
     _check(not return_softmax, "return_softmax")
-    s = _fa_scores(q, k, softmax_scale, causal)
+    s = _fa_scores(q, k, softmax_scale, causal, window_size_left, window_size_right)
     lse = torch.logsumexp(s, -1)  # [B, H, Sq] float32
     lse = lse.masked_fill(torch.isneginf(lse), float("inf"))  # flash-attn: +inf for empty rows
     rep = q.shape[2] // k.shape[2]
@@ -161,7 +168,7 @@ def flash_attn_backward(
         _check(g.shape == ref.shape, f"{name} shape")
         grads.append(g)
     rep = h // hkv
-    s = _fa_scores(q, k, softmax_scale, causal)
+    s = _fa_scores(q, k, softmax_scale, causal, window_size_left, window_size_right)
     p = torch.exp(s - softmax_lse[..., None])
     do, vx = dout.float(), v.float().repeat_interleave(rep, 2)
     delta = (do * out.float()).sum(-1).transpose(1, 2)  # [B, H, Sq]

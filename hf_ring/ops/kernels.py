@@ -6,8 +6,11 @@ Layout everywhere is ``[B, S, H, D]``; keys and values may have fewer heads than
 (grouped-query attention: query head ``h`` reads key head ``h // (Hq // Hkv)``).
 
 ``causal=True`` masks key ``j`` from query ``i`` when ``j > i`` (top-left aligned); the ring only asks
-for it on square blocks. The CUDA kernels live in ``kernels_cuda`` and are re-exported here. ``get_kernel``
-hands out one cached kernel object per (backend, device type, dtype). This module imports only torch.
+for it on square blocks. ``window=(left, right)`` (optional keyword) masks a band, aligned bottom-right
+as in flash-attn: key ``j`` is visible to query ``i`` iff ``-left <= j - i - (Sk - Sq) <= right``
+(``band_mask``); the ring passes it only for blocks that cross a sliding window's edge. The CUDA
+kernels live in ``kernels_cuda`` and are re-exported here. ``get_kernel`` hands out one cached kernel
+object per (backend, device type, dtype). This module imports only torch.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ __all__ = [
     "TorchCUDAKernel",
     "TorchEfficientKernel",
     "available_backends",
+    "band_mask",
     "get_kernel",
 ]
 
@@ -49,6 +53,9 @@ class BlockKernel(Protocol):
 
     ``heads_major``: the kernel reads K/V faster from ``[B, H, S, D]`` memory; the ring then keeps
     the K/V message it sends around in that order and hands the kernel ``[B, S, H, D]`` views of it.
+
+    Blocks that cross a sliding window's edge come with ``window=(left, right)`` (``band_mask``) in
+    both calls; kernels that take it: ``ReferenceKernel``, ``TorchCPUKernel``, ``FlashAttnKernel``.
 
     Optional: a kernel with ``varlen = True`` also has ``varlen_forward``/``varlen_backward`` over
     sequences packed along rows (``[T, H, D]`` with int32 cumulative lengths; ``FlashAttnKernel``),
@@ -74,6 +81,14 @@ class BlockKernel(Protocol):
     ) -> tuple[Tensor, Tensor, Tensor]: ...
 
 
+def band_mask(sq: int, sk: int, window: tuple[int, int], device: torch.device | str = "cpu") -> Tensor:
+    """``[Sq, Sk]`` bool, True where key ``j`` is visible to query ``i``: ``-left <= j - i - (Sk - Sq) <= right``
+    (``window = (left, right)``, flash-attn's bottom-right alignment)."""
+    left, right = window
+    d = torch.arange(sk, device=device)[None, :] - torch.arange(sq, device=device)[:, None] - (sk - sq)
+    return (d >= -left) & (d <= right)
+
+
 class ReferenceKernel:
     """Plain-torch attention in float32 (float64 for float64 inputs): the oracle and the fallback."""
 
@@ -81,7 +96,7 @@ class ReferenceKernel:
     heads_major = False
 
     @staticmethod
-    def _scores(q: Tensor, k: Tensor, causal: bool, scale: float) -> Tensor:
+    def _scores(q: Tensor, k: Tensor, causal: bool, scale: float, window: tuple[int, int] | None = None) -> Tensor:
         ct = torch.float64 if q.dtype == torch.float64 else torch.float32
         rep = q.shape[2] // k.shape[2]
         kx = k.to(ct).repeat_interleave(rep, dim=2)
@@ -90,10 +105,14 @@ class ReferenceKernel:
             sq, sk = s.shape[-2:]
             mask = torch.ones(sq, sk, dtype=torch.bool, device=s.device).triu_(1)
             s = s.masked_fill(mask, float("-inf"))
+        if window is not None:
+            s = s.masked_fill(~band_mask(s.shape[-2], s.shape[-1], window, s.device), float("-inf"))
         return s
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
-        s = self._scores(q, k, causal, scale)
+    def forward(
+        self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float, window: tuple[int, int] | None = None
+    ) -> tuple[Tensor, Tensor]:
+        s = self._scores(q, k, causal, scale, window)
         lse = torch.logsumexp(s, dim=-1)  # (B, H, Sq)
         p = torch.exp(s - lse[..., None]).nan_to_num_(0.0)  # rows with no key: all zero
         rep = q.shape[2] // k.shape[2]
@@ -102,9 +121,10 @@ class ReferenceKernel:
         return out.to(q.dtype), lse.transpose(1, 2)
 
     def backward(
-        self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *, causal: bool, scale: float
-    ) -> tuple[Tensor, Tensor, Tensor]:
-        s = self._scores(q, k, causal, scale)
+        self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *, causal: bool, scale: float,
+        window: tuple[int, int] | None = None,
+    ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+        s = self._scores(q, k, causal, scale, window)
         ct = s.dtype
         lse_t = lse.to(ct).transpose(1, 2)[..., None]  # (B, H, Sq, 1)
         p = torch.exp(s - lse_t).nan_to_num_(0.0)
@@ -128,21 +148,37 @@ class TorchCPUKernel:
     """torch's fused CPU flash attention (``aten._scaled_dot_product_flash_attention_for_cpu``).
 
     Takes fewer K/V heads directly and ``[B, H, S, D]`` views over ``[B, S, H, D]`` memory, so
-    nothing is copied or expanded on the way in.
+    nothing is copied or expanded on the way in. A band (``window``) goes in as an additive
+    ``[Sq, Sk]`` mask in the inputs' dtype (the op's own ``attn_mask``; rows that see no key get
+    ``lse = -inf`` here, where the op reports 0).
     """
 
     name = "torch"
     heads_major = True  # its backward reads K/V 3-5% faster from [B, H, S, D] memory (benchmarks/NOTES.md)
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+    @staticmethod
+    def _mask(q: Tensor, k: Tensor, window: tuple[int, int] | None) -> tuple[Tensor | None, Tensor | None]:
+        if window is None:
+            return None, None
+        seen = band_mask(q.shape[1], k.shape[1], window, q.device)
+        return torch.zeros(seen.shape, dtype=q.dtype, device=q.device).masked_fill_(~seen, float("-inf")), seen
+
+    def forward(
+        self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float, window: tuple[int, int] | None = None
+    ) -> tuple[Tensor, Tensor]:
+        mask, seen = self._mask(q, k, window)
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, causal, scale=scale
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, causal, attn_mask=mask, scale=scale
         )
-        return out.transpose(1, 2), lse.transpose(1, 2)
+        lse = lse.transpose(1, 2)
+        if seen is not None and not bool(seen.any(1).all()):
+            lse = lse.masked_fill(~seen.any(1)[None, :, None], float("-inf"))
+        return out.transpose(1, 2), lse
 
     def backward(
-        self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *, causal: bool, scale: float
-    ) -> tuple[Tensor, Tensor, Tensor]:
+        self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *, causal: bool, scale: float,
+        window: tuple[int, int] | None = None,
+    ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout.transpose(1, 2),
             q.transpose(1, 2),
@@ -152,6 +188,7 @@ class TorchCPUKernel:
             lse.transpose(1, 2).to(torch.float64 if q.dtype == torch.float64 else torch.float32),
             0.0,
             causal,
+            attn_mask=self._mask(q, k, window)[0],
             scale=scale,
         )
         return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)

@@ -1,0 +1,281 @@
+"""Sliding windows and chunked attention through the ring and the border exchange, against a float64
+oracle: out and dq/dk/dv at P = 1..4, one sequence and packed documents, Ulysses 2 x ring 2, GQA,
+head_dim 80, lengths that the layout pads; bf16 within 2x of one-process bf16; the plans themselves
+(no call outside the band, fewer ring steps, border traffic flat in N)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor
+
+from hf_ring.ops.kernels import ReferenceKernel, TorchCPUKernel, band_mask
+from hf_ring.ops.layout import ShardLayout, sequence_layout
+from hf_ring.ops.schedule import balanced_layout
+from hf_ring.ops.ulysses import ulysses_attention
+from hf_ring.ops.windows import mask_plan, masked_attention
+from testkit.spawn import run_ranks
+
+N = 48  # one sequence: 2P chunks for P = 1..4 (and 2 x U x R for U = R = 2)
+DOCS = [[7, 1, 20, 13, 5], [29, 17]]  # packed, two rows that differ; 46 tokens: the layout pads
+
+
+def rel_err(x: Tensor, ref: Tensor) -> float:
+    """``|x - ref| / max(|ref|, 1)``: relative, and absolute for gradients that are exactly 0 (a window
+    of one key: every score's gradient vanishes)."""
+    x, ref = x.detach().double(), ref.detach().double()
+    return float((x - ref).norm()) / max(float(ref.norm()), 1.0)
+
+
+def starts_of(lengths: list[int]) -> list[int]:
+    out, s = [], 0
+    for n in lengths:
+        out.append(s)
+        s += n
+    return out
+
+
+def packed_layout(docs: list[list[int]], ring: int, ulysses: int) -> ShardLayout:
+    """What ``shard_batch`` lays out for packed rows: the per-document zigzag over the ring positions."""
+    n = sum(docs[0])
+    starts = [starts_of(d) for d in docs]
+    layouts = [balanced_layout(s, n, ring) for s in starts]
+    local = -(-max(length for _, length in layouts) // ulysses) * ulysses
+    rows = tuple(x for x, _ in layouts)
+    return ShardLayout(n, ring, ulysses, local // ulysses, rows, tuple(map(tuple, starts)), True)
+
+
+def allowed(layout: ShardLayout, batch: int, window: int | None, chunk: int | None) -> Tensor:
+    """``[B, N, N]`` bool: key j visible to query i (same document, j <= i, in the window and chunk)."""
+    n = layout.n
+    i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    out = []
+    for b in range(batch):
+        starts = list(layout.starts[b if len(layout.starts) > 1 else 0])
+        doc = torch.zeros(n, dtype=torch.long)
+        for s in starts[1:]:
+            doc[s:] += 1
+        d0 = torch.tensor(starts)[doc]
+        m = (doc[:, None] == doc[None, :]) & (j <= i)
+        if window is not None:
+            m &= j > i - window
+        if chunk is not None:
+            m &= (i - d0[:, None]) // chunk == (j - d0[None, :]) // chunk
+        out.append(m)
+    return torch.stack(out)
+
+
+def oracle(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+    """float64 attention ``[B, N, H, D]`` under ``mask [B, N, N]``."""
+    rep = q.shape[2] // k.shape[2]
+    q, k, v = (t.double().transpose(1, 2) for t in (q, k, v))
+    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    s = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    return (s.masked_fill(~mask[:, None], float("-inf")).softmax(-1) @ v).transpose(1, 2)
+
+
+def _groups(ulysses: int) -> tuple:
+    """(Ulysses group, ring group) of this rank on a grid of ``world / ulysses`` ring positions."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mine = [None, None]
+    for r0 in range(0, world, ulysses):
+        g = dist.new_group(list(range(r0, r0 + ulysses)))
+        if r0 <= rank < r0 + ulysses:
+            mine[0] = g
+    for u in range(ulysses):
+        g = dist.new_group(list(range(u, world, ulysses)))
+        if rank % ulysses == u:
+            mine[1] = g
+    return mine[0], mine[1]
+
+
+def mask_errors(
+    packed: bool, masks: list[tuple], hq: int, hkv: int, d: int, ulysses: int = 1, dtype: str = "float64"
+) -> list[dict]:
+    """For every ``(window, chunk, route)`` of ``masks``: this rank's errors against float64 (out on its
+    real rows, dq/dk/dv gathered whole), the route taken, the ring steps and the rows sent."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    ring = world // ulysses
+    layout = packed_layout(DOCS, ring, ulysses) if packed else sequence_layout(N, ring, ulysses)
+    b = len(DOCS) if packed else 2
+    n = layout.n
+    groups = _groups(ulysses) if ulysses > 1 else (None, None)
+    g = torch.Generator().manual_seed(11)
+    q, dout = (torch.randn(b, n, hq, d, generator=g, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(b, n, hkv, d, generator=g, dtype=torch.float64) for _ in range(2))
+    index = layout.index(b)  # [P, B, local], n for padding rows
+    real = index[rank] < n
+
+    def take(t: Tensor, r: int = rank) -> Tensor:
+        full = torch.cat((t, t.new_zeros(t.shape[0], 1, *t.shape[2:])), dim=1)
+        return full.gather(1, index[r][..., None, None].expand(-1, -1, *t.shape[2:])).contiguous()
+
+    dt = getattr(torch, dtype)
+    results = []
+    for window, chunk, route in masks:
+        plan = mask_plan(layout, b, rank // ulysses, window=window, chunk=chunk, route=route)
+        loc = [take(t).to(dt).requires_grad_(i < 3) for i, t in enumerate((q, k, v, dout))]
+        if ulysses > 1:
+            out = ulysses_attention(*loc[:3], ulysses_group=groups[0], ring_group=groups[1], mask=plan)
+        else:
+            out = masked_attention(*loc[:3], plan)
+        out.backward(loc[3])
+        mask = allowed(layout, b, window, chunk)
+        ref_in = [t.to(dt).double().clone().requires_grad_() for t in (q, k, v)]
+        ref = oracle(*ref_in, mask)
+        ref.backward(dout.to(dt).double())
+        errs = {"out": rel_err(out[real], take(ref.detach())[real])}
+        for name, got, want in zip(("dq", "dk", "dv"), (t.grad for t in loc[:3]), (t.grad for t in ref_in)):
+            parts = [torch.empty_like(got) for _ in range(world)]
+            dist.all_gather(parts, got.contiguous())
+            full = torch.zeros(b, n + 1, *got.shape[2:], dtype=torch.float64)
+            for r, part in enumerate(parts):
+                full.scatter_(1, index[r][..., None, None].expand_as(part), part.double())
+            errs[name] = rel_err(full[:, :n], want)
+        if dtype != "float64":  # the one-process yardstick: SDPA in the same dtype with the same mask
+            yq, yk, yv = (t.to(dt).detach().requires_grad_() for t in (q, k, v))
+            rep = hq // hkv
+            y = F.scaled_dot_product_attention(
+                yq.transpose(1, 2), yk.repeat_interleave(rep, 2).transpose(1, 2),
+                yv.repeat_interleave(rep, 2).transpose(1, 2), attn_mask=mask[:, None],
+            ).transpose(1, 2)  # fmt: skip
+            y.backward(dout.to(dt))
+            errs["yard_out"] = rel_err(y, ref)
+            for name, got, want in zip(("dq", "dk", "dv"), (yq.grad, yk.grad, yv.grad), (t.grad for t in ref_in)):
+                errs[f"yard_{name}"] = rel_err(got, want)
+        steps = len(plan.schedule) if plan.schedule is not None else 0
+        results.append({"mask": (window, chunk, route), "route": plan.route, "steps": steps,
+                        "sent": plan.sent_rows, **errs})  # fmt: skip
+    return results
+
+
+def window_masks(ring: int, n: int = N) -> list[tuple]:
+    """Windows of 1, shorter than a zigzag chunk, equal to one, spanning several, longer than the
+    sequence; each by the automatic route and, with a ring, by both routes."""
+    c = n // (2 * ring)
+    routes = ("auto", "ring", "border") if ring > 1 else ("auto",)
+    return [(w, None, r) for w in (1, max(2, c // 2), c, 3 * c + 1, n + 5) for r in routes]
+
+
+def chunk_masks(ring: int, n: int = N) -> list[tuple]:
+    """Chunks of 5 and 7 (across the rank boundaries), one zigzag chunk, several, longer than N; and a
+    window together with a chunk."""
+    c = n // (2 * ring)
+    routes = ("auto", "ring", "border") if ring > 1 else ("auto",)
+    return [(None, ch, r) for ch in (5, 7, c, 3 * c + 1, n + 5) for r in routes] + [(4, 9, "auto")]
+
+
+def _check(results: list[dict], tol: float = 1e-5) -> None:
+    for r in results:
+        worst = max(r[k] for k in ("out", "dq", "dk", "dv"))
+        assert worst <= tol, r
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["sequence", "packed"])
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_windows_match_float64(world: int, packed: bool) -> None:
+    """GQA (6 query heads over 2), head_dim 80."""
+    for rank_results in run_ranks(world, mask_errors, packed, window_masks(world), 6, 2, 80):
+        _check(rank_results)
+        for r in rank_results:
+            w, _, route = r["mask"]
+            if route == "auto" and world > 1:
+                assert r["route"] == ("border" if w - 1 <= N // (2 * world) else "ring"), r
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["sequence", "packed"])
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_chunked_attention_matches_float64(world: int, packed: bool) -> None:
+    for rank_results in run_ranks(world, mask_errors, packed, chunk_masks(world), 4, 4, 16):
+        _check(rank_results)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["sequence", "packed"])
+def test_ulysses_2_x_ring_2(packed: bool) -> None:
+    masks = [m for m in window_masks(2) + chunk_masks(2) if m[2] != "ring" or m[0] == 3]
+    for rank_results in run_ranks(4, mask_errors, packed, masks, 4, 2, 16, 2):
+        _check(rank_results)
+
+
+def test_bf16_within_2x_of_one_process() -> None:
+    c = N // 4
+    masks = [(c // 2, None, "auto"), (3 * c + 1, None, "auto"), (None, 7, "auto")]
+    for rank_results in run_ranks(2, mask_errors, False, masks, 4, 2, 16, 1, "bfloat16"):
+        for r in rank_results:
+            for name in ("out", "dq", "dk", "dv"):
+                assert r[name] <= 2 * r[f"yard_{name}"] + 1e-3, (name, r)
+
+
+# ------------------------------------------------------------------------------------------------
+# the plans, on one process
+
+
+@pytest.mark.parametrize("window", [1, 3, 6, 7, 13, 30])
+@pytest.mark.parametrize("ring", [2, 3, 4])
+def test_ring_plan_covers_the_band_exactly(ring: int, window: int) -> None:
+    """Every visible (query, key) pair is in exactly one call, no call holds a pair outside the band
+    except masked by its own band, and the ring stops after the last step any rank needs."""
+    layout = sequence_layout(N, ring)
+    want = allowed(layout, 1, window, None)[0]
+    index = layout.index(1)[:, 0]  # [P, local]
+    seen = torch.zeros(N, N, dtype=torch.long)
+    plans = [mask_plan(layout, 1, r, window=window, route="ring") for r in range(ring)]
+    steps = {len(p.schedule) for p in plans}
+    assert len(steps) == 1
+    for r, plan in enumerate(plans):
+        for s, blocks in enumerate(plan.schedule):
+            src = (r - s) % ring
+            for blk in blocks:
+                qi, ki = index[r][slice(*blk.q)], index[src][slice(*blk.kv)]
+                vis = torch.ones(len(qi), len(ki), dtype=torch.bool)
+                if blk.causal:
+                    vis = vis.tril()
+                if blk.window is not None:
+                    assert min(blk.window) >= 0
+                    vis &= band_mask(len(qi), len(ki), blk.window)
+                assert vis.any(1).all(), "a query row of a call sees no key"
+                assert want[qi[:, None], ki[None, :]][vis].all(), "a call attends outside the band"
+                seen[qi[:, None], ki[None, :]] += vis.long()
+    assert torch.equal(seen, want.long())
+    last = max(s for p in plans for s, blocks in enumerate(p.schedule) if blocks)
+    assert steps == {last + 1}
+    if window <= N // (2 * ring) and ring > 2:
+        # a short window needs the neighbours' chunks only: steps 0, 1 and P - 1
+        assert all(not blocks for p in plans for blocks in p.schedule[2 : ring - 1])
+
+
+def test_border_traffic_is_flat_in_n() -> None:
+    """The border route sends W - 1 rows per run whatever the sequence length; the ring sends O(N)."""
+    sent = {}
+    for n in (256, 1024, 4096):
+        plan = mask_plan(sequence_layout(n, 4), 1, 1, window=17)
+        assert plan.route == "border"
+        sent[n] = plan.sent_rows
+    assert len(set(sent.values())) == 1 and sent[256] <= 2 * 16, sent
+
+
+@pytest.mark.parametrize("kernel", ["torch", "flash_attn:2.8-custom-op"])
+@pytest.mark.parametrize("window", [(0, 0), (2, 1), (4, 0), (0, 3)])
+def test_kernels_take_a_band(kernel: str, window: tuple[int, int]) -> None:
+    """The CPU kernel (additive mask) and flash-attn's call contract (its window_size, through the
+    stand-in) against the reference kernel, forward and backward, Sq != Sk."""
+    if kernel.startswith("flash_attn"):
+        from testkit.cuda_standins import make_kernel
+
+        k_impl, dt = make_kernel(kernel), torch.float32
+    else:
+        k_impl, dt = TorchCPUKernel(), torch.float64
+    g = torch.Generator().manual_seed(3)
+    q, dout = (torch.randn(2, 6, 4, 16, generator=g, dtype=dt) for _ in range(2))
+    k, v = (torch.randn(2, 9, 2, 16, generator=g, dtype=dt) for _ in range(2))
+    ref = ReferenceKernel()
+    o_ref, l_ref = ref.forward(q.double(), k.double(), v.double(), causal=False, scale=0.25, window=window)
+    o, lse = k_impl.forward(q, k, v, causal=False, scale=0.25, window=window)
+    assert rel_err(o, o_ref) < 1e-5 and rel_err(lse, l_ref) < 1e-5
+    g_ref = ref.backward(dout.double(), q.double(), k.double(), v.double(), o_ref, l_ref, causal=False, scale=0.25,
+                         window=window)  # fmt: skip
+    grads = k_impl.backward(dout, q, k, v, o.to(dt), lse, causal=False, scale=0.25, window=window)
+    for a, w in zip(grads, g_ref):  # one key per row ((0, 0)): dq is 0, judged absolutely
+        assert float((a.double() - w).norm()) <= 1e-5 * max(float(w.norm()), 1.0)
