@@ -92,10 +92,25 @@ def _groups(ulysses: int) -> tuple:
 
 
 def mask_errors(
-    packed: bool, masks: list[tuple], hq: int, hkv: int, d: int, ulysses: int = 1, dtype: str = "float64"
-) -> list[dict]:
+    packed: bool, masks: list[tuple], hq: int, hkv: int, d: int, ulysses: int = 1, dtype: str = "float64",
+    tile: int | None = None,
+) -> list[dict]:  # fmt: skip
     """For every ``(window, chunk, route)`` of ``masks``: this rank's errors against float64 (out on its
-    real rows, dq/dk/dv gathered whole), the route taken, the ring steps and the rows sent."""
+    real rows, dq/dk/dv gathered whole), the route taken, the ring steps and the rows sent. ``tile``:
+    band tiles of that many query rows (``schedule.TILE``)."""
+    from hf_ring.ops import schedule
+
+    saved = schedule.TILE
+    schedule.TILE = tile or saved
+    try:
+        return _mask_errors(packed, masks, hq, hkv, d, ulysses, dtype)
+    finally:
+        schedule.TILE = saved
+
+
+def _mask_errors(
+    packed: bool, masks: list[tuple], hq: int, hkv: int, d: int, ulysses: int, dtype: str
+) -> list[dict]:
     world, rank = dist.get_world_size(), dist.get_rank()
     ring = world // ulysses
     layout = packed_layout(DOCS, ring, ulysses) if packed else sequence_layout(N, ring, ulysses)
@@ -199,6 +214,14 @@ def test_ulysses_2_x_ring_2(packed: bool) -> None:
         _check(rank_results)
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["sequence", "packed"])
+def test_band_tiles_match_float64(packed: bool) -> None:
+    """Long bands cut into tiles of 3 query rows (``schedule.TILE``), on both routes, P = 3."""
+    masks = [(w, None, r) for w in (2, 5, 11) for r in ("ring", "border")] + [(4, 9, "border")]
+    for rank_results in run_ranks(3, mask_errors, packed, masks, 4, 2, 16, 1, "float64", 3):
+        _check(rank_results)
+
+
 def test_bf16_within_2x_of_one_process() -> None:
     c = N // 4
     masks = [(c // 2, None, "auto"), (3 * c + 1, None, "auto"), (None, 7, "auto")]
@@ -212,11 +235,14 @@ def test_bf16_within_2x_of_one_process() -> None:
 # the plans, on one process
 
 
+@pytest.mark.parametrize("tile", [256, 2])
 @pytest.mark.parametrize("window", [1, 3, 6, 7, 13, 30])
 @pytest.mark.parametrize("ring", [2, 3, 4])
-def test_ring_plan_covers_the_band_exactly(ring: int, window: int) -> None:
+def test_ring_plan_covers_the_band_exactly(ring: int, window: int, tile: int, monkeypatch) -> None:
     """Every visible (query, key) pair is in exactly one call, no call holds a pair outside the band
-    except masked by its own band, and the ring stops after the last step any rank needs."""
+    except masked by its own band, and the ring stops after the last step any rank needs (also with
+    bands cut into tiles of ``max(W, tile)`` query rows)."""
+    monkeypatch.setattr("hf_ring.ops.schedule.TILE", tile)
     layout = sequence_layout(N, ring)
     want = allowed(layout, 1, window, None)[0]
     index = layout.index(1)[:, 0]  # [P, local]

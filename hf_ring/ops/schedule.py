@@ -20,7 +20,7 @@ chunk pair contributes one kernel call per document that both chunks hold -- cau
 diagonal (the same rows on both sides), unmasked below it -- and chunk pairs that share no document
 make no call at all.
 
-Layer masks (``band_block``, ``chunk_layout``, ``layout_schedule(..., window=W)``): a sliding window
+Layer masks (``band_block(s)``, ``chunk_layout``, ``layout_schedule(..., window=W)``): a sliding window
 keeps key ``j`` for query ``i`` iff ``i - W < j <= i`` (global positions of one document, as
 transformers' ``sliding_window_causal_mask_function``); a block that crosses the band's edge carries
 it as ``Block.window``, a block outside the band is no call, and trailing ring steps in which no
@@ -198,6 +198,28 @@ def band_block(
     return Block(*rows, causal=False, unit=0, batch=batch, window=(w - 1 - right, right))
 
 
+TILE = 256  # fewest query rows of a band tile
+
+
+def band_blocks(
+    q: tuple[int, int], k: tuple[int, int], q_local: int, k_local: int, window: int | None,
+    batch: tuple[int, int] | None = None,
+) -> list[Block]:  # fmt: skip
+    """``band_block`` with long bands cut into tiles of ``max(W, TILE)`` query rows, each against the
+    keys its rows see (at most ``2 max(W, TILE) - 1``): a windowed layer's kernel work stays
+    ``O(N W)`` rather than ``O(N * block)``, and its masks small."""
+    tile = max(window or 0, TILE)
+    if window is None or q[1] - q[0] <= tile:
+        b = band_block(q, k, q_local, k_local, window, batch)
+        return [b] if b is not None else []
+    out = []
+    for t0 in range(q[0], q[1], tile):
+        b = band_block((t0, min(q[1], t0 + tile)), k, q_local + t0 - q[0], k_local, window, batch)
+        if b is not None:
+            out.append(b)
+    return out
+
+
 def chunk_layout(layout: Layout, starts: list[int], chunk: int) -> tuple[Layout, list[int]]:
     """``layout``'s segments cut where chunked attention restarts: every ``chunk`` positions of each
     document (from the document's start; ``starts``: the documents' global starts). Returns the cut
@@ -273,9 +295,7 @@ def _band_schedule(layout: Layout, rank: int, batch: tuple[int, int] | None, win
             for ks in layout[src]:
                 if ks.doc != qs.doc or ks.start >= qs.stop:
                     continue
-                b = band_block((qs.start, qs.stop), (ks.start, ks.stop), qs.local, ks.local, window, batch)
-                if b is not None:
-                    blocks.append(b)
+                blocks.extend(band_blocks((qs.start, qs.stop), (ks.start, ks.stop), qs.local, ks.local, window, batch))
         steps.append(tuple(blocks))
     return steps
 

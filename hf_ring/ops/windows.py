@@ -37,7 +37,7 @@ from .exchange import Halo, halo_plan, tie
 from .kernels import BlockKernel, get_kernel
 from .layout import ShardLayout
 from .ring import _RingAttention, ring_attention
-from .schedule import Block, Layout, Schedule, _band_schedule, band_block, chunk_layout, layout_schedule, trim_steps
+from .schedule import Block, Layout, Schedule, _band_schedule, band_blocks, chunk_layout, layout_schedule, trim_steps
 
 __all__ = ["ROUTES", "MaskPlan", "mask_plan", "masked_attention", "ring_level"]
 
@@ -142,10 +142,9 @@ def mask_plan(
     for i, run in enumerate(halo.runs):
         q = (run.start, run.start + run.length)
         flat = run.row * lay.local + run.local
-        own = band_block(q, q, flat, flat, window)
         fetched = halo.offsets[i + 1] - halo.offsets[i]
-        border = band_block(q, (run.start - fetched, run.start), flat, base + halo.offsets[i], window)
-        blocks.extend(b for b in (border, own) if b is not None)
+        blocks += band_blocks(q, (run.start - fetched, run.start), flat, base + halo.offsets[i], window)
+        blocks += band_blocks(q, q, flat, flat, window)
     return MaskPlan(window, chunk, "border", halo=halo, blocks=tuple(blocks))
 
 
