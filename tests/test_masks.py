@@ -305,3 +305,46 @@ def test_kernels_take_a_band(kernel: str, window: tuple[int, int]) -> None:
     grads = k_impl.backward(dout, q, k, v, o.to(dt), lse, causal=False, scale=0.25, window=window)
     for a, w in zip(grads, g_ref):  # one key per row ((0, 0)): dq is 0, judged absolutely
         assert float((a.double() - w).norm()) <= 1e-5 * max(float(w.norm()), 1.0)
+
+
+# ------------------------------------------------------------------------------------------------
+# through a model: packed documents, Ulysses x ring
+
+MODEL_DOCS = [1, 5, 30, 14, 7, 3, 2]  # one packed row of 62 tokens
+
+
+def packed_window_step_errors(family: str, ulysses: int, overrides: dict) -> dict[str, float]:
+    """A packed row (positions restarting per document) through a windowed or chunked model at
+    CP = world (``ulysses``: its Ulysses degree) against each document alone in one process (float64
+    SDPA): the loss and the CP-averaged gradients."""
+    import hf_ring
+    from testkit.models import cp_grad_error, documents_alone_loss, tiny_model
+
+    world = dist.get_world_size()
+    if ulysses > 1:
+        hf_ring.setup_context_parallel(world, ulysses_size=ulysses)
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 97, (1, sum(MODEL_DOCS)), generator=g)
+    labels = ids.clone()
+    labels[0, 10:13] = -100
+    positions = torch.cat([torch.arange(n) for n in MODEL_DOCS])[None]
+    ring, ref = tiny_model(family, "ring", **overrides), tiny_model(family, "sdpa", torch.float64, **overrides)
+    out = ring(**hf_ring.shard_batch({"input_ids": ids, "labels": labels, "position_ids": positions}))
+    out.loss.backward()
+    want = documents_alone_loss(ref, ids, labels, MODEL_DOCS)
+    want.backward()
+    return {"loss": abs(out.loss.item() - want.item()) / want.item(), "grads": cp_grad_error(ring, ref)}
+
+
+WINDOWED_MODELS = {
+    "qwen2-window-6": ("qwen2", dict(use_sliding_window=True, sliding_window=6, max_window_layers=1)),
+    "mistral-window-20": ("mistral", dict(sliding_window=20)),
+}
+
+
+@pytest.mark.parametrize(("world", "ulysses"), [(3, 1), (4, 2)], ids=["ring3", "U2xR2"])
+@pytest.mark.parametrize("model", list(WINDOWED_MODELS))
+def test_packed_windowed_model_equals_each_document_alone(model: str, world: int, ulysses: int) -> None:
+    family, overrides = WINDOWED_MODELS[model]
+    for r in run_ranks(world, packed_window_step_errors, family, ulysses, overrides):
+        assert r["loss"] <= 1e-5 and r["grads"] <= 1e-5, r
