@@ -20,6 +20,9 @@ from testkit.spawn import run_ranks
 
 N = 48  # one sequence: 2P chunks for P = 1..4 (and 2 x U x R for U = R = 2)
 DOCS = [[7, 1, 20, 13, 5], [29, 17]]  # packed, two rows that differ; 46 tokens: the layout pads
+# short documents only (none is cut into 2P pieces): a rank needs only its neighbour's keys, so the
+# ring stops after 2 of P steps and the dK/dV accumulators jump straight home
+SHORT_DOCS = [[2, 1, 2, 2, 1, 2, 2, 2, 1, 2, 2, 1, 2, 2, 2, 1, 2, 2, 1, 2] * 3]  # 99 tokens, none >= N / 8P
 
 
 def rel_err(x: Tensor, ref: Tensor) -> float:
@@ -113,8 +116,9 @@ def _mask_errors(
 ) -> list[dict]:
     world, rank = dist.get_world_size(), dist.get_rank()
     ring = world // ulysses
-    layout = packed_layout(DOCS, ring, ulysses) if packed else sequence_layout(N, ring, ulysses)
-    b = len(DOCS) if packed else 2
+    docs = SHORT_DOCS if packed == "short" else DOCS
+    layout = packed_layout(docs, ring, ulysses) if packed else sequence_layout(N, ring, ulysses)
+    b = len(docs) if packed else 2
     n = layout.n
     groups = _groups(ulysses) if ulysses > 1 else (None, None)
     g = torch.Generator().manual_seed(11)
@@ -220,6 +224,16 @@ def test_band_tiles_match_float64(packed: bool) -> None:
     masks = [(w, None, r) for w in (2, 5, 11) for r in ("ring", "border")] + [(4, 9, "border")]
     for rank_results in run_ranks(3, mask_errors, packed, masks, 4, 2, 16, 1, "float64", 3):
         _check(rank_results)
+
+
+@pytest.mark.parametrize("world", [3, 4])
+def test_short_ring_schedules_match_float64(world: int) -> None:
+    """Short documents: the ring route's schedule ends early -- after 2 of 4 steps (the last dK/dV hop
+    goes 3 places on, straight to the owner), after 1 of 3 (no document crosses a rank: no hop)."""
+    masks = [(w, None, "ring") for w in (2, 3)] + [(None, 2, "ring")]
+    for rank_results in run_ranks(world, mask_errors, "short", masks, 4, 2, 16):
+        _check(rank_results)
+        assert all(r["steps"] == (2 if world == 4 else 1) for r in rank_results), rank_results
 
 
 def test_bf16_within_2x_of_one_process() -> None:
