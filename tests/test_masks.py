@@ -111,9 +111,7 @@ def mask_errors(
         schedule.TILE = saved
 
 
-def _mask_errors(
-    packed: bool, masks: list[tuple], hq: int, hkv: int, d: int, ulysses: int, dtype: str
-) -> list[dict]:
+def _mask_errors(packed: bool, masks: list[tuple], hq: int, hkv: int, d: int, ulysses: int, dtype: str) -> list[dict]:
     world, rank = dist.get_world_size(), dist.get_rank()
     ring = world // ulysses
     docs = SHORT_DOCS if packed == "short" else DOCS

@@ -264,7 +264,7 @@ def layout_schedule(
     any rank has a call.
     """
     if window is not None:
-        return trim_steps([_band_schedule(layout, r, batch, window) for r in range(len(layout))])[rank]
+        return trim_steps([band_schedule(layout, r, batch, window) for r in range(len(layout))])[rank]
     size = len(layout)
     steps: Schedule = []
     for step in range(size):
@@ -285,7 +285,9 @@ def layout_schedule(
     return steps
 
 
-def _band_schedule(layout: Layout, rank: int, batch: tuple[int, int] | None, window: int) -> Schedule:
+def band_schedule(layout: Layout, rank: int, batch: tuple[int, int] | None, window: int) -> Schedule:
+    """``rank``'s ring steps for ``layout`` under a sliding ``window`` (``band_blocks`` per pair of
+    segments of one document), all ``P`` of them (``trim_steps`` cuts them over every rank)."""
     size = len(layout)
     steps: Schedule = []
     for step in range(size):

@@ -37,7 +37,7 @@ from .exchange import Halo, halo_plan, tie
 from .kernels import BlockKernel, get_kernel
 from .layout import ShardLayout
 from .ring import _RingAttention, ring_attention
-from .schedule import Block, Layout, Schedule, _band_schedule, band_blocks, chunk_layout, layout_schedule, trim_steps
+from .schedule import Block, Layout, Schedule, band_blocks, band_schedule, chunk_layout, layout_schedule, trim_steps
 
 __all__ = ["ROUTES", "MaskPlan", "mask_plan", "masked_attention", "ring_level"]
 
@@ -91,7 +91,7 @@ def _ring_schedule(rows: tuple[Layout, ...], rank: int, window: int | None) -> S
     size = len(rows[0])
 
     def one(layout: Layout, r: int, batch: tuple[int, int] | None) -> Schedule:
-        return _band_schedule(layout, r, batch, window) if window is not None else layout_schedule(layout, r, batch)
+        return band_schedule(layout, r, batch, window) if window is not None else layout_schedule(layout, r, batch)
 
     every = []
     for r in range(size):
