@@ -212,3 +212,20 @@ def test_autocast_errors_quick(tmp_path):
     assert got[("chunked", "max_ratio_to_plain")] <= 2 and got[("tiled", "max_ratio_to_plain")] <= 2
     before = [p for p, m in got if p.startswith("chunked@") and m == "max_ratio_to_plain"]
     assert all(got[(p, "max_ratio_to_plain")] > 2 for p in before)  # the recompute outside autocast
+
+
+# ============================================================================ sliding windows
+@pytest.mark.timeout(300)
+def test_windows_quick(tmp_path):
+    """Both tables: times of the windowed layer at P = 4 and one process over N / P; bytes per rank
+    per layer flat in N on the border route, growing with N on the ring route."""
+    rows = run_quick("bench_windows", tmp_path / "windows.jsonl", timeout=290)
+    times = {(r["provider"], r["x"]) for r in rows if r["name"] == "fwd_bwd"}
+    assert times == {(p, w) for p in ("cp_border", "one_process_N_over_P") for w in (64, 256)}
+    assert all(r["median"] > 0 for r in rows if r["name"] == "fwd_bwd")
+    sent = [r for r in rows if r["name"] == "bytes_sent"]
+    for w in (64, 256):
+        border = [r["median"] for r in sorted(sent, key=lambda r: r["N"]) if r["provider"] == "border" and r["x"] == w]
+        ring = [r["median"] for r in sorted(sent, key=lambda r: r["N"]) if r["provider"] == "ring" and r["x"] == w]
+        assert len(set(border)) == 1 and ring == sorted(ring) and ring[-1] > ring[0] > border[0]
+    assert (tmp_path / "windows.png").exists()
