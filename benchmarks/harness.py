@@ -381,3 +381,75 @@ class TimedRing:
     def channel(self, tag: int = 0) -> TimedChannel:
         """``inner.channel(tag)``, timed."""
         return TimedChannel(self.inner.channel(tag), self.probe)
+
+
+class CommBytes:
+    """Counts the bytes this process sends through ``torch.distributed``'s collectives, by kind.
+
+    Made once per worker process, it wraps ``torch.distributed``'s ``all_gather``,
+    ``all_gather_into_tensor``, ``all_reduce``, ``reduce_scatter_tensor``, ``all_to_all_single``,
+    ``send`` and ``isend`` (hf_ring's ops call them through the module, so they see the wrappers;
+    hf_ring is not patched). Only calls inside ``with counting(kind):`` are counted; ``take()``
+    returns ``{kind: bytes, "total": bytes}`` and starts again. Bytes sent by this rank: an
+    all-gather sends its input to each of the other ``P - 1`` ranks; an all-reduce or a
+    reduce-scatter ``2 (P - 1) / P`` or ``(P - 1) / P`` of its tensor (the ring algorithms'); an
+    all-to-all the rows it sends to other ranks; a send its tensor."""
+
+    def __init__(self) -> None:
+        import torch.distributed as dist
+
+        self.kind: str | None = None
+        self.sent: dict[str, int] = {}
+        for name, size_of in (
+            ("all_gather", lambda world, _out, t, *a, **k: (world - 1) * t.nbytes),
+            ("all_gather_into_tensor", lambda world, _out, t, *a, **k: (world - 1) * t.nbytes),
+            ("all_reduce", lambda world, t, *a, **k: 2 * (world - 1) * t.nbytes // world),
+            ("reduce_scatter_tensor", lambda world, _out, t, *a, **k: (world - 1) * t.nbytes // world),
+            ("all_to_all_single", self._all_to_all),
+            ("send", lambda world, t, *a, **k: t.nbytes),
+            ("isend", lambda world, t, *a, **k: t.nbytes),
+        ):
+            inner = getattr(dist, name)
+            if getattr(inner, "_counted", False):
+                continue
+            setattr(dist, name, self._wrap(inner, size_of))
+
+    @staticmethod
+    def _all_to_all(world, out, t, output_split_sizes=None, input_split_sizes=None, group=None, **_):
+        import torch.distributed as dist
+
+        rank = dist.get_rank(group)
+        if input_split_sizes is None:
+            return t.nbytes * (world - 1) // world
+        row = t.nbytes // max(t.shape[0], 1)
+        return row * sum(s for d, s in enumerate(input_split_sizes) if d != rank)
+
+    def _wrap(self, inner, size_of):
+        import functools
+
+        import torch.distributed as dist
+
+        @functools.wraps(inner)
+        def counted(*a, **k):
+            if self.kind is not None:
+                world = dist.get_world_size(k.get("group"))
+                self.sent[self.kind] = self.sent.get(self.kind, 0) + int(size_of(world, *a, **k))
+            return inner(*a, **k)
+
+        counted._counted = True  # type: ignore[attr-defined]
+        return counted
+
+    @contextlib.contextmanager
+    def counting(self, kind: str) -> Iterator[None]:
+        """Count the collectives called inside the block as ``kind``."""
+        before, self.kind = self.kind, kind
+        try:
+            yield
+        finally:
+            self.kind = before
+
+    def take(self) -> dict[str, int]:
+        """The bytes counted since the last ``take``, by kind, and their ``total``."""
+        out, self.sent = self.sent, {}
+        out["total"] = sum(out.values())
+        return out

@@ -222,7 +222,7 @@ def ring_attention(
 
     ``q: [B, S_local, Hq, D]``, ``k, v: [B, S_local, Hkv, D]`` (this rank's zigzag shard) ->
     ``[B, S_local, Hq, D]``. Options: ``causal``, ``softmax_scale``, ``backend``, ``layout``,
-    ``validate``, ``ring``; see the op's docstring. When that CP group was set up with
+    ``validate``, ``ring``, ``softcap``, ``sinks``; see the op's docstring. When that CP group was set up with
     ``ulysses_size > 1``, this is ``ulysses_attention`` on its Ulysses x ring grid (the layout
     ``shard`` gives; ``layout``, ``ring`` and ``schedule`` do not apply there).
     """
@@ -238,7 +238,8 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, **options: Any) -> Tensor
     with ``ulysses_size``): ``hf_ring.ops.ulysses.ulysses_attention`` with its groups filled in.
 
     ``q: [B, S_local, Hq, D]``, ``k, v: [B, S_local, Hkv, D]`` (this rank's piece, from ``shard``) ->
-    ``[B, S_local, Hq, D]``. Options: ``causal``, ``softmax_scale``, ``backend``, ``validate``.
+    ``[B, S_local, Hq, D]``. Options: ``causal``, ``softmax_scale``, ``backend``, ``validate``, ``softcap``,
+    ``sinks``.
     """
     cp = _DEFAULT if dist.is_initialized() else None
     if cp is None:

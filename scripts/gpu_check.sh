@@ -70,6 +70,8 @@ EOF
 if "$PY" -c "import pytest" 2>/dev/null; then
     step "pytest: CUDA-only tests" 90 "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_errors.py \
         -k "test_device_mismatch or test_torch_backend_cuda_fp32"
+    step "pytest: sinks and soft-capping on CUDA" 90 "$PY" -m pytest -q -rs -p no:cacheprovider \
+        tests/test_sinks_softcap.py -k "test_cuda_kernels_with_sinks_and_softcap"
 else
     skipped "pytest: CUDA-only tests" "pytest is not installed"
 fi

@@ -66,9 +66,16 @@ def _check(cond: bool, msg: str) -> None:
         raise RuntimeError(msg)  # what TORCH_CHECK raises
 
 
-def _fa_scores(q: Tensor, k: Tensor, scale: float, causal: bool, wl: int = -1, wr: int = -1) -> Tensor:
+def _fa_scores(
+    q: Tensor, k: Tensor, scale: float, causal: bool, softcap: float = 0.0, wl: int = -1, wr: int = -1
+) -> Tensor:
+    """Scores as the kernel forms them: scaled, then ``softcap * tanh(s / softcap)`` when ``softcap > 0``
+    (flash-attn folds the scale into the cap: ``params.softcap = softmax_scale / softcap``), then masked
+    (causal, and the band ``window_size = (wl, wr)``, -1 unbounded)."""
     rep = q.shape[2] // k.shape[2]
     s = torch.einsum("bqhd,bkhd->bhqk", q.float(), k.float().repeat_interleave(rep, 2)) * scale
+    if softcap > 0:
+        s = torch.tanh(s / softcap) * softcap
     sq, sk = s.shape[-2:]
     if causal:  # flash-attn >= 2.1: aligned to the bottom-right corner
         s = s.masked_fill(torch.ones(sq, sk, dtype=torch.bool).triu(sk - sq + 1), float("-inf"))
@@ -94,9 +101,13 @@ def _fa_check_inputs(q: Tensor, k: Tensor, v: Tensor) -> None:
 
 
 def _fa_check_defaults(dropout_p: float, wl: int, wr: int, softcap: float, alibi_slopes: Tensor | None) -> None:
-    # everything the ring must leave at its default; windows are ints, -1 unbounded (band blocks set them)
+    # the op's schema declares ``float softcap`` (0.0: off); the C++ checks softcap > 0 only with dropout 0
+    _check(isinstance(softcap, float) and math.isfinite(softcap) and softcap >= 0.0, "softcap: a float >= 0")
+    if softcap > 0.0:
+        _check(dropout_p == 0.0, "Softcapping does not support dropout for now")
+    # windows are ints, -1 unbounded (band blocks set them); everything else the ring must leave at its default
     _check(isinstance(wl, int) and isinstance(wr, int) and wl >= -1 and wr >= -1, "window_size")
-    _check(dropout_p == 0.0 and softcap == 0.0 and alibi_slopes is None, "options")
+    _check(dropout_p == 0.0 and alibi_slopes is None, "options")
 
 
 def flash_attn_forward(
@@ -116,7 +127,7 @@ def flash_attn_forward(
     _fa_check_inputs(q, k, v)
     _fa_check_defaults(dropout_p, window_size_left, window_size_right, softcap, alibi_slopes)
     _check(not return_softmax, "return_softmax")
-    s = _fa_scores(q, k, softmax_scale, causal, window_size_left, window_size_right)
+    s = _fa_scores(q, k, softmax_scale, causal, softcap, window_size_left, window_size_right)
     lse = torch.logsumexp(s, -1)  # [B, H, Sq] float32
     lse = lse.masked_fill(torch.isneginf(lse), float("inf"))  # flash-attn: +inf for empty rows
     rep = q.shape[2] // k.shape[2]
@@ -168,11 +179,13 @@ def flash_attn_backward(
         _check(g.shape == ref.shape, f"{name} shape")
         grads.append(g)
     rep = h // hkv
-    s = _fa_scores(q, k, softmax_scale, causal, window_size_left, window_size_right)
+    s = _fa_scores(q, k, softmax_scale, causal, softcap, window_size_left, window_size_right)
     p = torch.exp(s - softmax_lse[..., None])
     do, vx = dout.float(), v.float().repeat_interleave(rep, 2)
     delta = (do * out.float()).sum(-1).transpose(1, 2)  # [B, H, Sq]
     ds = p * (torch.einsum("bqhd,bkhd->bhqk", do, vx) - delta[..., None])
+    if softcap > 0:  # through the cap: d/ds_raw of softcap * tanh(s_raw / softcap) (masked entries have p = 0)
+        ds = ds * (1.0 - (s.nan_to_num(0.0, neginf=0.0) / softcap) ** 2)
     g_q = torch.einsum("bhqk,bkhd->bqhd", ds, k.float().repeat_interleave(rep, 2)) * softmax_scale
     g_k = torch.einsum("bhqk,bqhd->bkhd", ds, q.float()) * softmax_scale
     g_v = torch.einsum("bhqk,bqhd->bkhd", p, do)

@@ -188,8 +188,14 @@ _INDEX_LISTS = (
 _DERIVED = ("kv_sharing_modes",)  # per-layer properties derived from the fields handled here
 _ZERO = ("router_jitter_noise", "jitter_noise", "layerdrop", "decoder_layerdrop", "encoder_layerdrop")
 
+# Logit soft-capping that changes the tiny model: larger scores (weights, 1 / sqrt(16)) against a cap of
+# 1 change a q_proj gradient of gemma2 by a quarter.
+_SOFTCAP_BITES = {"attn_logit_softcapping": 1.0, "initializer_range": 0.1, "query_pre_attn_scalar": 16}
+
 # Where the generic shrink is not enough: model_type -> (fields, why). Keep it short.
 OVERRIDES: dict[str, tuple[dict[str, Any], str]] = {
+    "gemma2": (_SOFTCAP_BITES, "the tiny model's scores never reach the cap of 50: soft-capping would go untested"),
+    "vaultgemma": (_SOFTCAP_BITES, "the tiny model's scores never reach the cap of 50: soft-capping would go untested"),
     "recurrent_gemma": ({"num_hidden_layers": 3}, "block_types cycles (recurrent, recurrent, attention)"),
     "mamba2": ({"num_heads": 8}, "num_heads is the SSM head count: 8 x head_dim 16 = expand 2 x hidden 64"),
     "bamba": ({"attn_layer_indices": [1]}, "the default has no attention layer"),

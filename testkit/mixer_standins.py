@@ -13,6 +13,18 @@ matter to a caller, and the fake packages that make transformers pick them up.
   return_final_states=False, final_states_out=None, activation=None)``: x ``[B, D, L]`` with unit
   stride along L or along D (channel-last), weight ``[D, W]`` with ``2 <= W <= 4``, fp32/fp16/bf16,
   activation ``None``, ``"silu"`` or ``"swish"``.
+* mamba-ssm 2.x: ``mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None,
+  initial_states=None, seq_idx=None, cu_seqlens=None, dt_softplus=False, dt_limit=(0, inf),
+  return_final_states=False, return_varlen_states=False)``: x ``[B, L, H, P]``, dt ``[B, L, H]``, A
+  ``[H]``, B/C ``[B, L, G, N]`` (H a multiple of G), D ``[H]`` or ``[H, P]``, ``initial_states [B, H,
+  P, N]``; returns ``out`` in x's dtype (and the final states in float32).
+  ``selective_scan_fn(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
+  return_last_state=False)``: u/delta/z ``[B, D, L]``, A ``[D, N]`` float32, B/C ``[B, N, L]``, D and
+  delta_bias float32 ``[D]``; no initial state; returns ``out`` in u's dtype (and the last state in
+  float32). ``mamba_split_conv1d_scan_combined(zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D,
+  chunk_size, initial_states=None, seq_idx=None, dt_limit=(0, inf), return_final_states=False,
+  activation="silu", rmsnorm_weight=None, rmsnorm_eps=1e-6, outproj_weight=None, outproj_bias=None,
+  headdim=None, ngroups=1, norm_before_gate=True)``: the whole Mamba2 mixer after ``in_proj``.
 
 Each computes in float32 (the kernels accumulate in float32) and returns the kernel's dtypes.
 ``fake_packages()`` puts modules ``fla`` and ``causal_conv1d`` with these functions in
@@ -31,7 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .mixers import delta_rule_reference
+from .mixers import delta_rule_reference, selective_scan_reference, ssd_reference
 
 CALLS: list[tuple[str, dict]] = []  # (kernel, shapes and flags) of every call, for tests to inspect
 
@@ -148,15 +160,128 @@ def causal_conv1d_fn(
     return (F.silu(out) if activation else out).to(x.dtype)
 
 
+def mamba_chunk_scan_combined(
+    x: Tensor,
+    dt: Tensor,
+    A: Tensor,
+    B: Tensor,
+    C: Tensor,
+    chunk_size: int,
+    D: Tensor | None = None,
+    z: Tensor | None = None,
+    dt_bias: Tensor | None = None,
+    initial_states: Tensor | None = None,
+    seq_idx: Tensor | None = None,
+    cu_seqlens: Tensor | None = None,
+    dt_softplus: bool = False,
+    dt_limit: tuple[float, float] = (0.0, float("inf")),
+    return_final_states: bool = False,
+    return_varlen_states: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """mamba-ssm's ``mamba_chunk_scan_combined`` (see the module), without z / seq_idx / varlen states."""
+    batch, seqlen, nheads, headdim = x.shape
+    ngroups, dstate = B.shape[2], B.shape[3]
+    _check(nheads % ngroups == 0, "nheads must be a multiple of ngroups")
+    _check(B.shape == (batch, seqlen, ngroups, dstate) and C.shape == B.shape, f"B {B.shape} C {C.shape}")
+    _check(dt.shape == (batch, seqlen, nheads) and A.shape == (nheads,), f"dt {dt.shape} A {A.shape}")
+    _check(D is None or D.shape in ((nheads, headdim), (nheads,)), f"D {None if D is None else D.shape}")
+    if initial_states is not None:
+        _check(initial_states.shape == (batch, nheads, headdim, dstate), f"initial_states {initial_states.shape}")
+    no_varlen = seq_idx is None and cu_seqlens is None and not return_varlen_states
+    _check(z is None and no_varlen, "the stand-in: no z / varlen")
+    _record("mamba_chunk_scan_combined", shape=tuple(x.shape), h0=initial_states is not None, final=return_final_states)
+    out, state = ssd_reference(x.float(), dt.float(), A.float(), B.float(), C.float(), chunk_size,
+                               D=None if D is None or D.dim() == 2 else D.float(), dt_bias=dt_bias,
+                               initial_states=initial_states, dt_softplus=dt_softplus, dt_limit=dt_limit,
+                               return_final_states=True)  # fmt: skip
+    if D is not None and D.dim() == 2:
+        out = out + x.float() * D.float()
+    return (out.to(x.dtype), state) if return_final_states else out.to(x.dtype)
+
+
+def selective_scan_fn(
+    u: Tensor,
+    delta: Tensor,
+    A: Tensor,
+    B: Tensor,
+    C: Tensor,
+    D: Tensor | None = None,
+    z: Tensor | None = None,
+    delta_bias: Tensor | None = None,
+    delta_softplus: bool = False,
+    return_last_state: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """mamba-ssm's ``selective_scan_fn`` (see the module), with B and C shared by the channels."""
+    batch, dim, seqlen = u.shape
+    _check(delta.shape == u.shape and (z is None or z.shape == u.shape), f"u {u.shape} delta {delta.shape}")
+    _check(A.dim() == 2 and A.shape[0] == dim and A.dtype == torch.float32, "A: float32 [D, N]")
+    _check(B.shape == (batch, A.shape[1], seqlen) and C.shape == B.shape, f"B {B.shape} C {C.shape} (stand-in: 3-D)")
+    for name, t in (("D", D), ("delta_bias", delta_bias)):
+        _check(t is None or (t.shape == (dim,) and t.dtype == torch.float32), f"{name}: float32 [D]")
+    _record("selective_scan_fn", shape=tuple(u.shape), final=return_last_state)
+    out, state = selective_scan_reference(u.float(), delta.float(), A, B.float(), C.float(), D=D,
+                                          z=None if z is None else z.float(), delta_bias=delta_bias,
+                                          delta_softplus=delta_softplus, return_last_state=True)  # fmt: skip
+    return (out.to(u.dtype), state) if return_last_state else out.to(u.dtype)
+
+
+def mamba_split_conv1d_scan_combined(
+    zxbcdt: Tensor,
+    conv1d_weight: Tensor,
+    conv1d_bias: Tensor | None,
+    dt_bias: Tensor,
+    A: Tensor,
+    D: Tensor,
+    chunk_size: int,
+    initial_states: Tensor | None = None,
+    seq_idx: Tensor | None = None,
+    dt_limit: tuple[float, float] = (0.0, float("inf")),
+    return_final_states: bool = False,
+    activation: str = "silu",
+    rmsnorm_weight: Tensor | None = None,
+    rmsnorm_eps: float = 1e-6,
+    outproj_weight: Tensor | None = None,
+    outproj_bias: Tensor | None = None,
+    headdim: int | None = None,
+    ngroups: int = 1,
+    norm_before_gate: bool = True,
+) -> Tensor:
+    """mamba-ssm's fused Mamba2 mixer (see the module): split, convolution, scan, gated norm, out_proj."""
+    nheads = A.shape[0]
+    headdim = headdim if headdim is not None else D.shape[1]
+    dim = nheads * headdim
+    dstate = (conv1d_weight.shape[0] - dim) // ngroups // 2
+    _check(zxbcdt.shape[-1] == 2 * dim + 2 * ngroups * dstate + nheads, "the stand-in: no extra MLP part in zxbcdt")
+    _check(initial_states is None and seq_idx is None and not return_final_states, "the stand-in: no states")
+    _check(rmsnorm_weight is not None and not norm_before_gate, "the stand-in: the gated norm after the gate")
+    _record("mamba_split_conv1d_scan_combined", shape=tuple(zxbcdt.shape))
+    batch, seqlen = zxbcdt.shape[:2]
+    z, xbc, dt = zxbcdt.float().split([dim, dim + 2 * ngroups * dstate, nheads], dim=-1)
+    bias = None if conv1d_bias is None else conv1d_bias.float()
+    xbc = causal_conv1d_fn(xbc.transpose(1, 2), conv1d_weight.float(), bias, activation=activation).transpose(1, 2)
+    x, b, c = xbc.split([dim, ngroups * dstate, ngroups * dstate], dim=-1)
+    b, c = b.reshape(batch, seqlen, ngroups, dstate), c.reshape(batch, seqlen, ngroups, dstate)
+    y = ssd_reference(x.reshape(batch, seqlen, nheads, headdim), dt, A.float(), b, c, chunk_size, D=D.float(),
+                      dt_bias=dt_bias.float(), dt_softplus=True, dt_limit=dt_limit)
+    y = y.reshape(batch, seqlen, ngroups, dim // ngroups) * F.silu(z.reshape(batch, seqlen, ngroups, dim // ngroups))
+    y = (y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + rmsnorm_eps)).reshape(batch, seqlen, dim)
+    y = (y * rmsnorm_weight.float()).to(zxbcdt.dtype)
+    return F.linear(y, outproj_weight, outproj_bias)
+
+
 @contextmanager
 def fake_packages() -> Iterator[None]:
-    """``fla`` and ``causal_conv1d`` in ``sys.modules`` with the stand-ins, while inside."""
-    fla, conv = ModuleType("fla"), ModuleType("causal_conv1d")
+    """``fla``, ``causal_conv1d`` and ``mamba_ssm`` in ``sys.modules`` with the stand-ins, while inside."""
+    fla, conv, mamba = ModuleType("fla"), ModuleType("causal_conv1d"), ModuleType("mamba_ssm")
     fla.chunk_gated_delta_rule = chunk_gated_delta_rule  # type: ignore[attr-defined]
     fla.chunk_kda = chunk_kda  # type: ignore[attr-defined]
     conv.causal_conv1d_fn = causal_conv1d_fn  # type: ignore[attr-defined]
-    saved = {name: sys.modules.get(name) for name in ("fla", "causal_conv1d")}
-    sys.modules.update(fla=fla, causal_conv1d=conv)
+    mamba.mamba_chunk_scan_combined = mamba_chunk_scan_combined  # type: ignore[attr-defined]
+    mamba.selective_scan_fn = selective_scan_fn  # type: ignore[attr-defined]
+    mamba.mamba_split_conv1d_scan_combined = mamba_split_conv1d_scan_combined  # type: ignore[attr-defined]
+    fakes = {"fla": fla, "causal_conv1d": conv, "mamba_ssm": mamba}
+    saved = {name: sys.modules.get(name) for name in fakes}
+    sys.modules.update(fakes)
     try:
         yield
     finally:

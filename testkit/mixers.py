@@ -102,10 +102,94 @@ def delta_rule_reference(
     return out.to(query.dtype), (s if output_final_state else None)
 
 
+def ssd_reference(
+    hidden_states: Tensor,
+    dt: Tensor,
+    A: Tensor,
+    B: Tensor,
+    C: Tensor,
+    chunk_size: int = 64,
+    D: Tensor | None = None,
+    dt_bias: Tensor | None = None,
+    initial_states: Tensor | None = None,
+    dt_softplus: bool = False,
+    dt_limit: tuple[float, float] = (0.0, float("inf")),
+    return_final_states: bool = False,
+    **_: object,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Mamba2's SSD scan token by token, in float32 or the inputs' wider dtype (float64 for the
+    oracle), with the signature of transformers' ``mamba2_chunk_scan`` (``chunk_size`` ignored).
+
+    ``hidden_states [B, L, H, P]``, ``dt [B, L, H]``, ``A [H]``, ``B``/``C [B, L, G, N]``, ``D [H]``,
+    ``initial_states [B, H, P, N]``. Per token: ``dt = clamp(softplus(dt + dt_bias))``,
+    ``S <- exp(dt A) S + dt x B^T``, ``y = S C + D x``."""
+    dtype = torch.promote_types(hidden_states.dtype, torch.float32)
+    x, dt, b_, c_ = (t.to(dtype) for t in (hidden_states, dt, B, C))
+    if dt_bias is not None:
+        dt = dt + dt_bias.to(dtype)
+    if dt_softplus:
+        dt = torch.nn.functional.softplus(dt)
+    dt = torch.clamp(dt, min=dt_limit[0], max=dt_limit[1])
+    h = x.shape[2]
+    b_ = b_.repeat_interleave(h // b_.shape[2], dim=2)
+    c_ = c_.repeat_interleave(h // c_.shape[2], dim=2)
+    batch, n = x.shape[:2]
+    s = x.new_zeros(batch, h, x.shape[3], b_.shape[3]) if initial_states is None else initial_states.to(dtype)
+    outs = []
+    for t in range(n):
+        a = torch.exp(dt[:, t] * A.to(dtype))  # [B, H]
+        s = s * a[..., None, None] + (dt[:, t, :, None] * x[:, t])[..., None] * b_[:, t, :, None, :]
+        outs.append(torch.einsum("bhpn,bhn->bhp", s, c_[:, t]))
+    out = torch.stack(outs, 1) if outs else x.new_zeros(batch, 0, h, x.shape[3])
+    if D is not None:
+        out = out + x * D.to(dtype)[:, None]
+    return (out, s) if return_final_states else out
+
+
+def selective_scan_reference(
+    hidden_states: Tensor,
+    dt: Tensor,
+    A: Tensor,
+    B: Tensor,
+    C: Tensor,
+    D: Tensor | None = None,
+    z: Tensor | None = None,
+    delta_bias: Tensor | None = None,
+    delta_softplus: bool = False,
+    return_last_state: bool = False,
+    **_: object,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Mamba's selective scan token by token, in float32 or the inputs' wider dtype (float64 for the
+    oracle), with the signature of transformers' ``mamba_selective_scan``.
+
+    ``hidden_states``/``dt``/``z [B, D, L]``, ``A [D, N]``, ``B``/``C [B, N, L]``, ``D``/``delta_bias
+    [D]``. Per token: ``dt = softplus(dt + delta_bias)``, ``S <- exp(dt A) S + dt x B``,
+    ``y = (S . C + D x) silu(z)``."""
+    dtype = torch.promote_types(hidden_states.dtype, torch.float32)
+    u, dt, b_, c_ = (t.to(dtype) for t in (hidden_states, dt, B, C))
+    if delta_bias is not None:
+        dt = dt + delta_bias.to(dtype)[:, None]
+    if delta_softplus:
+        dt = torch.nn.functional.softplus(dt)
+    a = A.to(dtype)
+    s = u.new_zeros(u.shape[0], u.shape[1], a.shape[1])
+    outs = []
+    for t in range(u.shape[2]):
+        s = torch.exp(dt[:, :, t, None] * a) * s + (dt[:, :, t] * u[:, :, t])[..., None] * b_[:, None, :, t]
+        outs.append((s * c_[:, None, :, t]).sum(-1))
+    out = torch.stack(outs, -1) if outs else u.new_zeros(u.shape)
+    if D is not None:
+        out = out + u * D.to(dtype)[:, None]
+    if z is not None:
+        out = out * torch.nn.functional.silu(z.to(dtype))
+    return (out, s) if return_last_state else out
+
+
 # transformers' torch fallbacks that compute in float32 whatever their inputs -> a float64 stand-in
 FLOAT64_KERNELS = {
     "torch_chunk_gated_delta_rule": delta_rule_reference,
     "chunk_kimi_delta_attention": delta_rule_reference,
+    "mamba2_chunk_scan": ssd_reference,
 }
 
 

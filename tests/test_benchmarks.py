@@ -229,3 +229,35 @@ def test_windows_quick(tmp_path):
         ring = [r["median"] for r in sorted(sent, key=lambda r: r["N"]) if r["provider"] == "ring" and r["x"] == w]
         assert len(set(border)) == 1 and ring == sorted(ring) and ring[-1] > ring[0] > border[0]
     assert (tmp_path / "windows.png").exists()
+
+
+# ============================================================================ hybrid token mixers (bench_mixers.py)
+@pytest.mark.timeout(120)
+def test_quick_mixer_benchmark(tmp_path):
+    """Every mixer family at P = 2: times, efficiency, and the bytes counted from the collectives equal
+    the state passing's and the halos' sizes (one state map per slot, K - 1 rows per border)."""
+    from benchmarks import bench_mixers as B
+
+    out = tmp_path / "mixers.jsonl"
+    rows = run_quick("bench_mixers", out, timeout=110)
+    got = {(r["x"], r["name"], r["provider"], r["metric"], r["P"], r["N"]): r["median"] for r in rows}
+    n = 512
+    for name in B.MIXERS:
+        for prov in ("hf_ring", "one_process"):
+            assert got[(name, "fwd_bwd", prov, "time", 2, n)] > 0
+            assert got[(name, "fwd_bwd", prov, "cpu_time", 2, n)] > 0
+        assert got[(name, "efficiency", "hf_ring", "t_one/(P*t_rank)", 2, n)] > 0
+        sent = got[(name, "comm_bytes", "hf_ring", "bytes_sent_per_rank.total", 2, n)]
+        assert 0 < sent < got[(name, "comm_bytes", "all_to_all", "bytes_sent_per_rank.total", 2, n)]
+    # P = 2: rank 0 holds chunks 0 and 3, rank 1 chunks 1 and 2 (one run); each rank sends one
+    # border of K - 1 rows forward and gets its gradient back; rank 0 sends one state slot
+    border = (B.CONV["K"] - 1) * B.CONV["C"] * 4
+    assert got[("short_conv", "comm_bytes", "hf_ring", "bytes_sent_per_rank.forward", 2, n)] == border
+    assert got[("short_conv", "comm_bytes", "hf_ring", "bytes_sent_per_rank.backward", 2, n)] == border
+    s = B.GDN
+    halo = (s["K"] - 1) * (2 * s["Hk"] * s["Dk"] + s["Hv"] * s["Dv"]) * 4
+    slot = s["Hv"] * s["Dk"] * (s["Dk"] + s["Dv"]) * 4  # M [Hv, Dk, Dk] and E [Hv, Dk, Dv], float32
+    assert got[("gated_deltanet", "comm_bytes", "hf_ring", "bytes_sent_per_rank.forward", 2, n)] == slot + halo
+    assert got[("gated_deltanet", "comm_bytes", "hf_ring", "bytes_sent_per_rank.backward", 2, n)] == 2 * slot + halo
+    png = B.plot(rows, tmp_path / "mixers.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000

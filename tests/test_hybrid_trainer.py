@@ -1,4 +1,5 @@
-"""RingTrainer with a hybrid model (Qwen3.5: Gated DeltaNet and full attention layers) against
+"""RingTrainer with a hybrid model (Qwen3.5: Gated DeltaNet and full attention layers; Nemotron-H:
+Mamba2, MoE and attention layers) against
 transformers' Trainer: 5 optimizer steps at CP = 2 (2 processes) against one process with sdpa, as
 tests/test_trainer.py does for Llama (logged losses, gradient norms, eval loss, final parameters and
 predictions within 1e-5; each parameter's update within 1e-4 of at least 1e-3 x the largest update:
@@ -18,10 +19,10 @@ from tests.test_trainer import TIMEOUT, _compare, _launch
 MODEL = "qwen3_5_text"
 
 
-@pytest.fixture(scope="module")
-def hybrid_runs(tmp_path_factory) -> Path:
+@pytest.fixture(scope="module", params=[MODEL, "nemotron_h"])
+def hybrid_runs(tmp_path_factory, request) -> Path:
     out = tmp_path_factory.mktemp("hf_trainer_hybrid")
-    env = {"HF_RING_TEST_MODEL": MODEL}
+    env = {"HF_RING_TEST_MODEL": request.param}
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
@@ -53,8 +54,11 @@ def hybrid_runs(tmp_path_factory) -> Path:
     return out
 
 
-def test_hybrid_cp2_matches_single_process_trainer(hybrid_runs: Path) -> None:
-    _compare(hybrid_runs, "ring_w2_cp2", "ref_dp1", floor=1e-3)
+def test_hybrid_cp2_matches_single_process_trainer(hybrid_runs: Path, request) -> None:
+    """Nemotron-H's tiny Mamba2 layers get dt_bias and A_log gradients ~1e-9: their SGD steps are
+    below float32 rounding on one process, and must be on the ring too (``allow_still``)."""
+    still = request.node.callspec.params["hybrid_runs"] == "nemotron_h"
+    _compare(hybrid_runs, "ring_w2_cp2", "ref_dp1", floor=1e-3, allow_still=still)
 
 
 def fsdp_hybrid_run(kind: str, out: str) -> dict:

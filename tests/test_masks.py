@@ -70,13 +70,23 @@ def allowed(layout: ShardLayout, batch: int, window: int | None, chunk: int | No
     return torch.stack(out)
 
 
-def oracle(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
-    """float64 attention ``[B, N, H, D]`` under ``mask [B, N, N]``."""
+def oracle(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, softcap: float = 0.0, sinks: Tensor | None = None) -> Tensor:
+    """float64 attention ``[B, N, H, D]`` under ``mask [B, N, N]``; scores capped to
+    ``softcap * tanh(s / softcap)`` before the mask, and ``sinks`` (``[H]`` or ``[B, N, H]``) one more
+    logit per row with no value, written out from their definitions."""
     rep = q.shape[2] // k.shape[2]
     q, k, v = (t.double().transpose(1, 2) for t in (q, k, v))
     k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
     s = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
-    return (s.masked_fill(~mask[:, None], float("-inf")).softmax(-1) @ v).transpose(1, 2)
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    s = s.masked_fill(~mask[:, None], float("-inf"))
+    if sinks is None:
+        return (s.softmax(-1) @ v).transpose(1, 2)
+    sink = sinks.double()[None, :, None] if sinks.dim() == 1 else sinks.double().transpose(1, 2)
+    sink = sink.expand(*s.shape[:3])[..., None]  # [B, H, N, 1]
+    p = torch.cat((s, sink), -1).softmax(-1)[..., :-1]
+    return (p @ v).transpose(1, 2)
 
 
 def _groups(ulysses: int) -> tuple:
@@ -96,22 +106,27 @@ def _groups(ulysses: int) -> tuple:
 
 def mask_errors(
     packed: bool, masks: list[tuple], hq: int, hkv: int, d: int, ulysses: int = 1, dtype: str = "float64",
-    tile: int | None = None,
+    tile: int | None = None, softcap: float = 0.0, sinks: str | None = None,
 ) -> list[dict]:  # fmt: skip
     """For every ``(window, chunk, route)`` of ``masks``: this rank's errors against float64 (out on its
     real rows, dq/dk/dv gathered whole), the route taken, the ring steps and the rows sent. ``tile``:
-    band tiles of that many query rows (``schedule.TILE``)."""
+    band tiles of that many query rows (``schedule.TILE``). ``softcap``: logit soft-capping;
+    ``sinks``: ``"head"`` (one logit per query head) or ``"row"`` (one per row and head), with their
+    gradient (``dsinks``: summed over the ranks, or gathered whole)."""
     from hf_ring.ops import schedule
 
     saved = schedule.TILE
     schedule.TILE = tile or saved
     try:
-        return _mask_errors(packed, masks, hq, hkv, d, ulysses, dtype)
+        return _mask_errors(packed, masks, hq, hkv, d, ulysses, dtype, softcap, sinks)
     finally:
         schedule.TILE = saved
 
 
-def _mask_errors(packed: bool, masks: list[tuple], hq: int, hkv: int, d: int, ulysses: int, dtype: str) -> list[dict]:
+def _mask_errors(
+    packed: bool, masks: list[tuple], hq: int, hkv: int, d: int, ulysses: int, dtype: str, softcap: float = 0.0,
+    sinks: str | None = None,
+) -> list[dict]:  # fmt: skip
     world, rank = dist.get_world_size(), dist.get_rank()
     ring = world // ulysses
     docs = SHORT_DOCS if packed == "short" else DOCS
@@ -122,6 +137,10 @@ def _mask_errors(packed: bool, masks: list[tuple], hq: int, hkv: int, d: int, ul
     g = torch.Generator().manual_seed(11)
     q, dout = (torch.randn(b, n, hq, d, generator=g, dtype=torch.float64) for _ in range(2))
     k, v = (torch.randn(b, n, hkv, d, generator=g, dtype=torch.float64) for _ in range(2))
+    sink = None
+    if sinks is not None:  # logits of the size of the scores' (some rows lean on the sink, some not)
+        sink = torch.randn(hq, generator=g, dtype=torch.float64) if sinks == "head" else None
+        sink = 2 * torch.randn(b, n, hq, generator=g, dtype=torch.float64) if sinks == "row" else sink
     index = layout.index(b)  # [P, B, local], n for padding rows
     real = index[rank] < n
 
@@ -134,16 +153,34 @@ def _mask_errors(packed: bool, masks: list[tuple], hq: int, hkv: int, d: int, ul
     for window, chunk, route in masks:
         plan = mask_plan(layout, b, rank // ulysses, window=window, chunk=chunk, route=route)
         loc = [take(t).to(dt).requires_grad_(i < 3) for i, t in enumerate((q, k, v, dout))]
+        extra: dict = {"softcap": softcap or None}
+        if sink is not None:
+            extra["sinks"] = (
+                (sink.clone() if sink.dim() == 1 else take(sink[..., None])[..., 0]).to(dt).requires_grad_()
+            )
         if ulysses > 1:
-            out = ulysses_attention(*loc[:3], ulysses_group=groups[0], ring_group=groups[1], mask=plan)
+            out = ulysses_attention(*loc[:3], ulysses_group=groups[0], ring_group=groups[1], mask=plan, **extra)
         else:
-            out = masked_attention(*loc[:3], plan)
+            out = masked_attention(*loc[:3], plan, **extra)
         out.backward(loc[3])
         mask = allowed(layout, b, window, chunk)
         ref_in = [t.to(dt).double().clone().requires_grad_() for t in (q, k, v)]
-        ref = oracle(*ref_in, mask)
+        ref_sink = None if sink is None else sink.to(dt).double().clone().requires_grad_()
+        ref = oracle(*ref_in, mask, softcap, ref_sink)
         ref.backward(dout.to(dt).double())
         errs = {"out": rel_err(out[real], take(ref.detach())[real])}
+        if ref_sink is not None and sink.dim() == 1:  # each rank's rows' share, summed over the group
+            got = extra["sinks"].grad.double().clone()
+            dist.all_reduce(got)
+            errs["dsinks"] = rel_err(got, ref_sink.grad)
+        elif ref_sink is not None:
+            got = extra["sinks"].grad[..., None]  # [B, S, Hq, 1]: gathered as the gradients below
+            parts = [torch.empty_like(got) for _ in range(world)]
+            dist.all_gather(parts, got.contiguous())
+            full = torch.zeros(b, n + 1, hq, 1, dtype=torch.float64)
+            for r, part in enumerate(parts):
+                full.scatter_(1, index[r][..., None, None].expand_as(part), part.double())
+            errs["dsinks"] = rel_err(full[:, :n, :, 0], ref_sink.grad)
         for name, got, want in zip(("dq", "dk", "dv"), (t.grad for t in loc[:3]), (t.grad for t in ref_in)):
             parts = [torch.empty_like(got) for _ in range(world)]
             dist.all_gather(parts, got.contiguous())
@@ -186,7 +223,7 @@ def chunk_masks(ring: int, n: int = N) -> list[tuple]:
 
 def _check(results: list[dict], tol: float = 1e-5) -> None:
     for r in results:
-        worst = max(r[k] for k in ("out", "dq", "dk", "dv"))
+        worst = max(r[k] for k in ("out", "dq", "dk", "dv", "dsinks") if k in r)
         assert worst <= tol, r
 
 
@@ -232,6 +269,41 @@ def test_short_ring_schedules_match_float64(world: int) -> None:
     for rank_results in run_ranks(world, mask_errors, "short", masks, 4, 2, 16):
         _check(rank_results)
         assert all(r["steps"] == (2 if world == 4 else 1) for r in rank_results), rank_results
+
+
+def extras_masks(ring: int) -> list[tuple]:
+    """Windows shorter than a zigzag chunk and spanning several, on both routes, and a window with a
+    chunk: the cases where the cap and the sinks meet the band blocks, the halo and the ring."""
+    c = N // (2 * ring)
+    return [(w, None, r) for w in (max(2, c // 2), 3 * c + 1) for r in ("ring", "border")] + [(4, 9, "auto")]
+
+
+@pytest.mark.parametrize(
+    ("world", "packed", "sinks"),
+    [(2, False, "head"), (3, False, "head"), (3, True, "head"), (2, True, "row"), (3, False, "row")],
+)
+def test_windows_with_sinks_match_float64(world: int, packed: bool, sinks: str) -> None:
+    """GPT-OSS's sliding layers: a window with attention sinks (per head, or per row), both routes,
+    GQA 6 over 2, head_dim 80; the sinks' gradient too."""
+    for rank_results in run_ranks(world, mask_errors, packed, extras_masks(world), 6, 2, 80, sinks=sinks):
+        _check(rank_results)
+        assert all("dsinks" in r for r in rank_results)
+
+
+@pytest.mark.parametrize(("world", "packed"), [(2, False), (3, False), (3, True)])
+def test_windows_with_softcap_match_float64(world: int, packed: bool) -> None:
+    """Gemma 2's sliding layers: a window with logit soft-capping (a cap of 2 on scores of size ~1-4,
+    so the cap bends them), both routes; with sinks too in the packed case."""
+    sinks = "head" if packed else None
+    for rank_results in run_ranks(world, mask_errors, packed, extras_masks(world), 6, 2, 80, softcap=2.0, sinks=sinks):
+        _check(rank_results)
+
+
+def test_ulysses_windows_with_sinks_and_softcap() -> None:
+    """Ulysses 2 x ring 2: the sinks cut to each rank's heads (per head) or moved with the rows (per row)."""
+    for sinks in ("head", "row"):
+        for rank_results in run_ranks(4, mask_errors, True, extras_masks(2), 4, 2, 16, 2, softcap=3.0, sinks=sinks):
+            _check(rank_results)
 
 
 def test_bf16_within_2x_of_one_process() -> None:

@@ -1,6 +1,7 @@
 """The CUDA kernels of hybrid mixers under context parallelism, through CPU stand-ins with their call
-contracts (``testkit.mixer_standins``: fla's ``chunk_gated_delta_rule`` / ``chunk_kda`` and
-causal-conv1d's ``causal_conv1d_fn``), wrapped as transformers wraps them when the packages are
+contracts (``testkit.mixer_standins``: fla's ``chunk_gated_delta_rule`` / ``chunk_kda``,
+causal-conv1d's ``causal_conv1d_fn``, mamba-ssm's ``mamba_chunk_scan_combined`` /
+``selective_scan_fn`` / ``mamba_split_conv1d_scan_combined``), wrapped as transformers wraps them when the packages are
 installed: a bf16 ring step at CP = 2 matches one process with the same kernels, and the kernels
 see what they accept (bf16 q/k/v, float32 contiguous initial states, kernel widths 2..4)."""
 
@@ -24,6 +25,9 @@ KERNELS = {  # transformers' name -> (fla / causal-conv1d name, package)
     "causal_conv1d_fn": ("causal_conv1d_fn", "causal_conv1d"),
     "torch_chunk_gated_delta_rule": ("chunk_gated_delta_rule", "fla"),
     "chunk_kimi_delta_attention": ("chunk_kda", "fla"),
+    "mamba2_chunk_scan": ("mamba_chunk_scan_combined", "mamba_ssm"),
+    "mamba2_split_conv1d_scan_combined": ("mamba_split_conv1d_scan_combined", "mamba_ssm"),
+    "mamba_selective_scan": ("selective_scan_fn", "mamba_ssm"),
 }
 
 
@@ -51,11 +55,13 @@ def standin_step(model_type: str) -> dict:
         ring = causal_lm_class(model_type)._from_config(config, attn_implementation="ring").to(torch.bfloat16)
         ref = causal_lm_class(model_type)._from_config(tiny_config(model_type), attn_implementation="sdpa")
         ref = ref.to(torch.bfloat16)
+        ring.train(), ref.train()  # Mamba2 mixers take the fused kernel in training
         ref.load_state_dict(ring.state_dict())
         batch = tiny_batch(2, 45, vocab=config.get_text_config().vocab_size)
-        want = ref(**batch)
+        want = ref(**batch, use_cache=False)  # as shard_batch passes it (and Mamba2 then fuses in training)
         want.loss.backward()
         calls_ref = len(mixer_standins.CALLS)
+        ref_kernels = sorted({name for name, _ in mixer_standins.CALLS})
         out = ring(**hf_ring.shard_batch(batch))
         out.loss.backward()
         worst = 0.0
@@ -72,6 +78,7 @@ def standin_step(model_type: str) -> dict:
             "identity_calls": sum(1 for name, info in ring_calls if info.get("h0")),
             "conv_pieces": sum(1 for name, info in ring_calls if name == "causal_conv1d_fn" and info["shape"][0] > 2),
             "kernels": sorted({name for name, _ in ring_calls}),
+            "ref_kernels": ref_kernels,
         }
     finally:
         for module, name, fn in saved:
@@ -79,14 +86,20 @@ def standin_step(model_type: str) -> dict:
 
 
 @pytest.mark.parametrize(
-    ("model_type", "kernels"),
+    ("model_type", "kernels", "ref_kernels"),
     [
-        ("qwen3_5_text", ["causal_conv1d_fn", "chunk_gated_delta_rule"]),
-        ("kimi_linear", ["causal_conv1d_fn", "chunk_kda"]),
+        ("qwen3_5_text", ["causal_conv1d_fn", "chunk_gated_delta_rule"], None),
+        ("kimi_linear", ["causal_conv1d_fn", "chunk_kda"], None),
+        # one process: mamba-ssm's fused mixer; under the ring: the convolution and the scan, each routed
+        ("nemotron_h", ["causal_conv1d_fn", "mamba_chunk_scan_combined"],
+         ["causal_conv1d_fn", "mamba_split_conv1d_scan_combined"]),
+        ("jamba", ["causal_conv1d_fn", "selective_scan_fn"], None),
     ],
-)
-def test_cuda_kernels_under_context_parallelism(model_type: str, kernels: list[str]) -> None:
+)  # fmt: skip
+def test_cuda_kernels_under_context_parallelism(model_type: str, kernels: list[str], ref_kernels: list | None) -> None:
     for r in run_ranks(2, standin_step, model_type):
         assert r["kernels"] == kernels, r
-        assert r["identity_calls"] > 0, r  # the maps of the state came from the kernel itself
+        assert r["ref_kernels"] == (ref_kernels or kernels), r
+        if "delta" in " ".join(kernels) or "kda" in " ".join(kernels):
+            assert r["identity_calls"] > 0, r  # the maps of the state came from the kernel itself
         assert r["loss"] < 1e-2 and r["grads"] < 5e-2, r

@@ -1,5 +1,7 @@
 """Every causal-LM family of the installed transformers at CP=2: ring attention is exact or refused;
-hybrid families (routed token mixers) and sliding-window / chunked families also exact at CP=4.
+hybrid families (routed token mixers), sliding-window / chunked families, and families with attention
+sinks or soft-capping also exact at CP=4, and every MoE family with its router load-balancing loss on
+exact at CP=4 (or refused for another reason).
 
 One test per family and variant (``testkit.families``): one training step on 2 gloo ranks against
 one process (``testkit.sweep.check_family``). WRONG (runs, differs) and BROKEN (another exception)
@@ -46,6 +48,22 @@ def test_ring_is_exact_or_refused(family: str, variant: str | None) -> None:
     if r["status"] == "skipped":
         pytest.skip(r["detail"])
     assert r["status"] in ("exact", "refused"), f"{r['status'].upper()}: {r['detail']}"
+    if variant == "router_aux":
+        assert "load-balancing" not in r["detail"], r["detail"]  # summed over the CP group, never refused
+
+
+ROUTER_AUX = [family for family in families() if "router_aux" in variants(family)]
+
+
+@pytest.mark.parametrize("family", ROUTER_AUX)
+def test_router_loss_is_exact_at_cp4(family: str) -> None:
+    """Every MoE family with its router load-balancing loss on at CP = 4: exact, or refused for
+    something else (sinks, a mask used outside attention, a mixer without a context-parallel form)."""
+    r = check_family(family, "router_aux", n=N, cp=4)
+    if r["status"] == "skipped":
+        pytest.skip(r["detail"])
+    assert r["status"] in ("exact", "refused"), f"{r['status'].upper()}: {r['detail']}"
+    assert "load-balancing" not in r["detail"], r["detail"]
 
 
 HYBRIDS = [family for family in families() if hybrid(family)]
@@ -69,6 +87,20 @@ def test_windows_are_exact_at_cp4(family: str) -> None:
     """A window of 15 tokens over 61 at CP = 4: zigzag chunks of 8, so the windowed layers take the
     ring (the window spans chunks); at CP = 2 (chunks of 16) the sweep above takes the border route."""
     r = check_family(family, "sliding", n=N, cp=4)
+    assert r["status"] == "exact", f"{r['status'].upper()}: {r['detail']}"
+
+
+# soft-capping (gemma2, vaultgemma) and attention sinks (the others): inside the ring at CP = 4 too
+SINKS_SOFTCAP = [
+    f
+    for f in ("gemma2", "vaultgemma", "gpt_oss", "mimo_v2_flash", "granite_swa", "granitemoe_swa", "flint")
+    if f in families()
+]
+
+
+@pytest.mark.parametrize("family", SINKS_SOFTCAP)
+def test_sinks_and_softcap_are_exact_at_cp4(family: str) -> None:
+    r = check_family(family, None, n=N, cp=4)
     assert r["status"] == "exact", f"{r['status'].upper()}: {r['detail']}"
 
 

@@ -1,6 +1,7 @@
-"""Per-rank memory: measured peaks of small ring models grow as N / P and match the planner within
-20%; checkpointing with offload gives the same step; the planner's model figures, its CLI and the
-recipes' stated memory (``hf_ring.planner``, ``hf_ring.cli``, ``testkit.live_tensors``)."""
+"""Per-rank memory: measured peaks of small ring models (Llama; a Qwen3.5 hybrid with Gated DeltaNet
+layers) grow as N / P and match the planner within 20%; checkpointing with offload gives the same
+step; the planner's model figures (hybrid layer patterns too), its CLI and the recipes' stated
+memory (``hf_ring.planner``, ``hf_ring.cli``, ``testkit.live_tensors``)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import torch.distributed as dist
 
 import hf_ring
 from hf_ring.cli import main as cli_main
-from hf_ring.planner import GiB, PlanSettings, max_seq_len, model_shape, plan, smallest_cp, tokens
+from hf_ring.planner import GiB, PlanSettings, known_config, max_seq_len, model_shape, plan, smallest_cp, tokens
 from hf_ring.recipes import packaged_recipes, recipe_memory, recipe_model
 from testkit.live_tensors import LiveTensorBytes
 from testkit.models import prepare_step_model, tiny_batch, tiny_model
@@ -149,6 +150,87 @@ def test_offload_and_chunked_loss_lower_the_measured_peak(measured):
     assert v[5][1] < 0.85 * base and v[6][1] < 0.85 * v[1][1]  # tiled MLP, without and with offload
 
 
+# --- a hybrid: Qwen3.5 (3 Gated DeltaNet layers, 1 gated attention layer) --------------------------------
+
+HYBRID = dict(model_type="qwen3_5_text", vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
+              linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
+              tie_word_embeddings=False)  # fmt: skip
+HYBRID_GRID = {1: [_case(1024)], 2: [_case(1024), _case(2048), _case(2048, ckpt=False), _case(2048, dtype="bfloat16"),
+                                     _case(2048, offload=True)]}  # fmt: skip
+
+
+def measure_hybrid_step(cases: list[dict]) -> list[int]:
+    """``measure_step`` for the tiny Qwen3.5 (transformers' torch kernels): each case's peak bytes."""
+    from transformers import AutoModelForCausalLM
+    from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
+
+    fields = {k: v for k, v in HYBRID.items() if k != "model_type"}
+    out = []
+    for c in cases:
+        torch.manual_seed(0)
+        config = Qwen3_5TextConfig(max_position_embeddings=1 << 16, **fields)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="ring").to(getattr(torch, c["dtype"]))
+        model = prepare_step_model(model, c, lora_rank=8)
+        kwargs = hf_ring.shard_batch(tiny_batch(1, c["N"], vocab=HYBRID["vocab_size"], seed=2))
+        with LiveTensorBytes() as mem:
+            res = model(**kwargs)
+            res.loss.backward()
+            del res
+        out.append(mem.peak)
+    return out
+
+
+def test_planner_predicts_a_hybrids_measured_peaks():
+    """The Gated DeltaNet layers' terms (``mixer_terms(kernels="torch")``: projections, convolution,
+    the chunked rule's working set, the identity call under CP) against the worst rank's measured
+    peak, as for Llama: within 20%, with and without checkpointing, bf16, offload, P = 1 and 2."""
+    runs = {1: [measure_hybrid_step(HYBRID_GRID[1])], 2: run_ranks(2, measure_hybrid_step, HYBRID_GRID[2])}
+    for p, per_rank in runs.items():
+        for i, c in enumerate(HYBRID_GRID[p]):
+            peak = max(r[i] for r in per_rank)
+            pl = plan(model_shape(HYBRID), PlanSettings(
+                seq_len=c["N"], gpus=p, cp=p, mode="full", dtype="fp32" if c["dtype"] == "float32" else "bf16",
+                checkpointing=c["ckpt"], offload=c["offload"], reserve_gib=0, mixer_kernels="torch"))  # fmt: skip
+            ratio = peak / pl.activation_peak
+            assert 0.8 <= ratio <= 1.2, (
+                f"P={p} {c}: measured {peak / 2**20:.2f} MiB, planned {pl.activation_peak / 2**20:.2f}"
+            )
+
+
+def test_hybrid_shapes_from_configs():
+    """Layer patterns from Qwen3.5's layer_types (or full_attention_interval) and Nemotron-H's
+    hybrid_override_pattern; parameter counts against the models' published sizes."""
+    from hf_ring.planner import mixer_comm_bytes
+
+    q = model_shape("Qwen/Qwen3.5-9B")
+    assert q.hybrid and q.layers == 32 and q.attn_gate and q.mixer.kind == "gated_deltanet"
+    assert [b[0] for b in q.blocks[:4]] == ["gated_deltanet"] * 3 + ["attention"]
+    assert sum(b[0] == "attention" for b in q.blocks) == 8
+    assert 8.9e9 < q.params < 9.0e9  # the language model of the 9.7B multimodal model
+    explicit = model_shape({**HYBRID, "layer_types": ["linear_attention", "full_attention"] * 2})
+    assert [b[0] for b in explicit.blocks] == ["gated_deltanet", "attention"] * 2
+    nested = model_shape({"model_type": "qwen3_5", "text_config": HYBRID})  # a multimodal config
+    assert nested == model_shape(HYBRID)
+    n = model_shape("nvidia/Nemotron-H-8B-Base-8K")
+    assert n.params == 8_100_852_736  # the published count
+    assert [b for b in n.blocks[:3]] == [("mamba2",), ("mlp",), ("mamba2",)] and n.layers == 52
+    assert not n.mlp_gated and n.mixer.kind == "mamba2"
+    # what the state passing sends does not grow with the sequence; plans price both models
+    for m in (q, n):
+        sent = {cp: mixer_comm_bytes(m, 2, cp)["total"] for cp in (1, 2, 8)}
+        assert sent[1] == 0 < sent[2] < sent[8]
+        short, long = (plan(m, PlanSettings(seq_len=k, gpus=8, cp=8, offload=True)) for k in (2**17, 2**19))
+        assert long.activation_peak > 3 * short.activation_peak
+        assert any("state passing" in note for note in long.notes)
+    lora = q.lora_params(16, ("in_proj_qkv", "in_proj_z", "out_proj"))
+    assert lora == 16 * 24 * (4096 + 8192 + 4096 + 4096 + 4096 + 4096)  # 24 Gated DeltaNet layers
+    assert L8.hybrid is False and L8.layer_blocks == (("attention", "mlp"),) * 32
+    moe = model_shape({**HYBRID, "model_type": "qwen3_5_moe_text", "num_experts": 4})
+    with pytest.raises(ValueError, match="mixture-of-experts blocks are not priced yet"):
+        plan(moe, PlanSettings(seq_len=2**12, gpus=1))
+
+
 # --- offload gives the same step ------------------------------------------------------------------------
 
 
@@ -265,6 +347,50 @@ def test_ring_overlap_threshold_with_gqa():
     two_nodes = plan(L8, PlanSettings(seq_len=2**16, gpus=16, cp=16, flops=400e12, inter_GBps=45))
     assert two_nodes.overlap["link"] == "inter-node" and two_nodes.overlap["forward_threshold"] == 4445
     assert not two_nodes.overlap["hidden"]  # 4K tokens per rank are too few across nodes
+
+
+def test_moe_windowed_and_sink_shapes():
+    """GPT-OSS-20B and Gemma 3 27B (its language model) from the catalogue: parameters as published,
+    the MoE, window and sink fields; an MoE layer's activations grow with the active experts only."""
+    from hf_ring.planner import activation_terms
+
+    oss, gemma = model_shape("openai/gpt-oss-20b"), model_shape("google/gemma-3-27b-pt")
+    assert oss.params / 20.9e9 == pytest.approx(1, abs=0.01) and gemma.params / 27.0e9 == pytest.approx(1, abs=0.01)
+    assert (oss.experts, oss.active_experts, oss.expert_intermediate, oss.sinks) == (32, 4, 2880, True)
+    assert (oss.window, oss.windowed_layers, gemma.window, gemma.windowed_layers) == (128, 12, 1024, 52)
+    assert set(oss.linear_shapes()) == {"q_proj", "k_proj", "v_proj", "o_proj"}  # experts: no nn.Linear for LoRA
+    more = model_shape({**known_config("gpt-oss-20b"), "num_local_experts": 64})
+    assert activation_terms(more, 2)["mlp_saved"] == activation_terms(oss, 2)["mlp_saved"] + 4 * 32
+    assert more.params - oss.params == 24 * 32 * (3 * 2880 * 2880 + 2880)
+
+
+def test_windowed_layers_send_only_the_border():
+    """A windowed layer within a zigzag chunk sends 2 (W - 1) keys and values forward and their
+    float32 gradients back: flat in N, where a full layer's ring grows as N; a window longer than a
+    chunk turns the ring as far as it reaches."""
+    from hf_ring.planner.terms import attention_comm_bytes, window_comm_bytes
+
+    gemma = model_shape("gemma-3-27b")
+    kv = 2 * gemma.kv_heads * gemma.head_dim
+    for n in (2**16, 2**20):
+        border = window_comm_bytes(gemma, 2, n, 8)
+        assert border["ring_forward"] == 2 * 1023 * kv * 2 and border["ring_backward"] == 2 * 1023 * kv * 4
+    full = [attention_comm_bytes(gemma, 2, n, 8)["total"] for n in (2**16, 2**20)]
+    assert full[1] == 16 * full[0]
+    # 4K tokens on 8 ranks: chunks of 256, a window of 1024 reaches 4 chunks back -> all 7 hops
+    assert window_comm_bytes(gemma, 2, 2**12, 8)["total"] == attention_comm_bytes(gemma, 2, 2**12, 8)["total"]
+    # 32K: chunks of 2048 hold the window
+    p = plan(gemma, PlanSettings(seq_len=2**17, gpus=8, cp=8, sharding="fsdp"))
+    c = p.comm
+    assert c["border"] and (c["full_layers"], c["windowed_layers"]) == (10, 52)
+    assert c["total"] == 10 * c["full_layer_bytes"] + 52 * c["windowed_layer_bytes"]
+    assert c["windowed_layer_bytes"] < c["full_layer_bytes"] / 50
+    assert "52 windowed layers (1024 tokens, window border)" in p.table()
+    # a model whose every layer is windowed keeps the border's K/V, not the ring's buffers
+    mistral = model_shape({**known_config("Mistral-7B-v0.3"), "sliding_window": 4096})
+    rows = [plan(mistral, PlanSettings(seq_len=n, gpus=8, cp=8)).rows["ring buffers (attention backward)"]
+            for n in (2**17, 2**20)]  # fmt: skip
+    assert rows[0] == pytest.approx(rows[1]) and rows[0] == pytest.approx(2 * 4095 * 2 * 8 * 128 * (2 + 4))
 
 
 def test_smallest_cp_and_longest_sequence():

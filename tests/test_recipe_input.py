@@ -101,6 +101,8 @@ def test_empty_and_unreadable_data(tmp_path: Path, no_weights: None) -> None:
         ({"task": "passkey", "stages": [{"seq_len": 64, "steps": -1}]}, r"data.stages\[0\].steps: a whole number >= 0"),
         ({"task": "passkey", "stages": [{"seq_len": 64}]}, r"data.stages\[0\]: give exactly seq_len and steps"),
         ({"task": "passkey", "seq_len": 64, "eval": {"seq_len": 64, "samples": 0}}, r"data.eval.samples: a positive"),
+        ({"task": "passkey", "seq_len": 8, "eval": {"seq_len": 8, "samples": 1, "seed": -1}}, r"eval.seed: a whole"),
+        ({"task": "passkey", "seq_len": 64, "eval": {"seq_len": 64, "sample": 1}}, r"data.eval: \{seq_len, samples"),
         ({"task": "passkey", "seq_len": 64, "stages": [{"seq_len": 64, "steps": 1}]}, r"seq_len or stages, not both"),
         ({"path": "x.jsonl", "seq_len": 64, "boundary": "documents"}, r"unknown keys \['boundary' \(boundaries\?\)\]"),
         ({"path": "x.jsonl", "seq_len": 64, "boundaries": "document"}, r"data.boundaries: one of"),
@@ -120,6 +122,18 @@ def test_bad_data_section_is_refused_when_the_recipe_is_read(tmp_path: Path, dat
         parse_recipe(source=path)
     with pytest.raises(ValueError, match=message):
         recipe_settings(path)
+
+
+def test_eval_seed_fixes_the_held_out_samples(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``data.eval.seed`` picks the held-out passkeys whatever the run's ``seed`` (runs of several
+    seeds are scored on the same samples); without it, the run's seed picks them."""
+    seeds: list[int] = []
+    monkeypatch.setattr("hf_ring.recipes.run.passkey_accuracy", lambda trainer, n, k, seed: seeds.append(seed) or 1.0)
+    ev = {"seq_len": 48, "samples": 2}
+    _run(_recipe(tmp_path, {**PASSKEY, "eval": {**ev, "seed": 3}}), "--seed", "7")
+    _run(_recipe(tmp_path, {**PASSKEY, "eval": ev}), "--seed", "7")
+    assert seeds == [3, 3, 7, 7]  # before and after, each run
+    assert json.loads((tmp_path / "out" / "summary.json").read_text())["eval"] == {**ev, "seed": 7}
 
 
 def test_length_flags_are_checked_too(tmp_path: Path) -> None:

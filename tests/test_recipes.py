@@ -25,9 +25,19 @@ from hf_ring.recipes import (
     write_recipe_memory,
 )
 from hf_ring.recipes.recipe import parse_recipe
+from hf_ring.transformers.support import RingNotSupported
 
 ROOT = Path(__file__).resolve().parents[1]
-NAMES = ["llama-3.1-8b-128k", "llama-3.1-8b-1m", "qwen2.5-7b-256k", "tiny-cpu-demo", "tiny-cpu-demo-pretrain"]
+NAMES = [
+    "gemma-3-27b-128k",
+    "gpt-oss-20b-128k",
+    "llama-3.1-8b-128k",
+    "llama-3.1-8b-1m",
+    "qwen2.5-7b-256k",
+    "qwen3.5-9b-1m",
+    "tiny-cpu-demo",
+    "tiny-cpu-demo-pretrain",
+]
 
 
 def test_recipes_are_package_resources() -> None:
@@ -74,7 +84,20 @@ def test_training_runner_reads_recipes_through_the_shared_reader(tmp_path: Path)
     assert parse_recipe(["--output_dir", str(tmp_path)], source="tiny-cpu-demo").args.output_dir == str(tmp_path)
 
 
-@pytest.mark.parametrize("path", packaged_recipes(), ids=lambda p: p.name)
+# recipe -> what the ring still refuses in its model (strict: delete the entry when that lands)
+WAITING = {
+    "gemma-3-27b-128k.yaml": "sliding windows shorter than the sequence: windowed ring schedules (issue 21)",
+    "gpt-oss-20b-128k.yaml": "sliding windows shorter than the sequence: windowed ring schedules (issue 21)",
+}
+
+
+def _recipe_param(path: Path):
+    why = WAITING.get(path.name)
+    marks = [pytest.mark.xfail(strict=True, raises=RingNotSupported, reason=why)] if why else []
+    return pytest.param(path, id=path.name, marks=marks)
+
+
+@pytest.mark.parametrize("path", [_recipe_param(p) for p in packaged_recipes()])
 def test_every_recipe_parses_and_builds_its_model_config(path: Path) -> None:
     """Each recipe parses into RingTrainingArguments (its fields, with transformers' own validation)
     and its model section into a transformers config, nothing downloaded: hub models from the
@@ -101,7 +124,7 @@ def test_every_recipe_parses_and_builds_its_model_config(path: Path) -> None:
     check_config_fields(config, r.model.get("overrides") or {}, "model.overrides")  # no typo in the overrides
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, attn_implementation="ring")
-    assert model.config.vocab_size == config.vocab_size
+    assert model.config.vocab_size == config.get_text_config().vocab_size  # a multimodal config: its text model
     check_model(model, r.args.cp_size, max(s["seq_len"] for s in stages_of(r.data)))  # the ring computes it exactly
     if r.lora:
         from peft import LoraConfig

@@ -4,8 +4,8 @@ Each case the sweep (tests/test_model_sweep.py) classifies is also pinned here o
 CP = 2 with N not divisible by 2P: multi-head latent attention exact; mixed precision under
 autocast as close to float64 as SDPA under the same autocast; hybrid mixers without a
 context-parallel form (or without the batch's ring_context), windows the ring cannot read from the
-model's mask, the MoE router loss, and models that use the mask themselves or build their own
-attention refused with ``RingNotSupported``; sliding windows and chunked attention exact.
+model's mask, and models that use the mask themselves or build their own attention refused with
+``RingNotSupported``; sliding windows and chunked attention, and the MoE router loss, exact.
 """
 
 from __future__ import annotations
@@ -105,7 +105,6 @@ def refusal(model_type: str, n: int = 29, unroute: bool = False, **overrides) ->
 @pytest.mark.parametrize(
     ("model_type", "message"),
     [
-        ("mixtral", "coefficient 0.001"),
         ("mpt", "uses the attention mask itself"),
         ("xglm", "uses the attention mask itself"),
         ("falcon", "falcon computes attention itself"),
@@ -189,8 +188,10 @@ def test_window_the_mask_does_not_apply_is_refused() -> None:
         check_layer(layer, {"sliding_window": 8}, 32, True, 2, mask=None)
 
 
-def test_router_loss_without_coefficient_runs_exactly() -> None:
-    for r in run_ranks(2, step_errors, "mixtral", router_aux_loss_coef=0.0):
+@pytest.mark.parametrize("coef", [0.0, 0.001])
+def test_router_loss_runs_exactly(coef: float) -> None:
+    """With its coefficient, the router loss is summed over the CP group (tests/test_router_loss.py)."""
+    for r in run_ranks(2, step_errors, "mixtral", router_aux_loss_coef=coef):
         assert r["loss"] <= 1e-5 and r["grads"] <= 1e-5, r
 
 

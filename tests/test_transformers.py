@@ -162,13 +162,25 @@ def test_sliding_window_in_effect_matches_sdpa() -> None:
         assert abs(ring(**batch, use_cache=False).loss.item() - want) < 1e-5
 
 
-def test_softcapping_and_sinks_raise() -> None:
+def test_softcapping_and_sinks_reach_the_ring() -> None:
+    """One process: ``softcap`` and ``s_aux``/per-token ``sinks`` give the eager attention of Gemma 2 and
+    GPT-OSS (scores capped, a sink logit joined to each row's softmax and dropped); a sink of the wrong
+    shape is refused."""
     module = tiny_model("llama", "ring").model.layers[0].self_attn
-    q, k = torch.randn(1, 4, 8, 16), torch.randn(1, 2, 8, 16)
-    with pytest.raises(ValueError, match="soft-capping"):
-        ring_attention_forward(module, q, k, k, None, scaling=0.25, softcap=30.0)
-    with pytest.raises(ValueError, match="attention sinks"):
-        ring_attention_forward(module, q, k, k, None, scaling=0.25, s_aux=torch.zeros(4))
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(1, 4, 8, 16, generator=g) * 4, torch.randn(1, 2, 8, 16, generator=g), torch.randn(1, 2, 8, 16)
+    sink = torch.randn(4, generator=g)
+    s = q @ k.repeat_interleave(2, 1).transpose(-1, -2) * 0.25
+    s = (torch.tanh(s / 5.0) * 5.0).masked_fill(torch.ones(8, 8, dtype=torch.bool).triu(1), float("-inf"))
+    p = torch.cat((s, sink.view(1, 4, 1, 1).expand(1, 4, 8, 1)), -1).softmax(-1)[..., :-1]
+    want = (p @ v.repeat_interleave(2, 1)).transpose(1, 2)
+    out, _ = ring_attention_forward(module, q, k, v, None, scaling=0.25, softcap=5.0, s_aux=sink)
+    torch.testing.assert_close(out, want)
+    per_token = sink.view(1, 4, 1, 1).expand(1, 4, 8, 1)
+    out, _ = ring_attention_forward(module, q, k, v, None, scaling=0.25, softcap=5.0, sinks=per_token)
+    torch.testing.assert_close(out, want)
+    with pytest.raises(ValueError, match="attention sinks of one logit per head"):
+        ring_attention_forward(module, q, k, k, None, scaling=0.25, s_aux=torch.zeros(3))
 
 
 def test_mask_not_prepared_by_ring_raises() -> None:

@@ -57,9 +57,12 @@ class BlockKernel(Protocol):
     Blocks that cross a sliding window's edge come with ``window=(left, right)`` (``band_mask``) in
     both calls; kernels that take it: ``ReferenceKernel``, ``TorchCPUKernel``, ``FlashAttnKernel``.
 
-    Optional: a kernel with ``varlen = True`` also has ``varlen_forward``/``varlen_backward`` over
-    sequences packed along rows (``[T, H, D]`` with int32 cumulative lengths; ``FlashAttnKernel``),
-    and the ring then makes a step's packed-document blocks one call per mask kind.
+    Optional: a kernel with ``softcap = True`` takes a keyword ``softcap: float`` in every method
+    (``0``: none; ``> 0``: scores capped to ``softcap * tanh(scores / softcap)`` before masking, as
+    Gemma 2 does); the ring passes it only when it is nonzero. A kernel with ``varlen = True`` also
+    has ``varlen_forward``/``varlen_backward`` over sequences packed along rows (``[T, H, D]`` with
+    int32 cumulative lengths; ``FlashAttnKernel``), and the ring then makes a step's packed-document
+    blocks one call per mask kind.
     """
 
     name: str
@@ -81,67 +84,152 @@ class BlockKernel(Protocol):
     ) -> tuple[Tensor, Tensor, Tensor]: ...
 
 
-def band_mask(sq: int, sk: int, window: tuple[int, int], device: torch.device | str = "cpu") -> Tensor:
+def band_mask(
+    sq: int,
+    sk: int,
+    window: tuple[int, int],
+    device: torch.device | str = "cpu",
+    *,
+    q0: int = 0,
+    rows: int | None = None,
+) -> Tensor:
     """``[Sq, Sk]`` bool, True where key ``j`` is visible to query ``i``: ``-left <= j - i - (Sk - Sq) <= right``
-    (``window = (left, right)``, flash-attn's bottom-right alignment)."""
+    (``window = (left, right)``, flash-attn's bottom-right alignment). ``q0``/``rows``: only query rows
+    ``q0 ... q0 + rows - 1`` of the block (``[rows, Sk]``)."""
     left, right = window
-    d = torch.arange(sk, device=device)[None, :] - torch.arange(sq, device=device)[:, None] - (sk - sq)
+    rows = sq - q0 if rows is None else rows
+    d = torch.arange(sk, device=device)[None, :] - torch.arange(q0, q0 + rows, device=device)[:, None] - (sk - sq)
     return (d >= -left) & (d <= right)
 
 
 class ReferenceKernel:
-    """Plain-torch attention in float32 (float64 for float64 inputs): the oracle and the fallback."""
+    """Plain-torch attention in float32 (float64 for float64 inputs): the oracle, the fallback, and the
+    kernel for logit soft-capping where no fused kernel has it.
+
+    ``softcap > 0`` caps the scaled scores as Gemma 2 does, ``s = softcap * tanh(scale * q.k / softcap)``,
+    before the causal mask and the softmax; the backward applies the chain rule through the cap,
+    ``dS_raw = dS * (1 - tanh^2)``, on the recomputed scores. Queries are processed in tiles of
+    ``max(1, tile_elems // (B * Hq * Sk))`` rows, so a block holds at most ``tile_elems`` scores at once
+    (O(S) memory per row of queries, like the fused kernels, not O(Sq * Sk)). Grouped-query heads are
+    batched matmuls over ``[B, Hkv, Hq / Hkv, rows, D]`` views: K/V are never expanded.
+    """
 
     name = "reference"
     heads_major = False
+    softcap = True  # takes softcap > 0 (the fused CPU/CUDA torch ops do not)
+
+    def __init__(self, tile_elems: int = 1 << 22) -> None:
+        self.tile_elems = tile_elems
+
+    def _tiles(self, q: Tensor, k: Tensor) -> range:
+        b, sq, hq, _ = q.shape
+        rows = max(1, self.tile_elems // max(1, b * hq * k.shape[1]))
+        return range(0, sq, rows)
 
     @staticmethod
-    def _scores(q: Tensor, k: Tensor, causal: bool, scale: float, window: tuple[int, int] | None = None) -> Tensor:
-        ct = torch.float64 if q.dtype == torch.float64 else torch.float32
-        rep = q.shape[2] // k.shape[2]
-        kx = k.to(ct).repeat_interleave(rep, dim=2)
-        s = torch.einsum("bqhd,bkhd->bhqk", q.to(ct), kx) * scale  # (B, H, Sq, Sk)
+    def _grouped(t: Tensor, hkv: int, ct: torch.dtype) -> Tensor:
+        """``[B, S, Hq, D]`` -> ``[B, Hkv, Hq / Hkv, S, D]`` in ``ct`` (query head h = g * rep + r)."""
+        b, s, hq, d = t.shape
+        return t.to(ct).view(b, s, hkv, hq // hkv, d).permute(0, 2, 3, 1, 4)
+
+    @staticmethod
+    def _ungrouped(t: Tensor) -> Tensor:
+        """``[B, Hkv, rep, S, ...]`` -> ``[B, S, Hq, ...]``."""
+        b, hkv, rep, s = t.shape[:4]
+        return t.movedim(3, 1).reshape(b, s, hkv * rep, *t.shape[4:])
+
+    @staticmethod
+    def _scores(
+        qg: Tensor,
+        kt: Tensor,
+        causal: bool,
+        scale: float,
+        softcap: float,
+        q0: int,
+        sq: int,
+        window: tuple[int, int] | None,
+    ) -> tuple[Tensor, Tensor | None]:
+        """Scores ``[B, Hkv, rep, rows, Sk]`` of query rows ``q0 ...`` of a block of ``sq`` queries (``qg``
+        grouped, ``kt [B, Hkv, 1, D, Sk]``), masked causally and/or to the band ``window``, and ``tanh`` of
+        the capped ones (``None`` without a cap) for the backward's chain rule."""
+        s = torch.matmul(qg, kt).mul_(scale)
+        t = None
+        if softcap:
+            t = s.div_(softcap).tanh_()
+            s = t * softcap
         if causal:
-            sq, sk = s.shape[-2:]
-            mask = torch.ones(sq, sk, dtype=torch.bool, device=s.device).triu_(1)
-            s = s.masked_fill(mask, float("-inf"))
+            rows, sk = s.shape[-2:]
+            hide = torch.arange(sk, device=s.device)[None, :] > torch.arange(q0, q0 + rows, device=s.device)[:, None]
+            s = s.masked_fill_(hide, float("-inf"))
         if window is not None:
-            s = s.masked_fill(~band_mask(s.shape[-2], s.shape[-1], window, s.device), float("-inf"))
-        return s
+            seen = band_mask(sq, s.shape[-1], window, s.device, q0=q0, rows=s.shape[-2])
+            s = s.masked_fill_(~seen, float("-inf"))
+        return s, t
 
     def forward(
-        self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float, window: tuple[int, int] | None = None
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        causal: bool,
+        scale: float,
+        softcap: float = 0.0,
+        window: tuple[int, int] | None = None,
     ) -> tuple[Tensor, Tensor]:
-        s = self._scores(q, k, causal, scale, window)
-        lse = torch.logsumexp(s, dim=-1)  # (B, H, Sq)
-        p = torch.exp(s - lse[..., None]).nan_to_num_(0.0)  # rows with no key: all zero
-        rep = q.shape[2] // k.shape[2]
-        vx = v.to(s.dtype).repeat_interleave(rep, dim=2)
-        out = torch.einsum("bhqk,bkhd->bqhd", p, vx)
-        return out.to(q.dtype), lse.transpose(1, 2)
+        ct = torch.float64 if q.dtype == torch.float64 else torch.float32
+        hkv = k.shape[2]
+        kt = k.to(ct).permute(0, 2, 3, 1).unsqueeze(2)  # (B, Hkv, 1, D, Sk)
+        vh = v.to(ct).transpose(1, 2).unsqueeze(2)  # (B, Hkv, 1, Sk, D)
+        outs, lses = [], []
+        tiles = self._tiles(q, k)
+        for q0 in tiles:
+            qg = self._grouped(q[:, q0 : q0 + tiles.step], hkv, ct)
+            s, _ = self._scores(qg, kt, causal, scale, softcap, q0, q.shape[1], window)
+            lse = torch.logsumexp(s, dim=-1)  # (B, Hkv, rep, rows)
+            p = s.sub_(lse[..., None]).exp_().nan_to_num_(0.0)  # rows with no key: all zero
+            outs.append(self._ungrouped(torch.matmul(p, vh)).to(q.dtype))
+            lses.append(self._ungrouped(lse))
+            del s, p
+        return torch.cat(outs, 1), torch.cat(lses, 1)
 
     def backward(
-        self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *, causal: bool, scale: float,
+        self,
+        dout: Tensor,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        out: Tensor,
+        lse: Tensor,
+        *,
+        causal: bool,
+        scale: float,
+        softcap: float = 0.0,
         window: tuple[int, int] | None = None,
-    ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
-        s = self._scores(q, k, causal, scale, window)
-        ct = s.dtype
-        lse_t = lse.to(ct).transpose(1, 2)[..., None]  # (B, H, Sq, 1)
-        p = torch.exp(s - lse_t).nan_to_num_(0.0)
-        rep = q.shape[2] // k.shape[2]
-        kx = k.to(ct).repeat_interleave(rep, dim=2)
-        vx = v.to(ct).repeat_interleave(rep, dim=2)
-        do = dout.to(ct)
-        dv = torch.einsum("bhqk,bqhd->bkhd", p, do)
-        dp = torch.einsum("bqhd,bkhd->bhqk", do, vx)
-        delta = (do * out.to(ct)).sum(-1).transpose(1, 2)[..., None]  # (B, H, Sq, 1)
-        ds = p * (dp - delta)
-        dq = torch.einsum("bhqk,bkhd->bqhd", ds, kx) * scale
-        dk = torch.einsum("bhqk,bqhd->bkhd", ds, q.to(ct)) * scale
-        b, sk, hkv, d = k.shape
-        dk = dk.view(b, sk, hkv, rep, d).sum(3)
-        dv = dv.view(b, sk, hkv, rep, d).sum(3)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        ct = torch.float64 if q.dtype == torch.float64 else torch.float32
+        hkv = k.shape[2]
+        kt = k.to(ct).permute(0, 2, 3, 1).unsqueeze(2)  # (B, Hkv, 1, D, Sk)
+        vt = v.to(ct).permute(0, 2, 3, 1).unsqueeze(2)  # (B, Hkv, 1, D, Sk)
+        dk = torch.zeros(k.shape[0], hkv, k.shape[1], k.shape[3], dtype=ct, device=k.device)  # (B, Hkv, Sk, D)
+        dv, dqs = torch.zeros_like(dk), []
+        tiles = self._tiles(q, k)
+        for q0 in tiles:
+            rows = slice(q0, q0 + tiles.step)
+            qg = self._grouped(q[:, rows], hkv, ct)
+            s, t = self._scores(qg, kt, causal, scale, softcap, q0, q.shape[1], window)
+            lse_g = self._grouped(lse[:, rows, :, None], hkv, ct)  # (B, Hkv, rep, rows, 1)
+            p = s.sub_(lse_g).exp_().nan_to_num_(0.0)
+            do = self._grouped(dout[:, rows], hkv, ct)
+            dv += torch.matmul(p.transpose(-1, -2), do).sum(2)
+            delta = (do * self._grouped(out[:, rows], hkv, ct)).sum(-1, keepdim=True)  # (B, Hkv, rep, rows, 1)
+            ds = torch.matmul(do, vt).sub_(delta).mul_(p)  # p * (dP - delta)
+            if t is not None:  # through s = softcap * tanh(s_raw / softcap): times 1 - tanh^2
+                ds.mul_(t.square_().neg_().add_(1.0))
+            dqs.append(self._ungrouped(torch.matmul(ds, kt.transpose(-1, -2)).mul_(scale)).to(q.dtype))
+            dk += torch.matmul(ds.transpose(-1, -2), qg).sum(2).mul_(scale)
+            del s, t, p, ds
+        return torch.cat(dqs, 1), dk.transpose(1, 2).to(k.dtype), dv.transpose(1, 2).to(v.dtype)
 
 
 class TorchCPUKernel:
@@ -154,6 +242,7 @@ class TorchCPUKernel:
     """
 
     name = "torch"
+    softcap = False
     heads_major = True  # its backward reads K/V 3-5% faster from [B, H, S, D] memory (benchmarks/NOTES.md)
 
     @staticmethod
@@ -271,7 +360,7 @@ def available_backends(device: torch.device | str = "cpu") -> list[str]:
     return ["torch", "reference"]
 
 
-def get_kernel(backend: str, device: torch.device | str, dtype: torch.dtype) -> BlockKernel:
+def get_kernel(backend: str, device: torch.device | str, dtype: torch.dtype, softcap: bool = False) -> BlockKernel:
     """The block kernel for ``backend`` (one of ``BACKENDS``) on ``device`` for ``dtype`` inputs.
 
     "auto" picks, on CUDA: flash-attn for fp16/bf16 when it imports (else torch's flash op), torch's
@@ -283,10 +372,26 @@ def get_kernel(backend: str, device: torch.device | str, dtype: torch.dtype) -> 
     torch's fused CPU op (any float dtype). An explicit backend that cannot run here raises
     ``ValueError``. Kernel objects are cached per (backend, device type, dtype, compute capability):
     they hold no per-call state the ring depends on.
+
+    ``softcap=True``: the kernel must take logit soft-capping (``softcap = True`` on it). "auto" then picks
+    flash-attn on CUDA for fp16/bf16 when it imports, and the reference kernel (tiled over query rows,
+    float32 math) everywhere else: torch's fused ops have no soft-capping. An explicit backend without it
+    raises ``ValueError``.
     """
     device = torch.device(device)
     capability = _cuda_capability(device) if device.type == "cuda" else None
-    return _kernel(backend, device.type, dtype, capability)
+    if not softcap:
+        return _kernel(backend, device.type, dtype, capability)
+    if backend == "auto":
+        kernel = _kernel("auto", device.type, dtype, capability)
+        return kernel if getattr(kernel, "softcap", False) else _kernel("reference", device.type, dtype, capability)
+    kernel = _kernel(backend, device.type, dtype, capability)
+    if not getattr(kernel, "softcap", False):
+        raise ValueError(
+            f"backend={backend!r} has no attention logit soft-capping (torch's fused attention ops do not); "
+            "use backend='auto', 'reference' or 'flash_attn' (CUDA, fp16/bf16) for a soft-capped model."
+        )
+    return kernel
 
 
 @functools.cache

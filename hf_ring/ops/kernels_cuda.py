@@ -99,6 +99,7 @@ class TorchCUDAKernel:
     """
 
     name = "torch"
+    softcap = False  # the op has no logit soft-capping
     heads_major = False  # the op works on [B, S, H, D] memory
 
     def __init__(self, ops: Any = None) -> None:
@@ -160,6 +161,7 @@ class TorchEfficientKernel:
     """
 
     name = "torch_efficient"
+    softcap = False  # the op has no logit soft-capping
     heads_major = False
 
     def __init__(self, ops: Any = None, compute_dtype: torch.dtype | None = None) -> None:
@@ -251,6 +253,7 @@ class FlashAttnKernel:
     """
 
     name = "flash_attn"
+    softcap = True  # passed to flash-attn's own softcap argument
     heads_major = False  # flash-attn takes [B, S, H, D] memory
 
     def __init__(self, module: ModuleType | Any = None) -> None:
@@ -268,7 +271,15 @@ class FlashAttnKernel:
             )
 
     def forward(
-        self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float, window: tuple[int, int] | None = None
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        causal: bool,
+        scale: float,
+        softcap: float = 0.0,
+        window: tuple[int, int] | None = None,
     ) -> tuple[Tensor, Tensor]:
         """``q [B, Sq, Hq, D]``, ``k, v [B, Sk, Hkv, D]`` -> ``out [B, Sq, Hq, D]``, ``lse [B, Sq, Hq]`` float32.
         ``window``: flash-attn's own ``(window_size_left, window_size_right)``."""
@@ -277,15 +288,15 @@ class FlashAttnKernel:
         q, k, v = _pad8(q), _pad8(k), _pad8(v)
         left, right = window if window is not None else (-1, -1)
         if self.legacy:
-            res = self.fa._flash_attn_forward(q, k, v, 0.0, scale, causal, (left, right), 0.0, None, False)
+            res = self.fa._flash_attn_forward(q, k, v, 0.0, scale, causal, (left, right), softcap, None, False)
             out, lse = res[0], res[5]
         else:
-            out, lse, _, _ = self.fa._flash_attn_forward(q, k, v, 0.0, scale, causal, left, right, 0.0, None, False)
+            out, lse, _, _ = self.fa._flash_attn_forward(q, k, v, 0.0, scale, causal, left, right, softcap, None, False)
         return out[..., :d], lse.transpose(1, 2)
 
     def backward(
         self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *, causal: bool, scale: float,
-        window: tuple[int, int] | None = None,
+        softcap: float = 0.0, window: tuple[int, int] | None = None,
     ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
         """Gradients shaped like ``q, k, v``; ``out``/``lse`` may be those of the merged attention."""
         d = q.shape[-1]
@@ -297,18 +308,18 @@ class FlashAttnKernel:
         if self.legacy:
             self.fa._flash_attn_backward(
                 dout, q, k, v, out, lse, dq, dk, dv,
-                0.0, scale, causal, (left, right), 0.0, None, False, None,
+                0.0, scale, causal, (left, right), softcap, None, False, None,
             )  # fmt: skip
         else:
             self.fa._flash_attn_backward(
                 dout, q, k, v, out, lse, dq, dk, dv,
-                0.0, scale, causal, left, right, 0.0, None, False, None,
+                0.0, scale, causal, left, right, softcap, None, False, None,
             )  # fmt: skip
         return dq[..., :d], dk[..., :d], dv[..., :d]
 
     def varlen_forward(
         self, q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int, *, causal: bool,
-        scale: float,
+        scale: float, softcap: float = 0.0,
     ) -> tuple[Tensor, Tensor]:  # fmt: skip
         """Sequences packed along rows: ``q [Tq, Hq, D]``, ``k, v [Tk, Hkv, D]``, ``cu_q/cu_k`` int32
         ``[n + 1]`` -> ``out [Tq, Hq, D]``, ``lse [Tq, Hq]`` float32 (causal: square sequences only)."""
@@ -316,13 +327,13 @@ class FlashAttnKernel:
         _check_flash_head_dim(d, "flash-attn")
         q, k, v = _pad8(q), _pad8(k), _pad8(v)
         out, lse, _, _ = self.fa._flash_attn_varlen_forward(
-            q, k, v, cu_q, cu_k, max_q, max_k, 0.0, scale, causal, -1, -1, 0.0, None, False
+            q, k, v, cu_q, cu_k, max_q, max_k, 0.0, scale, causal, -1, -1, softcap, None, False
         )
         return out[..., :d], lse.transpose(0, 1)
 
     def varlen_backward(
         self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, cu_q: Tensor, cu_k: Tensor,
-        max_q: int, max_k: int, *, causal: bool, scale: float,
+        max_q: int, max_k: int, *, causal: bool, scale: float, softcap: float = 0.0,
     ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
         """Gradients shaped like ``q, k, v`` (``[T, H, D]``) of ``varlen_forward``; ``out``/``lse``
         (``[Tq, Hq]``) may be those of the merged attention."""
@@ -333,6 +344,6 @@ class FlashAttnKernel:
         lse = lse.transpose(0, 1).to(torch.float32).contiguous()  # [H, Tq]
         self.fa._flash_attn_varlen_backward(
             dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_k, max_q, max_k,
-            0.0, scale, causal, -1, -1, 0.0, None, False, None,
+            0.0, scale, causal, -1, -1, softcap, None, False, None,
         )  # fmt: skip
         return dq[..., :d], dk[..., :d], dv[..., :d]

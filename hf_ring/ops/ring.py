@@ -79,7 +79,7 @@ def _single_block(steps: list[tuple[Block, ...]]) -> bool:
     if len(steps) != 1 or len(steps[0]) != 1:
         return False
     b = steps[0][0]
-    return b.unit == 2 and b.q == (0, 2) and b.kv == (0, 2) and b.batch is None
+    return b.unit == 2 and b.q == (0, 2) and b.kv == (0, 2) and b.batch is None and b.window is None
 
 
 @dataclass(frozen=True, eq=False)
@@ -176,19 +176,49 @@ def _take(t: Tensor, idx: Tensor) -> Tensor:
     return t[idx // n, idx % n]
 
 
+def _add_sinks(out: Tensor, lse: Tensor, sinks: Tensor) -> tuple[Tensor, Tensor]:
+    """Attention sinks after the merge: one more logit per head with no value.
+
+    ``out [B, S, Hq, D]`` and ``lse [B, S, Hq]`` of attention over the keys; ``sinks [Hq]`` (one per head)
+    or ``[B, S, Hq]`` (one per query row and head). Returns
+    ``out * exp(lse - lse')`` (in ``out``'s dtype; the sink's share of each row's softmax mass is
+    dropped, ``exp(lse - lse') = sigmoid(lse - sink)``) and ``lse' = logaddexp(lse, sink)``, computed in
+    ``lse``'s dtype. With ``lse'`` and this ``out``, the block kernels' backward gives exactly the
+    gradients of attention with sinks (the sink adds a probability but no value to ``dO . O``).
+    """
+    new = torch.logaddexp(lse, sinks.to(lse.dtype))
+    return (out.to(lse.dtype) * torch.exp(lse - new).unsqueeze(-1)).to(out.dtype), new
+
+
+def _sink_grad(dout: Tensor, out: Tensor, lse: Tensor, sinks: Tensor) -> Tensor:
+    """``d loss / d sinks``, shaped like ``sinks``: ``-p_sink * (dO . O)`` per row, with
+    ``p_sink = exp(sink - lse')`` (``out``/``lse`` those of attention with sinks), summed over this
+    rank's rows for per-head sinks ``[Hq]``."""
+    ct = lse.dtype
+    delta = (dout.to(ct) * out.to(ct)).sum(-1)  # (B, S, Hq)
+    grad = -(torch.exp(sinks.to(ct) - lse) * delta)
+    return (grad.sum((0, 1)) if sinks.dim() == 1 else grad).to(sinks.dtype)
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, scale, schedule, kernel, ring):  # type: ignore[override]
-        # q: (B, S, Hq, D); k, v: (B, S, Hkv, D) -- this rank's shard
+    def forward(ctx, q, k, v, scale, schedule, kernel, ring, sinks=None, softcap=0.0):  # type: ignore[override]
+        # q: (B, S, Hq, D); k, v: (B, S, Hkv, D) -- this rank's shard; sinks: (Hq,) or None
         steps: list[tuple[Block, ...]] = schedule
         n_steps = len(steps)
         s_loc = q.shape[1]
         acc = _acc_dtype(q.dtype)
-        ctx.scale, ctx.schedule, ctx.kernel, ctx.ring = scale, steps, kernel, ring
+        cap = {"softcap": softcap} if softcap else {}  # only kernels with softcap = True take the keyword
+        ctx.scale, ctx.schedule, ctx.kernel, ctx.ring, ctx.cap = scale, steps, kernel, ring, cap
+        ctx.sinks = sinks is not None
         if _single_block(steps):  # one rank: one kernel call, nothing to merge
             b = steps[0][0]
-            out, lse = kernel.forward(q, k, v, causal=b.causal, scale=scale)
-            ctx.save_for_backward(q, k, v, out, lse)
+            out, lse = kernel.forward(q, k, v, causal=b.causal, scale=scale, **cap)
+            if sinks is not None:
+                out, lse = _add_sinks(out, lse.to(acc), sinks)
+                ctx.save_for_backward(q, k, v, out, lse, sinks)
+            else:
+                ctx.save_for_backward(q, k, v, out, lse)
             return out.contiguous()
         out = torch.zeros(q.shape, dtype=acc, device=q.device)
         lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
@@ -208,7 +238,7 @@ class _RingAttention(torch.autograd.Function):
                 if isinstance(b, _VarlenCall):
                     o_b, l_b = kernel.varlen_forward(
                         _take(q, b.q_idx), _take(kvv[0], b.k_idx), _take(kvv[1], b.k_idx),
-                        b.cu_q, b.cu_k, b.max_q, b.max_k, causal=b.causal, scale=scale,
+                        b.cu_q, b.cu_k, b.max_q, b.max_k, causal=b.causal, scale=scale, **cap,
                     )  # fmt: skip
                     o_acc, l_acc = _rows(out)[b.q_idx], _rows(lse)[b.q_idx]
                     merge_(o_acc, l_acc, o_b, l_b)
@@ -218,25 +248,32 @@ class _RingAttention(torch.autograd.Function):
                     continue
                 bs, qr, kr = _slices(b, s_loc)
                 o_b, l_b = kernel.forward(
-                    q[bs, qr], kvv[0, bs, kr], kvv[1, bs, kr], causal=b.causal, scale=scale, **_band(b)
+                    q[bs, qr], kvv[0, bs, kr], kvv[1, bs, kr], causal=b.causal, scale=scale, **cap, **_band(b)
                 )
                 merge_(out[bs, qr], lse[bs, qr], o_b, l_b)
                 del o_b, l_b  # free the block result before the next kernel call
             if comm is not None and step + 1 < n_steps:
                 comm.wait()
+        if sinks is not None:
+            out, lse = _add_sinks(out, lse, sinks)
+            ctx.save_for_backward(q, k, v, out.to(q.dtype), lse, sinks)
+            return out.to(q.dtype)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         return out
 
     @staticmethod
     def backward(ctx, dout):  # type: ignore[override]
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, *sinks = ctx.saved_tensors
         steps: list[tuple[Block, ...]] = ctx.schedule
         kernel: BlockKernel = ctx.kernel
+        cap = ctx.cap
         n_steps, s_loc = len(steps), q.shape[1]
+        # the sink's gradient from this rank's rows; summed over the CP group with every other parameter's
+        dsinks = _sink_grad(dout, out, lse, sinks[0]) if sinks and ctx.needs_input_grad[7] else None
         if _single_block(steps):
-            dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, causal=steps[0][0].causal, scale=ctx.scale)
-            return dq, dk, dv, None, None, None, None
+            dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, causal=steps[0][0].causal, scale=ctx.scale, **cap)
+            return dq, dk, dv, None, None, None, None, dsinks, None
         acc_dtype = _acc_dtype(q.dtype)
         hm = kernel.heads_major
         dout = dout.contiguous()
@@ -261,7 +298,7 @@ class _RingAttention(torch.autograd.Function):
                     dq_b, dk_b, dv_b = kernel.varlen_backward(
                         *(_take(t, b.q_idx) for t in (dout, q)), _take(kvv[0], b.k_idx), _take(kvv[1], b.k_idx),
                         *(_take(t, b.q_idx) for t in (out, lse)), b.cu_q, b.cu_k, b.max_q, b.max_k,
-                        causal=b.causal, scale=ctx.scale,
+                        causal=b.causal, scale=ctx.scale, **cap,
                     )  # fmt: skip
                     _rows(dq).index_add_(0, b.q_idx, dq_b.to(acc_dtype))
                     grads.append((b.k_idx, None, dk_b, dv_b))
@@ -269,7 +306,7 @@ class _RingAttention(torch.autograd.Function):
                 bs, qr, kr = _slices(b, s_loc)
                 dq_b, dk_b, dv_b = kernel.backward(
                     dout[bs, qr], q[bs, qr], kvv[0, bs, kr], kvv[1, bs, kr], out[bs, qr], lse[bs, qr],
-                    causal=b.causal, scale=ctx.scale, **_band(b),
+                    causal=b.causal, scale=ctx.scale, **cap, **_band(b),
                 )  # fmt: skip
                 dq[bs, qr] += dq_b
                 grads.append((bs, kr, dk_b, dv_b))
@@ -301,7 +338,7 @@ class _RingAttention(torch.autograd.Function):
         dk, dv = dkv[0].to(k.dtype), dkv[1].to(v.dtype)
         if hm:  # [B, S, Hkv, D] gradients in their usual memory order (Hkv/Hq of dq's size)
             dk, dv = dk.contiguous(), dv.contiguous()
-        return dq.to(q.dtype), dk, dv, None, None, None, None
+        return dq.to(q.dtype), dk, dv, None, None, None, None, dsinks, None
 
 
 def _check_inputs(
@@ -366,6 +403,8 @@ def ring_attention(
     dropout_p: float = 0.0,
     attn_mask: Tensor | None = None,
     schedule: Schedule | None = None,
+    softcap: float | None = None,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """Exact attention over a sequence sharded across the ranks of ``group``.
 
@@ -393,6 +432,16 @@ def ring_attention(
             tokens of their own document); for sliding windows and chunked attention,
             ``hf_ring.ops.windows.mask_plan``. Computed once per batch and reused by every layer.
             It may have fewer steps than the ring has ranks (the K/V then stop early).
+        softcap: logit soft-capping (Gemma 2): scaled scores become ``softcap * tanh(s / softcap)``
+            before the mask and the softmax, inside every block kernel call (forward and backward
+            recompute), so the merge stays exact. Needs a kernel that has it (``get_kernel(...,
+            softcap=True)``): flash-attn, or the reference kernel where "auto" finds no fused one.
+        sinks: attention sinks ``[Hq]`` (GPT-OSS ``s_aux``): one learned logit per query head that
+            joins each row's softmax with no value; or ``[B, S_local, Hq]``, one per query row of
+            this rank's shard and head (per-token sinks). Applied once to the merged result (``out`` times
+            ``sigmoid(lse - sink)``); differentiable. Its gradient is this rank's rows' share, like
+            the gradient of every other parameter: summed over the CP group by the gradient
+            reduction that already sums those (``RingContext.reduce_loss`` scales, DDP/FSDP average).
 
     Returns:
         ``[B, S_local, Hq, D]`` in the dtype of ``q``: this rank's rows of attention over the whole
@@ -408,7 +457,13 @@ def ring_attention(
     size, rank = ring.size, ring.rank
     try:
         _check_inputs(q, k, v, size, layout if schedule is None else "schedule", dropout_p, attn_mask)
-        kernel = get_kernel(backend, q.device, q.dtype) if isinstance(backend, str) else backend
+        cap = _check_extras(q, softcap, sinks)
+        kernel = get_kernel(backend, q.device, q.dtype, softcap=bool(cap)) if isinstance(backend, str) else backend
+        if cap and not getattr(kernel, "softcap", False):
+            raise ValueError(
+                f"ring_attention: softcap={cap} but the block kernel {kernel.name!r} has no logit soft-capping; "
+                "pass backend='auto', 'reference' or 'flash_attn'."
+            )
     except ValueError:
         if validate and size > 1:
             # Join the all-gather anyway: ranks whose inputs are fine wait in it. Every rank then
@@ -427,7 +482,22 @@ def ring_attention(
             f"ring_attention: a schedule of {len(schedule)} steps for a ring of {size} ranks (causal={causal}); "
             "a document schedule is causal and has at most one step per rank"
         )
-    return _RingAttention.apply(q, k, v, scale, schedule, kernel, ring)
+    return _RingAttention.apply(q, k, v, scale, schedule, kernel, ring, sinks, cap)
+
+
+def _check_extras(q: Tensor, softcap: float | None, sinks: Tensor | None) -> float:
+    """Validate ``softcap`` and ``sinks``; return the cap as a float (``0.0``: none)."""
+    cap = 0.0 if softcap is None else float(softcap)
+    if not (math.isfinite(cap) and cap >= 0.0):
+        raise ValueError(f"ring_attention: softcap={softcap} must be a positive number (or None: no capping)")
+    if sinks is not None and (sinks.shape not in ((q.shape[2],), q.shape[:3]) or not sinks.is_floating_point()):
+        raise ValueError(
+            f"ring_attention: sinks must be a float tensor [Hq] = [{q.shape[2]}] (one logit per query head) or "
+            f"[B, S_local, Hq] = {list(q.shape[:3])} (one per row), got {sinks.dtype} {tuple(sinks.shape)}"
+        )
+    if sinks is not None and sinks.device != q.device:
+        raise ValueError(f"ring_attention: sinks on {sinks.device}, q on {q.device}")
+    return cap
 
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)

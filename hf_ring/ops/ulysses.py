@@ -129,6 +129,8 @@ def ulysses_attention(
     attn_mask: Tensor | None = None,
     schedule: Schedule | None = None,
     mask: MaskPlan | None = None,
+    softcap: float | None = None,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """Exact attention over a sequence sharded across a Ulysses group, or a Ulysses x ring grid.
 
@@ -152,6 +154,10 @@ def ulysses_attention(
             Ulysses group end to end), one step per ring rank; ``hf_ring.shard_batch`` makes it.
         mask: a sliding window or chunked attention (``hf_ring.ops.windows.mask_plan`` of this rank's
             ring position over the batch's layout), instead of ``schedule``.
+        softcap, sinks: as for ``ring_attention``; ``sinks [Hq]`` is cut to this rank's ``Hq / U`` heads
+            (its gradient is zero for the other heads on this rank, and summed over the grid with
+            every other parameter's gradient); per-row ``sinks [B, S_local, Hq]`` go through the
+            all-to-all as the queries do.
 
     Returns:
         ``[B, S_local, Hq, D]`` in the dtype of ``q``, differentiable in ``q``, ``k`` and ``v``.
@@ -179,10 +185,18 @@ def ulysses_attention(
     msg = torch.cat(parts, dim=3).flatten(2, 3)
     msg = all_to_all(msg, ulysses_group, scatter_dim=2, gather_dim=1)  # (B, U * S, (Hq + 2 Hkv) / U, D)
     ql, kl, vl = msg.split((hq // u_size, hkv // u_size, hkv // u_size), dim=2)
+    if sinks is not None and sinks.shape == (hq,):  # this rank received query heads [u Hq / U, (u + 1) Hq / U)
+        sinks = sinks.view(u_size, -1)[group_size_rank(ulysses_group)[1]]
+    elif sinks is not None and sinks.shape == (b, s, hq):  # per-row sinks travel as the queries do
+        sinks = all_to_all(sinks, ulysses_group, scatter_dim=2, gather_dim=1)
+    elif sinks is not None:
+        raise ValueError(f"ulysses_attention: sinks must be [Hq] or [B, S, Hq], got {tuple(sinks.shape)}")
     if mask is not None:
         if dropout_p or attn_mask is not None or schedule is not None or not causal:
             raise ValueError("ulysses_attention: a mask plan takes no dropout_p, attn_mask or schedule, and is causal")
-        out = masked_attention(ql, kl, vl, mask, ring=ring, softmax_scale=softmax_scale, backend=backend)
+        out = masked_attention(
+            ql, kl, vl, mask, ring=ring, softmax_scale=softmax_scale, backend=backend, softcap=softcap, sinks=sinks
+        )
         return all_to_all(out, ulysses_group, scatter_dim=1, gather_dim=2)
     out = ring_attention(
         ql,
@@ -196,6 +210,8 @@ def ulysses_attention(
         dropout_p=dropout_p,
         attn_mask=attn_mask,
         schedule=schedule,
+        softcap=softcap,
+        sinks=sinks,
     )  # (B, U * S, Hq / U, D)
     return all_to_all(out, ulysses_group, scatter_dim=1, gather_dim=2)  # (B, S, Hq, D)
 

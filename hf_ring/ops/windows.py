@@ -36,7 +36,7 @@ from .comm import Ring
 from .exchange import Halo, halo_plan, tie
 from .kernels import BlockKernel, get_kernel
 from .layout import ShardLayout
-from .ring import _RingAttention, ring_attention
+from .ring import _check_extras, _RingAttention, ring_attention
 from .schedule import Block, Layout, Schedule, band_blocks, band_schedule, chunk_layout, layout_schedule, trim_steps
 
 __all__ = ["ROUTES", "MaskPlan", "mask_plan", "masked_attention", "ring_level"]
@@ -167,20 +167,34 @@ def masked_attention(
     ring: Ring | None = None,
     softmax_scale: float | None = None,
     backend: str | BlockKernel = "auto",
+    softcap: float | None = None,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """Attention of this rank's rows under ``plan``'s mask (``mask_plan`` of this ring position).
 
     ``q: [B, S, Hq, D]``, ``k, v: [B, S, Hkv, D]``: this ring position's rows (with Ulysses: after
-    the all-to-all). ``group``/``ring``: the ring (group) the plan was made for. Returns
-    ``[B, S, Hq, D]`` in ``q``'s dtype, differentiable in ``q``, ``k``, ``v``; collective over the
-    ring on either route.
+    the all-to-all). ``group``/``ring``: the ring (group) the plan was made for. ``softcap`` and
+    ``sinks`` (``[Hq]`` or ``[B, S, Hq]``) as for ``ring_attention``, on either route: the cap goes to
+    every block kernel call, the sinks join each row's merged softmax once. Returns ``[B, S, Hq, D]``
+    in ``q``'s dtype, differentiable in ``q``, ``k``, ``v`` (and ``sinks``); collective over the ring
+    on either route.
     """
     if ring is None:
         ring = Ring(group)
     elif group is not None:
         raise ValueError("masked_attention: pass group or ring, not both")
     if plan.route == "ring":
-        return ring_attention(q, k, v, ring=ring, softmax_scale=softmax_scale, backend=backend, schedule=plan.schedule)
+        return ring_attention(
+            q,
+            k,
+            v,
+            ring=ring,
+            softmax_scale=softmax_scale,
+            backend=backend,
+            schedule=plan.schedule,
+            softcap=softcap,
+            sinks=sinks,
+        )
     if k.shape != v.shape or q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3] or q.shape[2] % k.shape[2]:
         raise ValueError(
             f"masked_attention expects q [B, S, Hq, D] and k, v [B, S, Hkv, D] with Hq % Hkv == 0; got q "
@@ -188,12 +202,17 @@ def masked_attention(
         )
     assert plan.halo is not None
     b, s, hq, d = q.shape
-    kernel = get_kernel(backend, q.device, q.dtype) if isinstance(backend, str) else backend
+    cap = _check_extras(q, softcap, sinks)
+    kernel = get_kernel(backend, q.device, q.dtype, softcap=bool(cap)) if isinstance(backend, str) else backend
+    if cap and not getattr(kernel, "softcap", False):
+        raise ValueError(f"masked_attention: softcap={cap} but the block kernel {kernel.name!r} has no soft-capping")
+    if sinks is not None and sinks.dim() == 3:
+        sinks = sinks.reshape(1, b * s, hq)  # per-row sinks follow the rows into the one flat block
     scale = softmax_scale if softmax_scale is not None else 1.0 / d**0.5
     kv = torch.cat((k, v), dim=-1)  # [B, S, Hkv, 2D]: K and V rows travel together
     got = plan.halo.fetch(kv, ring.group)  # [M, Hkv, 2D]
     rows = torch.cat((kv.reshape(b * s, *kv.shape[2:]), got))[None]  # [1, B * S + M, Hkv, 2D]
     out = _RingAttention.apply(
-        q.reshape(1, b * s, hq, d), rows[..., :d], rows[..., d:], scale, [plan.blocks], kernel, _OneRank()
+        q.reshape(1, b * s, hq, d), rows[..., :d], rows[..., d:], scale, [plan.blocks], kernel, _OneRank(), sinks, cap
     )
     return tie(out, got).view(b, s, hq, d)  # every rank runs the fetch's backward

@@ -13,16 +13,17 @@ measurements: docs/memory.md.
 """
 
 from .layouts import LayoutCost, choose_ulysses_size, compare_layouts, layout_cost, recommend
-from .models import KNOWN_MODELS, LORA_TARGETS, ModelShape, known_config, model_shape
+from .models import KNOWN_MODELS, LORA_TARGETS, MixerShape, ModelShape, known_config, model_shape
 from .plan import GiB, Plan, max_seq_len, plan, smallest_cp
 from .settings import PlanSettings, parse_ulysses_size, tokens
-from .terms import activation_terms, attention_comm_bytes, ring_buffer_bytes
+from .terms import activation_terms, attention_comm_bytes, mixer_comm_bytes, mixer_terms, ring_buffer_bytes
 
 __all__ = [
     "GiB",
     "KNOWN_MODELS",
     "LORA_TARGETS",
     "LayoutCost",
+    "MixerShape",
     "ModelShape",
     "Plan",
     "PlanSettings",
@@ -33,6 +34,8 @@ __all__ = [
     "known_config",
     "layout_cost",
     "max_seq_len",
+    "mixer_comm_bytes",
+    "mixer_terms",
     "model_shape",
     "parse_ulysses_size",
     "plan",

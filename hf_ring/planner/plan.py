@@ -26,7 +26,17 @@ from typing import Any
 from .layouts import LayoutCost, choose_ulysses_size, compare_layouts, recommend
 from .models import ModelShape
 from .settings import PlanSettings
-from .terms import DTYPE_BYTES, activation_terms, ring_buffer_bytes
+from .terms import (
+    DTYPE_BYTES,
+    activation_terms,
+    attention_comm_bytes,
+    mixer_comm_bytes,
+    mixer_terms,
+    ring_buffer_bytes,
+    window_border,
+    window_buffer_bytes,
+    window_comm_bytes,
+)
 
 __all__ = ["GiB", "Plan", "max_seq_len", "plan", "smallest_cp"]
 
@@ -42,7 +52,8 @@ class Plan:
     the activation bytes live at each candidate peak of a step; ``peak``: the largest total.
     ``settings``: those planned for, with ``cp`` and ``ulysses_size`` resolved. ``layouts``: every
     ring / Ulysses layout of the CP group priced per layer (``hf_ring.planner.layouts``), the
-    recommended one first among equals (``recommended``)."""
+    recommended one first among equals (``recommended``). ``comm``: the attention bytes one rank
+    sends per step, full-attention and windowed layers apart (``attention_comm``)."""
 
     model: ModelShape
     settings: PlanSettings
@@ -53,6 +64,7 @@ class Plan:
     overlap: dict[str, Any]
     notes: list[str] = field(default_factory=list)
     layouts: list[LayoutCost] = field(default_factory=list)
+    comm: dict[str, Any] = field(default_factory=dict)
 
     @property
     def ulysses(self) -> int:
@@ -132,6 +144,7 @@ class Plan:
             "ulysses_size": self.ulysses,
             "layouts": [c.as_dict() for c in self.layouts],
             "recommended_ulysses_size": self.recommended.ulysses if self.recommended else None,
+            "attention_comm": self.comm,
         }
 
     def table(self) -> str:
@@ -161,6 +174,16 @@ class Plan:
             f"{o['link']} {o['link_GBps']:g} GB/s, {o['flops'] / 1e12:g} TFLOP/s, GQA {self.model.heads}/"
             f"{self.model.kv_heads}): {'hidden' if o['hidden'] else 'NOT hidden'}"
         )
+        c = self.comm
+        if c:
+            parts = [f"{c['full_layers']} full layers x {c['full_layer_bytes'] / 2**20:.1f} MiB"]
+            if c["windowed_layers"]:
+                how = "window border" if c["border"] else "ring turned as far as the window reaches"
+                parts.append(
+                    f"{c['windowed_layers']} windowed layers ({self.model.window} tokens, {how}) x "
+                    f"{c['windowed_layer_bytes'] / 2**20:.2f} MiB"
+                )
+            lines.append(f"  attention sent per step and rank: {c['total'] / GiB:.2f} GiB ({'; '.join(parts)})")
         lines.extend(self.layout_lines())
         lines.extend(f"  note: {n}" for n in self.notes)
         return "\n".join(lines)
@@ -258,8 +281,23 @@ def plan(model: ModelShape, settings: PlanSettings) -> Plan:
     lora = (s.lora_rank, tuple(s.lora_targets)) if s.mode == "lora" else None
     a = activation_terms(m, b, tiled_mlp=bool(tile), lora=lora, lora_fp32=s.lora_fp32, ulysses=u)
     checkpointing = s.checkpointing
-    per_layer_kept = a["layer_input"] if checkpointing else (a["layer_input"] if f32 else 0) + a["layer_saved"]
-    decoder_kept = t * (m.layers * per_layer_kept + a["rope"] + a["final_norm"])
+    # each layer is a sequence of parts, each after its RMSNorm (a plain transformer: attention, MLP)
+    mix = mixer_terms(m, b, cp, s.mixer_kernels, lora, s.lora_fp32)
+    part_saved = {"attention": a["layer_saved_attn"] - a["norm1"], "mlp": 0 if tile else a["mlp_saved"],
+                  "gated_deltanet": mix["saved"], "mamba2": mix["saved"]}  # fmt: skip
+
+    def saved_through(parts: tuple[str, ...], i: int) -> float:
+        """What a layer of ``parts`` saves for backward in its parts ``0..i``, norms included."""
+        return a["norm1"] + part_saved[parts[0]] + sum(a["norm_io"] + part_saved[q] for q in parts[1 : i + 1])
+
+    kinds = list(dict.fromkeys(m.layer_blocks))
+    count = {k: m.layer_blocks.count(k) for k in kinds}
+    if checkpointing:
+        layers_kept = m.layers * a["layer_input"]
+    else:
+        own = a["layer_input"] if f32 else 0
+        layers_kept = sum(count[k] * (own + saved_through(k, len(k) - 1)) for k in kinds)
+    decoder_kept = t * (layers_kept + a["rope"] + a["final_norm"])
     vocab_row = m.vocab  # the loss's per-token bytes are per vocabulary entry
     if s.chunked_loss:
         chunk = min(t, s.loss_chunk or _default_chunk_size(m.vocab))
@@ -274,7 +312,7 @@ def plan(model: ModelShape, settings: PlanSettings) -> Plan:
     if offload and not checkpointing:
         raise ValueError("offload moves checkpointed activations to host memory: it needs checkpointing=True")
     # offloaded: the layer inputs and the final norm's tensors (RoPE's cos/sin stay, held by the layers' calls)
-    offloaded = t * (m.layers * per_layer_kept + a["final_norm"]) if offload else 0.0
+    offloaded = t * (layers_kept + a["final_norm"]) if offload else 0.0
     host = {"checkpointed activations": offloaded}
     kept = decoder_kept - offloaded + loss_kept
     rows["checkpointed activations" if checkpointing else "saved activations"] = decoder_kept - offloaded
@@ -283,9 +321,13 @@ def plan(model: ModelShape, settings: PlanSettings) -> Plan:
     # working sets, each at its own time in the backward pass
     unpacked = t * a["layer_input"] if offload else 0.0  # the input of the layer being recomputed, back
     ring = ring_buffer_bytes(m, b, cp, u)
+    n_tokens = t * cp // s.micro_batch
+    if m.windowed_layers == m.layers and window_border(m, n_tokens, cp, u):
+        # every layer windowed within a chunk: the border's keys and values instead of the ring's buffers
+        ring = window_buffer_bytes(m, b, n_tokens, cp, u) * s.micro_batch / t
     dx = t * m.hidden * b
     # decoder state once the loss's backward is done (and the full logits, which the output holds)
-    base = t * a["rope"] + (unpacked if offload else t * m.layers * per_layer_kept)
+    base = t * a["rope"] + (unpacked if offload else t * layers_kept)
     if not s.chunked_loss:
         base += t * vocab_row * b
     # one MLP tile recomputed in backward: what it saves, two gradients; the tile's weight gradients
@@ -293,21 +335,29 @@ def plan(model: ModelShape, settings: PlanSettings) -> Plan:
     tile_ws = tile * (a["mlp_saved"] + 2 * m.intermediate * b)
     if tile and s.mode == "full":
         tile_ws += 3 * m.hidden * m.intermediate * (4 + b)
-    if checkpointing:
-        mlp_ws = t * (a["layer_saved"] + a["mlp_backward"]) + dx + tile_ws
-        attn_ws = t * (a["layer_saved_attn"] + ring) + dx
-    else:
-        mlp_ws = t * a["mlp_backward"] + dx + tile_ws
-        attn_ws = t * ring + dx
+    # each part's backward, last part first: what the layer saved up to it (recomputed under
+    # checkpointing), its transients, the gradient flowing in; the mixers' state message per sequence
+    transient = {"attention": ring, "mlp": a["mlp_backward"], "gated_deltanet": mix["backward"],
+                 "mamba2": mix["backward"]}  # fmt: skip
+    names = {"mlp": "layer backward, MLP", "attention": "layer backward, attention + ring",
+             "gated_deltanet": "layer backward, Gated DeltaNet", "mamba2": "layer backward, Mamba2"}  # fmt: skip
+    work: dict[str, float] = {}
+    for k in kinds:
+        for i, part in enumerate(k):
+            ws = t * ((saved_through(k, i) if checkpointing else 0) + transient[part]) + dx
+            ws += tile_ws if part == "mlp" else 0
+            ws += s.micro_batch * mix["fixed"] if part in ("gated_deltanet", "mamba2") else 0
+            work[part] = max(work.get(part, 0.0), ws)
+    mlp_ws = work.get("mlp", 0.0)
     rows["recompute working set (one layer)" if checkpointing else "backward working set (one layer)"] = mlp_ws
     rows["ring buffers (attention backward)"] = t * ring
+    for part in ("gated_deltanet", "mamba2"):
+        if part in work:
+            rows[f"{names[part].split(', ')[1]} working set (one layer)"] = work[part]
     rows["loss working set (backward)"] = loss_bwd
     rows["runtime reserve"] = s.reserve_gib * GiB
-    phases = {
-        "loss backward": kept + loss_bwd,
-        "layer backward, MLP": base + mlp_ws,
-        "layer backward, attention + ring": base + attn_ws,
-    }
+    phases = {"loss backward": kept + loss_bwd}
+    phases.update({names[part]: base + ws for part, ws in sorted(work.items(), key=lambda kv: kv[0] != "mlp")})
 
     # ring overlap: per hop, 2 T^2 Hq d FLOPs forward (half a block, zigzag) vs K/V of T tokens; with
     # Ulysses T = N / R tokens on Hq / U heads, and K/V on Hkv / gcd(Hkv, U) heads
@@ -334,8 +384,44 @@ def plan(model: ModelShape, settings: PlanSettings) -> Plan:
     if rep > 1:
         notes.append(f"ulysses_size={u} does not divide the {m.kv_heads} K/V heads: each is repeated {rep}x "
                      "(saved K/V, ring messages and all-to-all grow by that)")  # fmt: skip
+    if m.mixer is not None:
+        sent = mixer_comm_bytes(m, b, cp)["total"]
+        mixing = sum(m.mixer.kind in parts for parts in m.layer_blocks)
+        notes.append(f"{mixing} of {m.layers} layers mix tokens by "
+                     f"{m.mixer.kind} (state passing over the CP group: {sent / 2**20:.1f} MiB sent per layer and "
+                     f"rank, whatever the length; kernels: {s.mixer_kernels})")  # fmt: skip
+    if m.moe:
+        notes.append(f"MoE: {m.experts} experts, {m.active_experts} active per token; the router's "
+                     "load-balancing loss is summed over the CP group (one all-reduce of 2E + 1 numbers)")  # fmt: skip
+    if m.sinks:
+        notes.append("attention sinks: one logit per head and layer, merged after the ring; "
+                     "their gradient is summed over the CP group")  # fmt: skip
     resolved = replace(s, cp=cp, ulysses_size=u)
-    return Plan(m, resolved, t, rows, phases, host, overlap, notes, compare_layouts(m, resolved, cp))
+    comm = attention_comm(m, b, t * cp, cp, u, checkpointing)
+    return Plan(m, resolved, t, rows, phases, host, overlap, notes, compare_layouts(m, resolved, cp), comm)
+
+
+def attention_comm(m: ModelShape, b: int, tokens: int, cp: int, ulysses: int, recompute: bool) -> dict[str, Any]:
+    """Bytes one rank sends for attention in one step (``tokens``: of the whole sequence, times the
+    micro-batch): the full-attention layers' ring and all-to-alls, the windowed layers' (``border``:
+    only the window's border, ``terms.window_comm_bytes``); with checkpointing the forward twice.
+    Layers without attention (a hybrid's mixers) are not counted here."""
+
+    def per_layer(c: dict[str, float]) -> float:
+        return c["total"] + (c["ring_forward"] + c["all_to_all_forward"] if recompute else 0.0)
+
+    attention_layers = sum("attention" in parts for parts in m.layer_blocks)
+    full_layers = attention_layers - m.windowed_layers
+    full = per_layer(attention_comm_bytes(m, b, tokens, cp, ulysses))
+    windowed = per_layer(window_comm_bytes(m, b, tokens, cp, ulysses)) if m.windowed_layers else 0.0
+    return {
+        "full_layers": full_layers,
+        "windowed_layers": m.windowed_layers,
+        "full_layer_bytes": full,
+        "windowed_layer_bytes": windowed,
+        "border": window_border(m, tokens, cp, ulysses) if m.windowed_layers else False,
+        "total": full_layers * full + m.windowed_layers * windowed,
+    }
 
 
 def smallest_cp(model: ModelShape, settings: PlanSettings) -> int | None:

@@ -104,6 +104,13 @@ class PlanSettings:
     intra_GBps: float = _setting(300.0, "GB/s per direction between ring neighbours in a node", flag="--link-gbs")
     inter_GBps: float = _setting(45.0, "GB/s per direction between ring neighbours across nodes", flag="--inter-gbs")
     gpus_per_node: int = _setting(8, "GPUs per node (a CP group larger than this crosses nodes)")
+    mixer_kernels: str = _setting(
+        "cuda",
+        "kernels of a hybrid's linear token mixers: cuda (flash-linear-attention, mamba-ssm: chunked kernels that "
+        "save their inputs and recompute in backward; estimated), torch (transformers' torch fallbacks, as on CPU; "
+        "measured)",
+        choices=("cuda", "torch"),
+    )
     ulysses_size: int | str = _setting(
         1,
         "Ulysses degree inside the CP group (cp = ulysses_size x ring; 1: ring only); auto: "

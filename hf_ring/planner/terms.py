@@ -2,8 +2,9 @@
 
 Per token of a rank's shard (``T = micro_batch * seq_len / cp``), in bytes: what transformers'
 Llama/Qwen/Mistral layers save for backward (RMSNorm in float32, the ring attention Function, a
-gated MLP, LoRA adapters) and the ring's working set in attention backward; and the bytes
-attention sends per layer, ring and Ulysses all-to-all (``attention_comm_bytes``). Checked with
+gated MLP or the active experts of an MoE layer, LoRA adapters) and the ring's working set in
+attention backward; and the bytes attention sends per layer, ring and Ulysses all-to-all
+(``attention_comm_bytes``; a windowed layer: ``window_comm_bytes``). Checked with
 ``testkit.live_tensors.LiveTensorBytes`` on small models (``tests/test_planner.py``,
 ``benchmarks/memory.py``).
 
@@ -16,7 +17,18 @@ import math
 
 from .models import ModelShape
 
-__all__ = ["DTYPE_BYTES", "activation_terms", "attention_comm_bytes", "ring_buffer_bytes"]
+__all__ = [
+    "DTYPE_BYTES",
+    "activation_terms",
+    "attention_comm_bytes",
+    "mixer_comm_bytes",
+    "mixer_terms",
+    "ring_buffer_bytes",
+    "state_slots",
+    "window_border",
+    "window_buffer_bytes",
+    "window_comm_bytes",
+]
 
 DTYPE_BYTES = {"bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "fp32": 4, "float32": 4}
 
@@ -55,7 +67,16 @@ def activation_terms(
         attn += b * m.heads * d  # o_proj's input: the output after the all-to-all back
     if m.qk_norm:
         attn += (4 + b) * (m.heads + m.kv_heads) * d + 4 * (m.heads + m.kv_heads)
-    mlp = 4 * i * b
+    if m.attn_gate:  # output * sigmoid(gate): the sigmoid's output and the product (o_proj's input)
+        attn += 2 * b * m.heads * d
+    mlp = (4 if m.mlp_gated else 2) * i * b  # gate, silu(gate), up, product; ungated: up, act(up)
+    mlp_grads = 2 * i * b  # dL/d(gate), dL/d(up) in flight in the MLP's backward
+    if m.moe:
+        # each token through its k experts: the gathered input, gate, silu(gate), up and their
+        # product per expert; the router's float32 probabilities and the chosen experts' weights
+        k, ie = m.active_experts, m.expert_intermediate
+        mlp = k * (4 * ie * b + h * b) + 4 * m.experts + k * (4 + 8)
+        mlp_grads = 2 * k * ie * b + k * h * b
     adapters = {"attn": 0, "mlp": 0}
     if lora:
         rank, targets = lora
@@ -63,7 +84,7 @@ def activation_terms(
             if t in targets:
                 part = "mlp" if t in ("gate_proj", "up_proj", "down_proj") else "attn"
                 adapters[part] += 4 * (fan_in + rank) if lora_fp32 and not f32 else rank * b
-        if "down_proj" not in targets:
+        if "down_proj" not in targets and not m.moe:
             mlp -= i * b
     mlp_total = mlp + adapters["mlp"]  # per token of the MLP, saved for its backward
     return {
@@ -76,8 +97,89 @@ def activation_terms(
         "final_norm": norm_io,
         # backward transients of the MLP phase: dL/d(gate), dL/d(up) in flight, and dL/dx
         # (tiled: the MLP's dL/dx accumulator instead; the tile's own tensors are counted apart)
-        "mlp_backward": (h * b if tiled_mlp else 2 * i * b) + h * b + 24,
+        "mlp_backward": (h * b if tiled_mlp else mlp_grads) + h * b + 24,
+        "norm1": norm1,
+        "norm_io": norm_io,
     }
+
+
+def mixer_terms(
+    m: ModelShape,
+    b: int,
+    cp: int,
+    kernels: str = "cuda",
+    lora: tuple[int, tuple[str, ...]] | None = None,
+    lora_fp32: bool = True,
+) -> dict[str, float]:
+    """Per token of the rank's shard, bytes of a hybrid's linear token mixer (``m.mixer``) besides
+    its RMSNorm: ``saved`` for backward (the layer's projections, the short convolution's input and
+    pre-activation, the gates, the gated norm, and the chunked kernel's saved tensors), ``backward``
+    (its backward's transients beyond them); and ``fixed`` bytes per sequence, whatever its length:
+    the state passing's all-gathered message (``ops.state_passing``: per rank two runs, each a map
+    and a state in float32) and its gradient.
+
+    ``kernels="torch"``: transformers' torch chunked gated delta rule (fitted to measured
+    ``LiveTensorBytes`` of Qwen3.5's Gated DeltaNet layer, 4 shapes within 1.2%: per value head and
+    token, 5 chunk-by-chunk float32 matrices, the per-chunk states, about 20 float32 head-wide
+    vectors; backward 3 more chunk matrices). ``kernels="cuda"`` (fla, mamba-ssm): the kernels save
+    their inputs, one chunk matrix and recompute the chunk states in backward (estimated from what
+    they save, not measured). Under CP (``cp > 1``) the delta rule runs a second time on every
+    run that continues a document (the identity call of ``ops.mixers.delta``: the map of the state),
+    and its output ``[Dk]`` per value head is kept. Mamba2's terms are estimated the same way.
+    Packed documents add runs, hence slots: ``fixed`` is for one sequence per row."""
+    x = m.mixer
+    if x is None:
+        return {"saved": 0.0, "backward": 0.0, "fixed": 0.0}
+    hk, hv, dk, dv, ch = x.k_heads, x.v_heads, x.k_dim, x.v_dim, x.chunk
+    c = x.conv_channels
+    conv = 2 * b * c  # the convolution's input (in_proj's output) and its pre-activation
+    adapters = 0.0
+    if lora:
+        rank, targets = lora
+        for t, (fan_in, _) in x.linear_shapes(m.hidden).items():
+            if t in targets:
+                adapters += 4 * (fan_in + rank) if lora_fp32 and b != 4 else rank * b
+    if x.kind == "gated_deltanet":
+        if kernels == "torch":
+            kernel = 4 * (hv * (5 * ch + dk * dv / ch + 10 + 10 * (dk + dv)) + 2 * hk * dk)
+            bwd = 4 * 3 * hv * ch
+            identity = 4 * hv * (5 * ch + dk * dk / ch + 6 + 16 * dk) + 4 * hv * dk
+        else:
+            # conv output (q, k, v), float32 g and beta, one chunk matrix; gated norm (float32 input,
+            # gate, normalised value), out_proj's input
+            kernel = b * c + 4 * hv * (2 + ch) + 4 * 3 * hv * dv + b * hv * dv
+            bwd = 2 * 4 * hv * dk * dv / ch + 4 * (c + 2 * hv) + 4 * hv * (dk + dv + ch)
+            identity = b * hv * dk + 4 * hv * ch + 4 * hv * dk
+    else:  # mamba2: x, B, C after the convolution, dt, the gated norm, out_proj's input
+        chunk_mats = 4 * hv * ch * (3 if kernels == "torch" else 1)
+        kernel = b * c + 4 * 3 * hv + chunk_mats + 4 * 3 * hv * dv + b * hv * dv
+        bwd = 2 * 4 * hv * dk * dv / ch + 4 * (c + 2 * hv) + chunk_mats
+        identity = 0.0  # SSD's map is a decay per head: no second call
+    saved = conv + kernel + adapters + (identity if cp > 1 else 0.0)
+    fixed = 2 * 4 * cp * state_slots(cp) * (x.map_elems + x.state_elems)  # the message and its gradient
+    return {"saved": saved, "backward": bwd, "fixed": fixed}
+
+
+def state_slots(cp: int) -> int:
+    """Runs per rank whose state the state passing sends, one sequence in the zigzag layout: rank
+    ``r`` holds chunks ``r`` and ``2 cp - 1 - r``; the last chunk's state is not needed and rank
+    ``cp - 1``'s two chunks are one run, so ranks send two (``cp >= 3``), one (``cp = 2``), none."""
+    return 0 if cp == 1 else 1 if cp == 2 else 2
+
+
+def mixer_comm_bytes(m: ModelShape, b: int, cp: int) -> dict[str, float]:
+    """Bytes one rank sends per linear-mixer layer for one forward and one backward, by kind; none
+    grows with the sequence. ``state``: the all-gather of the state passing (``state_slots(cp)``
+    runs per rank, each a map and a state in float32, to the other ``cp - 1`` ranks) and
+    the all-reduce of its gradient (``2 (cp - 1) / cp`` of the gathered message); ``halo``: the
+    short convolution's ``K - 1`` rows before each of the two runs, and their gradients back."""
+    x = m.mixer
+    if x is None or cp == 1:
+        return {"state": 0.0, "halo": 0.0, "total": 0.0}
+    slot = 4 * (x.map_elems + x.state_elems) * state_slots(cp)
+    state = (cp - 1) * slot + 2 * (cp - 1) / cp * cp * slot
+    halo = 2 * 2 * (x.conv - 1) * x.conv_channels * b
+    return {"state": state, "halo": halo, "total": state + halo}
 
 
 def ring_buffer_bytes(m: ModelShape, b: int, cp: int, ulysses: int = 1) -> float:
@@ -131,4 +233,53 @@ def attention_comm_bytes(m: ModelShape, b: int, tokens: int, cp: int, ulysses: i
         "all_to_all_forward": a2a_fwd,
         "all_to_all_backward": a2a_fwd,  # the same tensors' gradients, the other way
         "total": ring_fwd + ring_bwd + 2 * a2a_fwd,
+    }
+
+
+def window_border(m: ModelShape, tokens: int, cp: int, ulysses: int = 1) -> bool:
+    """A windowed layer exchanges only its window's border: the window (``W - 1`` keys before a
+    query) fits in one zigzag chunk of the ring (``N / 2R`` tokens)."""
+    ring = cp // ulysses
+    return m.window > 0 and (ring == 1 or m.window - 1 <= tokens // (2 * ring))
+
+
+def window_buffer_bytes(m: ModelShape, b: int, tokens: int, cp: int, ulysses: int = 1) -> float:
+    """Bytes (not per token) of a windowed layer's working set beyond what it saves, when it exchanges
+    only the border (``window_border``): for each of the rank's two chunks the ``W - 1`` keys and
+    values before it, and their float32 dK/dV going back; 0 without a window or ring."""
+    if not window_border(m, tokens, cp, ulysses) or cp // ulysses == 1:
+        return 0.0
+    kv = m.kv_heads * m.head_dim * (ulysses // math.gcd(m.kv_heads, ulysses))
+    return 2 * (m.window - 1) * 2 * kv * (b + 4)
+
+
+def window_comm_bytes(m: ModelShape, b: int, tokens: int, cp: int, ulysses: int = 1) -> dict[str, float]:
+    """Bytes one rank sends per windowed layer for one forward and one backward (as
+    ``attention_comm_bytes``; ``m.window`` keys before each query, ``W``).
+
+    When ``W - 1`` fits in a zigzag chunk (``N / 2R`` tokens, ``window_border``) each of the rank's
+    two chunks gets the ``W - 1`` keys and values before it from the rank that holds them, and their
+    float32 dK/dV go back in backward: ``O(W)``, flat in ``N``. A longer window turns the ring only as
+    far as it reaches: a query chunk needs the ``c = ceil((W - 1) / chunk)`` chunks before it, which
+    zigzag places ``1..c`` and ``R - 1 .. R - c`` ring steps away, so ``min(R - 1, 2c)`` of the full
+    ring's ``R - 1`` hops. The Ulysses all-to-alls are those of a full layer.
+    """
+    full = attention_comm_bytes(m, b, tokens, cp, ulysses)
+    ring = cp // ulysses
+    if ring == 1 or not m.window:
+        return full
+    kv = 2 * m.kv_heads * (ulysses // math.gcd(m.kv_heads, ulysses)) / ulysses * m.head_dim
+    chunk = tokens // (2 * ring)
+    if window_border(m, tokens, cp, ulysses):
+        fwd = 2 * (m.window - 1) * kv * b
+        bwd = 2 * (m.window - 1) * kv * 4  # dK/dV of the border, float32
+    else:
+        share = min(ring - 1, 2 * -(-(m.window - 1) // chunk)) / (ring - 1)
+        fwd, bwd = full["ring_forward"] * share, full["ring_backward"] * share
+    return {
+        "ring_forward": fwd,
+        "ring_backward": bwd,
+        "all_to_all_forward": full["all_to_all_forward"],
+        "all_to_all_backward": full["all_to_all_backward"],
+        "total": fwd + bwd + full["all_to_all_forward"] + full["all_to_all_backward"],
     }

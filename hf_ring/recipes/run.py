@@ -93,7 +93,7 @@ def run(recipe: Recipe) -> dict[str, Any]:
     longest = max([s["seq_len"] for s in stages_of(recipe.data)] + [(recipe.data.get("eval") or {}).get("seq_len", 0)])
     check_ring_model(config, recipe.model.get("attn_implementation", "ring"), args.cp_size, longest)
     tokenizer = _tokenizer(recipe) if recipe.data.get("task") != "passkey" else None
-    train = build_train_dataset(recipe, world // args.cp_size, tokenizer, config.vocab_size)
+    train = build_train_dataset(recipe, world // args.cp_size, tokenizer, config.get_text_config().vocab_size)
     model = build_model(recipe.model, recipe.lora, args.seed, recipe.path)
     trainer = RingTrainer(
         model=model, args=args, train_dataset=train, data_collator=collate, processing_class=tokenizer
@@ -101,13 +101,16 @@ def run(recipe: Recipe) -> dict[str, Any]:
     summary: dict[str, Any] = {"cp_size": trainer.cp_size, "dp_size": trainer.dp_size}
     resume = _resume(trainer)
     evaluation = recipe.data.get("eval")
+    eval_seed = (evaluation or {}).get("seed", args.seed)  # held-out samples: data.eval.seed, else the run's seed
+    if evaluation:
+        summary["eval"] = {**evaluation, "seed": eval_seed}
     if evaluation and resume is None:
-        summary["accuracy_before"] = passkey_accuracy(trainer, evaluation["seq_len"], evaluation["samples"], args.seed)
+        summary["accuracy_before"] = passkey_accuracy(trainer, evaluation["seq_len"], evaluation["samples"], eval_seed)
         if trainer.is_world_process_zero():
             print(json.dumps({"passkey_accuracy_before": summary["accuracy_before"], **evaluation}), flush=True)
     result = trainer.train(resume_from_checkpoint=resume)
     if evaluation:
-        summary["accuracy_after"] = passkey_accuracy(trainer, evaluation["seq_len"], evaluation["samples"], args.seed)
+        summary["accuracy_after"] = passkey_accuracy(trainer, evaluation["seq_len"], evaluation["samples"], eval_seed)
     out = Path(args.output_dir)
     trainer.save_model(str(out / "final"), merged=args.save_merged_model)
     history = [h for h in trainer.state.log_history if "loss" in h]

@@ -229,8 +229,12 @@ def resolve_data(section: Any) -> dict[str, Any]:
             raise ValueError(f"data.{key}: a string, not {data[key]!r}")
     ev = data.get("eval")
     if ev is not None:
-        if not isinstance(ev, dict) or set(ev) != {"seq_len", "samples"}:
-            raise ValueError(f"data.eval: {{seq_len, samples}} (passkey retrieval before and after), not {ev!r}")
+        if not isinstance(ev, dict) or not {"seq_len", "samples"} <= set(ev) <= {"seq_len", "samples", "seed"}:
+            raise ValueError(
+                f"data.eval: {{seq_len, samples[, seed]}} (passkey retrieval before and after), not {ev!r}"
+            )
         data["eval"] = {"seq_len": positive_int(ev["seq_len"], "data.eval.seq_len", 2),
                         "samples": positive_int(ev["samples"], "data.eval.samples")}  # fmt: skip
+        if ev.get("seed") is not None:  # the held-out samples, fixed whatever the run's seed (default: it)
+            data["eval"]["seed"] = positive_int(ev["seed"], "data.eval.seed", 0)
     return data

@@ -6,6 +6,8 @@
 - ``context``: ``RingContext``, the per-batch object that carries everything above;
 - ``patches``: opt-in model changes (chunked loss, tiled MLP, activation checkpointing + offload);
 - ``mixers``: the token mixers of hybrid models routed through their context-parallel forms;
+- ``router``: the MoE router load-balancing loss of a sharded batch, over the CP group;
+- ``temperature``: Llama 4's NoPE query temperature from global positions;
 - ``support``: what ring attention computes exactly, and ``RingNotSupported`` for the rest.
 """
 
@@ -23,7 +25,8 @@ def register() -> None:
     Registers the attention function and the mask function under "ring", and wraps the causal-LM
     loss so that batches from ``shard_batch`` (which carry a ``ring_context``) get their loss summed
     over the CP group; every other call of that loss is unchanged. Routes the token mixers of hybrid
-    models (``mixers.FAMILIES``) through their context-parallel forms for calls that carry a
+    models (``mixers.FAMILIES``) through their context-parallel forms, and the MoE router
+    load-balancing loss (``router.install``) over the CP group, for calls that carry a
     ``ring_context``. Runs at ``import hf_ring``.
     """
     from transformers import AttentionInterface
@@ -33,12 +36,14 @@ def register() -> None:
     from .attention import ring_attention_forward, ring_mask
     from .loss import wrap_causal_lm_loss
     from .mixers import install
+    from .router import install as install_router
     from .support import refuse_at_build
 
     AttentionInterface.register(NAME, ring_attention_forward)
     AttentionMaskInterface.register(NAME, ring_mask)
     refuse_at_build(NAME)
     install()
+    install_router()
     _wrap_causal_lm_loss(LOSS_MAPPING, wrap_causal_lm_loss)
 
 

@@ -34,6 +34,7 @@ from ..ops.windows import MaskPlan, mask_plan, masked_attention
 from ..parallel import context_parallel_state, default_group
 from .context import RingContext
 from .support import RingMaskUsed, RingNotSupported, check_layer
+from .temperature import global_temperature
 
 _MASK_USED = (
     'attn_implementation="ring": this model uses the attention mask itself, outside transformers\' '
@@ -121,9 +122,6 @@ def _local_mask(window: int | None, chunk: int | None, local_size: int, unknown:
 
 
 _UNSUPPORTED = {
-    "softcap": "attention logit soft-capping",
-    "s_aux": "attention sinks",
-    "sinks": "attention sinks",
     "position_bias": "additive position bias",
     "cu_seq_lens_q": "packed sequences (cu_seq_lens)",
     "cu_seq_lens_k": "packed sequences (cu_seq_lens)",
@@ -152,7 +150,9 @@ def ring_attention_forward(
     hybrid layout and the call runs ``ulysses_attention``, which needs ``U`` to divide ``Hq``
     (``ValueError`` otherwise). Under autocast, q/k/v are cast to the autocast dtype, as SDPA's are. A value head dim
     that differs from the query/key one (multi-head latent attention) is zero-padded, which leaves
-    scores and outputs unchanged.
+    scores and outputs unchanged. ``softcap`` (Gemma 2) caps the scores in every block kernel call;
+    attention sinks (``s_aux [Hq]`` of GPT-OSS, MiMo-V2-Flash, Granite SWA; per-token ``sinks
+    [B, Hq, S_local, 1]``) join each row's softmax after the ring's merge (``ring_attention``).
     """
     for name, what in _UNSUPPORTED.items():
         if kwargs.get(name) is not None:
@@ -188,6 +188,8 @@ def ring_attention_forward(
     n_global = query.shape[2] * size
     mask = attention_mask if isinstance(attention_mask, RingMask) else None
     check_layer(module, kwargs, n_global, labelled, size, given, ring_context is not None, mask=mask)
+    if ring_context is not None:  # Llama 4's NoPE temperature from global positions
+        query = global_temperature(module, query, ring_context)
     device = query.device.type
     if torch.is_autocast_enabled(device):  # as SDPA under autocast: all three in the autocast dtype
         dtype = torch.get_autocast_dtype(device)
@@ -200,6 +202,7 @@ def ring_attention_forward(
         query, key, value = (F.pad(t, (0, d - t.shape[-1])) for t in (query, key, value))
     causal = module.is_causal if is_causal is None else is_causal
     plan = _mask_plan(mask, n_global, causal, ring_context, query.shape[0], query.shape[2], size)
+    softcap, sinks = kwargs.get("softcap"), _sinks(kwargs, query.shape[1], query.shape[2])
     if ring_context is not None and not _in_backward():
         ring_context.attention_calls += 1  # forward calls only: a checkpoint recompute does not count
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)  # (B, S, H, D)
@@ -207,12 +210,15 @@ def ring_attention_forward(
         if ulysses is not None:
             out = ulysses_attention(
                 q, k, v, ulysses_group=ulysses[0], ring_group=ulysses[1], causal=causal, softmax_scale=scaling,
-                schedule=schedule if plan is None else None, mask=plan,
+                schedule=schedule if plan is None else None, mask=plan, softcap=softcap, sinks=sinks,
             )  # fmt: skip
         elif plan is not None:
-            out = masked_attention(q, k, v, plan, group=group, softmax_scale=scaling)
+            out = masked_attention(q, k, v, plan, group=group, softmax_scale=scaling, softcap=softcap, sinks=sinks)
         else:
-            out = ring_attention(q, k, v, group=group, causal=causal, softmax_scale=scaling, schedule=schedule)
+            out = ring_attention(
+                q, k, v, group=group, causal=causal, softmax_scale=scaling, schedule=schedule, softcap=softcap,
+                sinks=sinks,
+            )  # fmt: skip
     return (out[..., :d_v] if d_v != d_qk else out), None
 
 
@@ -241,6 +247,24 @@ def _mask_plan(
     return ctx.cached(
         ("mask", window, chunk, batch),
         lambda: mask_plan(ctx.layout, batch, ring_pos, window=window, chunk=chunk),
+    )
+
+
+def _sinks(kwargs: dict[str, Any], heads: int, rows: int) -> Tensor | None:
+    """The attention sinks a model passes, as ``ring_attention`` takes them: ``s_aux``/``sinks [Hq]``
+    (one logit per head) as given; per-token ``sinks [B, Hq, S, 1]`` (Inkling 2) as ``[B, S, Hq]``."""
+    sinks = kwargs.get("s_aux")
+    if sinks is None:
+        sinks = kwargs.get("sinks")
+    if sinks is None:
+        return None
+    if isinstance(sinks, Tensor) and sinks.shape == (heads,):
+        return sinks
+    if isinstance(sinks, Tensor) and sinks.dim() == 4 and sinks.shape[1:] == (heads, rows, 1):
+        return sinks.squeeze(-1).transpose(1, 2)
+    raise RingNotSupported(
+        f'attn_implementation="ring" takes attention sinks of one logit per head [{heads}] or per token '
+        f"[B, {heads}, {rows}, 1]; got {getattr(sinks, 'shape', type(sinks).__name__)}."
     )
 
 

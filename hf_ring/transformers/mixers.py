@@ -13,23 +13,33 @@ call module-level kernel functions of their modeling module (``causal_conv1d_fn`
 - every other call goes to the original, unchanged.
 
 Adding a family is one entry: its modeling module, the function names with their route
-(``ROUTES``: ``"conv"``, ``"delta"``, ...), and the mixer classes the routes make exact (what
-``support.check_layer`` stops refusing). Rebinding is idempotent; ``original(module, name)`` gives
-back what transformers had. Every rebinding is listed in docs/architecture.md.
+(``ROUTES``: ``"conv"``, ``"delta"``, ``"ssd"``, ``"selective"``, ``"unfused"``), the mixer classes
+the routes make exact (what ``support.check_layer`` stops refusing), and ``adapters`` for mixers
+that call a kernel without their ``**kwargs`` (``carry_context``) or compute inline
+(``lightning_forward``, ``recurrent_block_forward``, ``rnn_scan_method``). Rebinding is idempotent;
+``original(module, name)`` gives back what transformers had. Every rebinding is listed in docs/architecture.md.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
+import math
+import sys
 from collections.abc import Callable
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from ..ops.mixers.conv import causal_conv1d, conv_plan
 from ..ops.mixers.delta import delta_plan, delta_rule
+from ..ops.mixers.diagonal import diagonal_plan, diagonal_recurrence
+from ..ops.mixers.lightning import lightning_attention
+from ..ops.mixers.selective import selective_plan, selective_scan
+from ..ops.mixers.ssd import ssd_plan, ssd_scan
 from .context import RingContext
 from .support import RingNotSupported
 
@@ -37,6 +47,32 @@ __all__ = ["FAMILIES", "ROUTES", "Family", "install", "original", "routed_classe
 
 Route = Callable[[Callable], Callable]  # the original function -> its dispatcher
 _MODELS = "transformers.models."
+
+
+# The ring_context of the layer forward running now, for kernels called without the layer's **kwargs
+# (Jamba's decoder layer calls its mixer without them; Zamba's mixer calls its scan and convolution
+# without them): set by ``carry_context`` (a Family adapter).
+_ACTIVE: ContextVar[RingContext | None] = ContextVar("hf_ring_mixer_context", default=None)
+
+
+def _context(kwargs: dict[str, Any]) -> RingContext | None:
+    ctx = kwargs.get("ring_context")
+    return ctx if ctx is not None else _ACTIVE.get()
+
+
+def carry_context(forward: Callable) -> Callable:
+    """A mixer's ``forward`` that makes its ``ring_context`` keyword visible to the routed kernels it
+    calls without their ``**kwargs``, for the duration of the call (also when checkpointing reruns it)."""
+
+    @functools.wraps(forward)
+    def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
+        token = _ACTIVE.set(kwargs.get("ring_context"))
+        try:
+            return forward(self, *args, **kwargs)
+        finally:
+            _ACTIVE.reset(token)
+
+    return wrapped
 
 
 def _needs_cp(ctx: RingContext | None) -> bool:
@@ -51,13 +87,22 @@ def _check_rows(ctx: RingContext, rows: int, what: str) -> None:
         )
 
 
+def _no_cache(fn: Callable, has_cache: bool) -> None:
+    if has_cache:
+        raise RingNotSupported(
+            f"{fn.__name__} under context parallelism runs the whole sharded sequence from a zero state; "
+            "a cache (initial or final recurrent state) is not supported. Pass use_cache=False "
+            "(shard_batch does) and generate without context parallelism."
+        )
+
+
 def conv_route(fn: Callable) -> Callable:
     """``causal_conv1d_fn(x [B, C, S], weight [C, K], bias, activation=None, **kwargs)``."""
 
     @functools.wraps(fn)
     def causal_conv1d_fn(hidden_states: Tensor, weight: Tensor, bias: Tensor | None = None,
                          activation: str | None = None, **kwargs: Any) -> Tensor:  # fmt: skip
-        ctx = kwargs.get("ring_context")
+        ctx = _context(kwargs)
         if not _needs_cp(ctx):
             return fn(hidden_states, weight, bias, activation=activation, **kwargs)
         _check_rows(ctx, hidden_states.shape[-1], "causal_conv1d_fn")
@@ -86,12 +131,7 @@ def delta_route(fn: Callable) -> Callable:
             return fn(query, key, value, g=g, beta=beta, chunk_size=chunk_size, initial_state=initial_state,
                       output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
                       **kwargs)  # fmt: skip
-        if initial_state is not None or output_final_state:
-            raise RingNotSupported(
-                f"{fn.__name__} under context parallelism runs the whole sharded sequence from a zero state; "
-                "a cache (initial or final recurrent state) is not supported. Pass use_cache=False "
-                "(shard_batch does) and generate without context parallelism."
-            )
+        _no_cache(fn, initial_state is not None or output_final_state)
         _check_rows(ctx, query.shape[1], fn.__name__)
         b = query.shape[0]
         plan = ctx.cached(("delta", b), lambda: delta_plan(ctx.layout, b, ctx.rank))
@@ -106,7 +146,162 @@ def delta_route(fn: Callable) -> Callable:
     return rule
 
 
-ROUTES: dict[str, Route] = {"conv": conv_route, "delta": delta_route}
+def ssd_route(fn: Callable) -> Callable:
+    """``mamba2_chunk_scan(x, dt, A, B, C, chunk_size, D=None, dt_bias=None, initial_states=None,
+    dt_softplus=False, dt_limit=(0, inf), return_final_states=False, **kwargs)``: transformers' SSD
+    chunk scan of the Mamba2 mixers, or mamba-ssm's ``mamba_chunk_scan_combined``."""
+
+    @functools.wraps(fn)
+    def scan(hidden_states: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, chunk_size: int,
+             D: Tensor | None = None, dt_bias: Tensor | None = None, initial_states: Tensor | None = None,
+             dt_softplus: bool = False, dt_limit: tuple[float, float] = (0.0, math.inf),
+             return_final_states: bool = False, **kwargs: Any) -> Any:  # fmt: skip
+        ctx = kwargs.get("ring_context")
+        if not _needs_cp(ctx):
+            return fn(hidden_states, dt, A, B, C, chunk_size=chunk_size, D=D, dt_bias=dt_bias,
+                      initial_states=initial_states, dt_softplus=dt_softplus, dt_limit=dt_limit,
+                      return_final_states=return_final_states, **kwargs)  # fmt: skip
+        _no_cache(fn, initial_states is not None or return_final_states)
+        if kwargs.get("z") is not None:
+            raise RingNotSupported(
+                f"{fn.__name__} with a gate z inside the scan is not supported under context parallelism "
+                "(the transformers mixers gate in their norm); run this model without context parallelism."
+            )
+        _check_rows(ctx, hidden_states.shape[1], fn.__name__)
+        b = hidden_states.shape[0]
+        plan = ctx.cached(("ssd", b), lambda: ssd_plan(ctx.layout, b, ctx.rank))
+
+        def local(x: Tensor, dt_: Tensor, a: Tensor, b_: Tensor, c: Tensor, chunk: int, **kw: Any) -> Any:
+            return fn(x, dt_, a, b_, c, chunk_size=chunk, **kw)
+
+        return ssd_scan(local, hidden_states, dt, A, B, C, plan, ctx.group, chunk_size=chunk_size, D=D,
+                        dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit)  # fmt: skip
+
+    return scan
+
+
+def selective_route(fn: Callable) -> Callable:
+    """``mamba_selective_scan(u, dt, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
+    return_last_state=False, **kwargs)``: transformers' selective scan of the Mamba mixers, or
+    mamba-ssm's ``selective_scan_fn``."""
+
+    @functools.wraps(fn)
+    def scan(hidden_states: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor | None = None,
+             z: Tensor | None = None, delta_bias: Tensor | None = None, delta_softplus: bool = False,
+             return_last_state: bool = False, **kwargs: Any) -> Any:  # fmt: skip
+        ctx = _context(kwargs)
+        if not _needs_cp(ctx):
+            return fn(hidden_states, dt, A, B, C, D=D, z=z, delta_bias=delta_bias, delta_softplus=delta_softplus,
+                      return_last_state=return_last_state, **kwargs)  # fmt: skip
+        _no_cache(fn, return_last_state)
+        _check_rows(ctx, hidden_states.shape[-1], fn.__name__)
+        b = hidden_states.shape[0]
+        plan = ctx.cached(("selective", b), lambda: selective_plan(ctx.layout, b, ctx.rank))
+        options = {k: v for k, v in kwargs.items() if k in ("use_mambapy", "use_associative_scan")}
+
+        def local(u: Tensor, dt_: Tensor, a: Tensor, b_: Tensor, c: Tensor, **kw: Any) -> Any:
+            return fn(u, dt_, a, b_, c, **kw)
+
+        return selective_scan(local, hidden_states, dt, A, B, C, plan, ctx.group, D=D, z=z, delta_bias=delta_bias,
+                              delta_softplus=delta_softplus, **options)  # fmt: skip
+
+    return scan
+
+
+def unfused_route(fn: Callable) -> Callable:
+    """A fused kernel of a whole mixer (mamba-ssm's ``mamba_split_conv1d_scan_combined``): under a
+    ``ring_context`` it returns ``None``, which makes the mixer take its unfused path (convolution
+    and scan, each routed); every other call goes to the kernel."""
+
+    @functools.wraps(fn)
+    def fused(*args: Any, **kwargs: Any) -> Any:
+        if _needs_cp(kwargs.get("ring_context")):
+            return None
+        return fn(*args, **kwargs)
+
+    return fused
+
+
+def lightning_forward(forward: Callable) -> Callable:
+    """``MiniMaxLightningAttention.forward`` (its recurrence is inline, no kernel function to route):
+    with a ``ring_context`` the same projections, norm and gate around ``ops.mixers.lightning``;
+    every other call goes to the original."""
+
+    @functools.wraps(forward)
+    def wrapped(self: Any, hidden_states: Tensor, *args: Any, **kwargs: Any) -> Any:
+        ctx = kwargs.get("ring_context")
+        if not _needs_cp(ctx):
+            return forward(self, hidden_states, *args, **kwargs)
+        _no_cache(forward, kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None)
+        b, s, _ = hidden_states.shape
+        _check_rows(ctx, s, type(self).__name__)
+        h, d = self.num_attention_heads, self.head_dim
+        qkv = self.act_fn(self.qkv_proj(hidden_states))
+        mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
+        if mask is not None:
+            qkv = sys.modules[type(self).__module__].apply_mask_to_padding_states(qkv, mask)
+        q, k, v = qkv.view(b, s, h, 3 * d).split(d, dim=3)
+        plan = ctx.cached(("ssd", b), lambda: ssd_plan(ctx.layout, b, ctx.rank))
+        out = lightning_attention(q, k, v, self.slope_rate.reshape(h), plan, ctx.group, block_size=self.block_size)
+        out = self.norm(out.reshape(b, s, h * d))
+        out = self.out_proj(torch.sigmoid(self.output_gate(hidden_states)) * out)
+        return out, None
+
+    return wrapped
+
+
+def recurrent_block_forward(forward: Callable) -> Callable:
+    """``RecurrentGemmaRecurrentBlock.forward`` (its convolution is an ``nn.Conv1d`` called inline):
+    with a ``ring_context`` the same branches around ``ops.mixers.conv.causal_conv1d`` and the RG-LRU,
+    whose scan (``rnn_scan_method``) sees the context; no cache. Every other call: the original."""
+
+    @functools.wraps(forward)
+    def wrapped(self: Any, input_states: Tensor, *args: Any, **kwargs: Any) -> Any:
+        ctx = kwargs.get("ring_context")
+        if not _needs_cp(ctx):
+            return forward(self, input_states, *args, **kwargs)
+        position_ids = kwargs["position_ids"] if "position_ids" in kwargs else args[0]
+        b, s, _ = input_states.shape
+        _check_rows(ctx, s, type(self).__name__)
+        self.conv1d_state, self.rg_lru.recurrent_states = None, None  # no cache under context parallelism
+        y = self.act_fn(self.linear_y(input_states))
+        x = self.linear_x(input_states).transpose(1, 2)
+        weight = self.conv_1d.weight[:, 0]
+        width = weight.shape[-1] - 1
+        plan = ctx.cached(("conv", b, width), lambda: conv_plan(ctx.layout, b, ctx.rank, width))
+        x = causal_conv1d(x, weight, self.conv_1d.bias, None, plan, ctx.group)
+        token = _ACTIVE.set(ctx)
+        try:
+            x = self.rg_lru(x.transpose(1, 2), position_ids)
+        finally:
+            _ACTIVE.reset(token)
+            self.rg_lru.recurrent_states = None
+        return self.linear_out(x * y), None
+
+    return wrapped
+
+
+def rnn_scan_method(scan: Callable) -> Callable:
+    """``RecurrentGemmaRglru._rnn_scan(hidden_states, recurrent_gate, reset, recurrent_states,
+    acc_dtype)``: under the block's ``ring_context``, ``ops.mixers.diagonal`` over the CP group."""
+
+    @functools.wraps(scan)
+    def wrapped(self: Any, hidden_states: Tensor, recurrent_gate: Tensor, reset: Tensor,
+                recurrent_states: Tensor | None = None, acc_dtype: torch.dtype = torch.float32) -> Any:  # fmt: skip
+        ctx = _ACTIVE.get()
+        if not _needs_cp(ctx):
+            return scan(self, hidden_states, recurrent_gate, reset, recurrent_states, acc_dtype)
+        _no_cache(scan, recurrent_states is not None)
+        b = hidden_states.shape[0]
+        plan = ctx.cached(("diagonal", b), lambda: diagonal_plan(ctx.layout, b, ctx.rank))
+        out = diagonal_recurrence(recurrent_gate * ~reset, hidden_states, plan, ctx.group)
+        return out.to(hidden_states.dtype), None
+
+    return wrapped
+
+
+ROUTES: dict[str, Route] = {"conv": conv_route, "delta": delta_route, "ssd": ssd_route, "selective": selective_route,
+                             "unfused": unfused_route}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -116,12 +311,14 @@ class Family:
 
     functions: dict[str, str]
     classes: tuple[str, ...]
-    adapters: dict[str, Callable] = field(default_factory=dict)  # class name -> forward adapter
+    adapters: dict[str, Callable] = field(default_factory=dict)  # "Class" or "Class.method" -> adapter
 
 
 _GDN = {"causal_conv1d_fn": "conv", "torch_chunk_gated_delta_rule": "delta"}
 _KDA = {"causal_conv1d_fn": "conv", "chunk_kimi_delta_attention": "delta"}
 _CONV = {"causal_conv1d_fn": "conv"}
+_MAMBA = {"causal_conv1d_fn": "conv", "mamba_selective_scan": "selective"}
+_SSD = {"causal_conv1d_fn": "conv", "mamba2_chunk_scan": "ssd", "mamba2_split_conv1d_scan_combined": "unfused"}
 
 # modeling module (under transformers.models.) -> its routes
 FAMILIES: dict[str, Family] = {
@@ -137,6 +334,24 @@ FAMILIES: dict[str, Family] = {
     "lfm2.modeling_lfm2": Family(_CONV, ("Lfm2ShortConv",)),
     "lfm2_moe.modeling_lfm2_moe": Family(_CONV, ("Lfm2MoeShortConv",)),
     "lfm3.modeling_lfm3": Family(_CONV, ("Lfm3ShortConv",)),
+    "nemotron_h.modeling_nemotron_h": Family(_SSD, ("NemotronHMamba2Mixer",)),
+    "granitemoehybrid.modeling_granitemoehybrid": Family(_SSD, ("GraniteMoeHybridMambaLayer",)),
+    "bamba.modeling_bamba": Family(_SSD, ("BambaMixer",)),
+    "falcon_h1.modeling_falcon_h1": Family(_SSD, ("FalconH1Mixer",)),
+    "zamba2.modeling_zamba2": Family(_SSD, ("Zamba2MambaMixer", "Zamba2MambaDecoderLayer")),
+    "minimax.modeling_minimax": Family(
+        {}, ("MiniMaxLightningAttention",), {"MiniMaxLightningAttention": lightning_forward}
+    ),
+    "recurrent_gemma.modeling_recurrent_gemma": Family(
+        {}, ("RecurrentGemmaRecurrentBlock", "RecurrentGemmaRglru"),
+        {"RecurrentGemmaRecurrentBlock": recurrent_block_forward, "RecurrentGemmaRglru._rnn_scan": rnn_scan_method},
+    ),
+    "jamba.modeling_jamba": Family(
+        _MAMBA, ("JambaMambaMixer", "JambaMambaDecoderLayer"), {"JambaMambaDecoderLayer": carry_context}
+    ),
+    "zamba.modeling_zamba": Family(
+        _MAMBA, ("ZambaMambaMixer", "ZambaMambaDecoderLayer"), {"ZambaMambaMixer": carry_context}
+    ),
 }
 
 
@@ -170,10 +385,12 @@ def install() -> list[str]:
                 dispatcher.hf_ring_original = fn  # type: ignore[attr-defined]
                 setattr(module, name, dispatcher)
             done.append(f"{short}.{name}")
-        for cls_name, adapter in family.adapters.items():
+        for target, adapter in family.adapters.items():
+            cls_name, _, method = target.partition(".")
             cls = getattr(module, cls_name, None)
-            if cls is not None and not hasattr(cls.forward, "hf_ring_original"):
-                forward = adapter(cls.forward)
-                forward.hf_ring_original = cls.forward
-                cls.forward = forward
+            fn = getattr(cls, method or "forward", None)
+            if fn is not None and not hasattr(fn, "hf_ring_original"):
+                wrapped = adapter(fn)
+                wrapped.hf_ring_original = fn
+                setattr(cls, method or "forward", wrapped)
     return done

@@ -11,12 +11,13 @@ raises ``RingNotSupported`` -- naming the model, the reason and the alternative 
   contiguous sequence; routed ones need the batch's ``ring_context``;
 - restrictions that live only in the model, or in a mask the ring cannot read (a sliding window or
   chunked attention that the model's own mask does not state -- the ring computes the ones
-  transformers' mask functions apply, ``_check_mask`` --; Llama 4's NoPE temperature tuning, which
-  reads local positions);
-- the MoE router's auxiliary loss with a nonzero coefficient: transformers adds it after the
-  causal-LM loss, from this rank's router logits only;
-- dropout, soft-capping, sinks, additive bias, KV-cache decoding, dynamic RoPE; a window on a
-  non-causal layer.
+  transformers' mask functions apply, ``_check_mask`` --; Llama 4's NoPE temperature tuning on a
+  shard made by hand -- with the batch's ``ring_context`` it is computed from global positions,
+  ``temperature.py``);
+- the MoE router's auxiliary loss with a nonzero coefficient in models whose loss ``router.py``
+  does not compute over the CP group, or on a shard made by hand (no ``ring_context``);
+- dropout, additive bias, KV-cache decoding, dynamic RoPE; a window on a non-causal layer (logit
+  soft-capping and attention sinks are computed exactly inside the ring, windowed layers included).
 
 ``check_layer`` also refuses, at CP > 1, causal LMs that compute their loss themselves (hf_ring sums
 the loss over the CP group through transformers' loss registry), and RoBERTa-style models that
@@ -230,6 +231,27 @@ def _check_mixers(name: str, modeling_module: str, mixers: tuple[str, ...], cont
         )
 
 
+def _check_router_loss(name: str, modeling_module: str, coef: float, context: bool) -> None:
+    """The router load-balancing loss is exact over the CP group where ``router.install`` routed it
+    and the call carries the batch's ``ring_context``; refused otherwise."""
+    from .router import routed  # the route imports this module
+
+    if not routed(modeling_module):
+        raise RingNotSupported(
+            f'attn_implementation="ring": {name} adds the router load-balancing loss '
+            f"(coefficient {coef}) after the language-model loss, computed from this rank's "
+            "router logits only, so each rank would train on a different loss, and hf_ring has no "
+            "context-parallel form of this model's loss. Set config.output_router_logits = False "
+            "(or router_aux_loss_coef = 0) for context-parallel training."
+        )
+    if not context:
+        raise RingNotSupported(
+            f'attn_implementation="ring": {name} adds the router load-balancing loss (coefficient {coef}), '
+            "which hf_ring sums over the CP group from the batch's layout; this call has no ring_context. "
+            "Pass the full batch through hf_ring.shard_batch (RingTrainer does)."
+        )
+
+
 def check_layer(
     module: nn.Module,
     kwargs: dict[str, Any],
@@ -275,23 +297,21 @@ def check_layer(
     floor = getattr(config, "floor_scale", None)
     if (
         getattr(config, "attn_temperature_tuning", False)
-        and getattr(module, "use_rope", True) is False
+        and not getattr(module, "use_rope", True)  # transformers sets it from no_rope_layers[i]: 0 or 1
         and isinstance(floor, (int, float))
         and n_global > floor
+        and cp_size > 1
+        and not context
     ):
         raise RingNotSupported(
             f'attn_implementation="ring": {name} scales the queries of its NoPE layers by a temperature '
-            f"computed from local positions, which differ from the global ones beyond {int(floor)} tokens. "
-            "Set config.attn_temperature_tuning = False, or keep sequences within floor_scale tokens."
+            f"of their positions, which beyond {int(floor)} tokens hf_ring takes from the batch's layout; "
+            "this call has no ring_context. Pass the full batch through hf_ring.shard_batch (RingTrainer "
+            "does), or set config.attn_temperature_tuning = False."
         )
     coef = router_loss_coefficient(config)
-    if kwargs.get("output_router_logits") and coef and labelled and cp_size > 1:
-        raise RingNotSupported(
-            f'attn_implementation="ring": {name} adds the router load-balancing loss '
-            f"(coefficient {coef}) after the language-model loss, computed from this rank's "
-            "router logits only, so each rank would train on a different loss. Set "
-            "config.output_router_logits = False (or router_aux_loss_coef = 0) for context-parallel training."
-        )
+    if kwargs.get("output_router_logits") and coef and (labelled or not context) and cp_size > 1:
+        _check_router_loss(name, type(module).__module__, coef, context)
     rope = getattr(config, "rope_parameters", None) or {}
     if isinstance(rope, dict) and rope.get("rope_type") in ("dynamic", "longrope"):
         raise RingNotSupported(

@@ -21,7 +21,6 @@ torch; the group is passed in.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -29,7 +28,8 @@ from torch import Tensor
 
 from ..exchange import tie
 from ..layout import ShardLayout
-from ..state_passing import StatePlan, apply_matrix, incoming_states, state_plan
+from ..state_passing import apply_matrix, incoming_states
+from .runs import RunPlan, run_plan, stack_runs, unstack_runs
 
 __all__ = ["DeltaPlan", "delta_plan", "delta_rule"]
 
@@ -38,62 +38,13 @@ Rule = Callable[..., tuple[Tensor, Tensor | None]]
 #      output_final_state=True, **options) -> (out [N, L, Hv, Dv], final state [N, Hv, Dk, Dv])
 
 
-@dataclass(frozen=True, eq=False)
-class DeltaPlan:
-    """One rank's runs stacked for the rule (made once per batch from the layout).
-
-    ``state``: the state exchange (``StatePlan``); ``length``: the rule's sequence length (the
-    longest run); ``index``: ``[R, length]`` flat local rows (``b * S_local + t``) of each run,
-    ``B * S_local`` (a zero row) past its end; ``reshape``: the runs tile the local rows in order
-    with one length, so ``[B, S_local] -> [R, length]`` is a view (no gather, no scatter);
-    ``cont``: the runs that do not begin their document (they get an identity call).
-    """
-
-    state: StatePlan
-    layout: ShardLayout
-    rank: int
-    batch: int
-    local: int
-    length: int
-    index: Tensor
-    reshape: bool
-    cont: Tensor
+DeltaPlan = RunPlan
 
 
-def delta_plan(layout: ShardLayout, batch: int, rank: int) -> DeltaPlan:
-    """The plan of ``delta_rule`` on CP rank ``rank`` for a batch of ``batch`` rows."""
-    plan = state_plan(layout, batch, rank)
-    runs = plan.runs
-    length = max((r.length for r in runs), default=1)
-    pad = batch * layout.local
-    index = torch.full((max(len(runs), 1), length), pad, dtype=torch.long)
-    for i, run in enumerate(runs):
-        index[i, : run.length] = torch.arange(run.length) + run.row * layout.local + run.local
-    tiles = len(runs) * length == pad and all(
-        r.length == length and r.row * layout.local + r.local == i * length for i, r in enumerate(runs)
-    )
-    cont = torch.tensor([i for i, first in enumerate(plan.first) if not first], dtype=torch.long)
-    return DeltaPlan(plan, layout, rank, batch, layout.local, length, index, tiles, cont)
-
-
-def _stack(x: Tensor, plan: DeltaPlan) -> Tensor:
-    """``[B, S_local, *F]`` -> ``[R, length, *F]`` (zeros past each run's end)."""
-    flat = x.reshape(plan.batch * plan.local, *x.shape[2:])
-    if plan.reshape:
-        return flat.view(-1, plan.length, *x.shape[2:])
-    flat = torch.cat((flat, flat.new_zeros((1, *x.shape[2:]))))
-    return flat[plan.index.to(x.device)]
-
-
-def _unstack(y: Tensor, plan: DeltaPlan) -> Tensor:
-    """``[R, length, *F]`` -> ``[B, S_local, *F]`` (zeros on padding rows)."""
-    feat = y.shape[2:]
-    if plan.reshape:
-        return y.reshape(plan.batch, plan.local, *feat)
-    rows = plan.batch * plan.local
-    out = y.new_zeros((rows + 1, *feat))
-    out = out.index_put((plan.index.to(y.device).reshape(-1),), y.reshape(-1, *feat), accumulate=True)
-    return out[:rows].view(plan.batch, plan.local, *feat)
+def delta_plan(layout: ShardLayout, batch: int, rank: int) -> RunPlan:
+    """The plan of ``delta_rule`` on CP rank ``rank`` for a batch of ``batch`` rows (runs padded
+    after their end: zero rows with ``g = beta = 0`` leave the state alone)."""
+    return run_plan(layout, batch, rank)
 
 
 def delta_rule(
@@ -103,7 +54,7 @@ def delta_rule(
     v: Tensor,
     g: Tensor,
     beta: Tensor,
-    plan: DeltaPlan,
+    plan: RunPlan,
     group: dist.ProcessGroup | None,
     **options,
 ) -> Tensor:
@@ -123,7 +74,7 @@ def delta_rule(
     (one all-gather forward, one all-reduce backward).
     """
     hv, dk = v.shape[2], q.shape[3]
-    qs, ks, vs, gs, bs = (_stack(t, plan) for t in (q, k, v, g, beta))
+    qs, ks, vs, gs, bs = (stack_runs(t, plan) for t in (q, k, v, g, beta))
     out, ext = rule(qs, ks, vs, gs, bs, initial_state=None, output_final_state=True, **options)
     cont = plan.cont.to(q.device)
     maps: list[Tensor | None] = [None] * len(plan.state.runs)
@@ -156,4 +107,4 @@ def delta_rule(
             qm = q_map.index_select(0, torch.tensor(picks, dtype=torch.long, device=q.device))  # [F, L, Hv, Dk]
             extra = torch.einsum("flhk,fhkv->flhv", qm.to(s_in.dtype), s_in)
             out = out.index_add(0, rows, extra.to(out.dtype))
-    return _unstack(out, plan)
+    return unstack_runs(out, plan)

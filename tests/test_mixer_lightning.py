@@ -1,0 +1,89 @@
+"""The context-parallel lightning attention of MiniMax (``ops.mixers.lightning``) against a float64
+oracle that runs the recurrence ``S = lambda S + k^T v``, ``o = q S`` over each document of the
+unsharded batch alone: outputs and the gradients of q, k and v, P = 1..4, Ulysses pieces, packed
+documents of 1, 2 and more tokens crossing chunk and rank boundaries, rows not a multiple of 2P,
+blocks shorter and longer than a run; bf16 within 2x of one process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from hf_ring.ops.mixers.lightning import lightning_attention
+from hf_ring.ops.mixers.ssd import ssd_plan
+from testkit.mixers import KINDS, documents, local_rows, make_layout, real_rows
+from testkit.spawn import run_ranks
+
+H, DH = 3, 5
+NAMES = ("dq", "dk", "dv")
+
+
+def recurrence(q, k, v, slope):
+    """``[1, L, H, Dh]`` each, token by token in the inputs' dtype (float32 or wider)."""
+    dtype = torch.promote_types(q.dtype, torch.float32)
+    q, k, v = (t.to(dtype) for t in (q, k, v))
+    lam = torch.exp(-slope.to(dtype))[:, None, None]
+    s = q.new_zeros(q.shape[0], H, DH, DH)
+    outs = []
+    for t in range(q.shape[1]):
+        s = lam * s + k[:, t, :, :, None] * v[:, t, :, None, :]
+        outs.append(torch.einsum("bhk,bhkv->bhv", q[:, t], s))
+    return torch.stack(outs, 1)
+
+
+def inputs(batch: int, n: int) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(13)
+    qkv = [torch.randn(batch, n, H, DH, generator=g, dtype=torch.float64) for _ in range(3)]
+    slope = torch.tensor([0.5, 0.1, 0.02], dtype=torch.float64)
+    return qkv, slope, torch.randn(batch, n, H, DH, generator=g, dtype=torch.float64)
+
+
+def oracle(xs, slope, w, layout, dtype) -> tuple:
+    leaves = [t.detach().to(dtype).clone().requires_grad_() for t in xs]
+    out = torch.zeros_like(w)
+    for row in range(w.shape[0]):
+        for lo, hi in documents(layout, row):
+            out[row, lo:hi] = recurrence(*(t[row : row + 1, lo:hi] for t in leaves), slope)[0].to(dtype).double()
+    (out * w).sum().backward()
+    return out.detach(), [t.grad.double() for t in leaves]
+
+
+def lightning_errors(kind: str, ulysses: int, block: int, dtype: str) -> dict:
+    size, rank = dist.get_world_size(), dist.get_rank()
+    layout, batch = make_layout(kind, size, ulysses)
+    xs, slope, w = inputs(batch, layout.n)
+    want, grads = oracle(xs, slope, w, layout, torch.float64)
+    dt = getattr(torch, dtype)
+    leaves = [local_rows(t, layout, rank).to(dt).requires_grad_() for t in xs]
+    out = lightning_attention(*leaves, slope.to(dt), ssd_plan(layout, batch, rank), None, block_size=block)
+    mask = real_rows(layout, rank, batch).view(batch, -1, 1, 1)
+    (out.double() * local_rows(w, layout, rank) * mask).sum().backward()
+    err = {"out": float(((out.double() - local_rows(want, layout, rank)) * mask).abs().max())}
+    scale = {"out": float(want.abs().max())}
+    for name, leaf, ref in zip(NAMES, leaves, grads):
+        err[name] = float(((leaf.grad.double() - local_rows(ref, layout, rank)) * mask).abs().max())
+        scale[name] = float(ref.abs().max())
+    if dtype != "float64":
+        base_out, base_grads = oracle(xs, slope, w, layout, dt)
+        err["one_process_out"] = float((base_out - want).abs().max())
+        for name, g1, ref in zip(NAMES, base_grads, grads):
+            err[f"one_process_{name}"] = float((g1 - ref).abs().max())
+    return {"err": err, "scale": scale}
+
+
+CASES = [(1, 1), (2, 1), (3, 1), (4, 1), (4, 2)]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize(("world", "ulysses"), CASES)
+def test_lightning_matches_each_document_alone(world: int, ulysses: int, kind: str) -> None:
+    for r in run_ranks(world, lightning_errors, kind, ulysses, 4, "float64"):
+        assert max(r["err"].values()) < 1e-10, r
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_bf16_within_twice_one_process(world: int) -> None:
+    for r in run_ranks(world, lightning_errors, "long_and_short", 1, 16, "bfloat16"):
+        for name in ("out", *NAMES):
+            assert r["err"][name] <= 2 * r["err"][f"one_process_{name}"] + 1e-3 * r["scale"][name], (name, r)
