@@ -55,7 +55,8 @@ class BlockKernel(Protocol):
     the K/V message it sends around in that order and hands the kernel ``[B, S, H, D]`` views of it.
 
     Blocks that cross a sliding window's edge come with ``window=(left, right)`` (``band_mask``) in
-    both calls; kernels that take it: ``ReferenceKernel``, ``TorchCPUKernel``, ``FlashAttnKernel``.
+    both calls; kernels that take it have ``window = True``: ``ReferenceKernel``, ``TorchCPUKernel``,
+    ``FlashAttnKernel`` (torch's CUDA ops refuse a band).
 
     Optional: a kernel with ``softcap = True`` takes a keyword ``softcap: float`` in every method
     (``0``: none; ``> 0``: scores capped to ``softcap * tanh(scores / softcap)`` before masking, as
@@ -117,6 +118,7 @@ class ReferenceKernel:
     name = "reference"
     heads_major = False
     softcap = True  # takes softcap > 0 (the fused CPU/CUDA torch ops do not)
+    window = True  # takes window=(left, right)
 
     def __init__(self, tile_elems: int = 1 << 22) -> None:
         self.tile_elems = tile_elems
@@ -243,6 +245,7 @@ class TorchCPUKernel:
 
     name = "torch"
     softcap = False
+    window = True  # as an additive mask
     heads_major = True  # its backward reads K/V 3-5% faster from [B, H, S, D] memory (benchmarks/NOTES.md)
 
     @staticmethod
@@ -360,7 +363,9 @@ def available_backends(device: torch.device | str = "cpu") -> list[str]:
     return ["torch", "reference"]
 
 
-def get_kernel(backend: str, device: torch.device | str, dtype: torch.dtype, softcap: bool = False) -> BlockKernel:
+def get_kernel(
+    backend: str, device: torch.device | str, dtype: torch.dtype, softcap: bool = False, window: bool = False
+) -> BlockKernel:
     """The block kernel for ``backend`` (one of ``BACKENDS``) on ``device`` for ``dtype`` inputs.
 
     "auto" picks, on CUDA: flash-attn for fp16/bf16 when it imports (else torch's flash op), torch's
@@ -377,21 +382,45 @@ def get_kernel(backend: str, device: torch.device | str, dtype: torch.dtype, sof
     flash-attn on CUDA for fp16/bf16 when it imports, and the reference kernel (tiled over query rows,
     float32 math) everywhere else: torch's fused ops have no soft-capping. An explicit backend without it
     raises ``ValueError``.
+
+    ``window=True``: the kernel must take a band (``window = True`` on it: blocks across a sliding window's
+    or a chunk's edge). On CPU torch's fused op takes it; on CUDA, where torch's ops have no band, "auto"
+    picks flash-attn when it imports, and otherwise the reference kernel with one warning per process and
+    kernel it replaces (install flash-attn for a fused kernel). An explicit backend without it raises
+    ``ValueError``.
     """
     device = torch.device(device)
     capability = _cuda_capability(device) if device.type == "cuda" else None
-    if not softcap:
-        return _kernel(backend, device.type, dtype, capability)
-    if backend == "auto":
-        kernel = _kernel("auto", device.type, dtype, capability)
-        return kernel if getattr(kernel, "softcap", False) else _kernel("reference", device.type, dtype, capability)
     kernel = _kernel(backend, device.type, dtype, capability)
-    if not getattr(kernel, "softcap", False):
+    if (not softcap or getattr(kernel, "softcap", False)) and (not window or getattr(kernel, "window", False)):
+        return kernel
+    if backend == "auto":
+        if window and not getattr(kernel, "window", False):
+            _warn_no_band(kernel.name)
+        return _kernel("reference", device.type, dtype, capability)
+    if softcap and not getattr(kernel, "softcap", False):
         raise ValueError(
             f"backend={backend!r} has no attention logit soft-capping (torch's fused attention ops do not); "
             "use backend='auto', 'reference' or 'flash_attn' (CUDA, fp16/bf16) for a soft-capped model."
         )
-    return kernel
+    raise ValueError(
+        f"backend={backend!r} has no sliding-window (band) mask (torch's CUDA attention ops do not); use "
+        "backend='auto', 'reference' or 'flash_attn' (CUDA, fp16/bf16) for a model with sliding windows or "
+        "chunked attention."
+    )
+
+
+@functools.cache
+def _warn_no_band(replaced: str) -> None:
+    """Once per process and kernel: "auto" runs windowed layers on the reference kernel."""
+    warnings.warn(
+        f"backend {replaced!r} (torch's CUDA attention op) has no sliding-window (band) mask; hf_ring runs the "
+        "blocks of sliding-window and chunked layers on its reference kernel instead (float32 math tiled over "
+        "query rows: exact, slower than a fused kernel). Install flash-attn (`pip install hf-ring[flash]`) "
+        "for a fused kernel with windows.",
+        RuntimeWarning,
+        stacklevel=4,
+    )
 
 
 @functools.cache

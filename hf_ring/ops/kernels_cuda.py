@@ -65,8 +65,8 @@ def _no_band(window: tuple[int, int] | None, name: str) -> None:
     """torch's CUDA ops take no band mask here: refuse a block that crosses a sliding window's edge."""
     if window is not None:
         raise ValueError(
-            f"backend={name!r} has no sliding-window (band) mask; windowed layers on CUDA run on flash-attn "
-            "(install it with `pip install hf-ring[flash]`; backend='auto' then picks it for fp16/bf16)."
+            f"backend={name!r} has no sliding-window (band) mask; backend='auto' runs windowed layers on "
+            "flash-attn (`pip install hf-ring[flash]`) or, without it, on the reference kernel."
         )
 
 
@@ -100,6 +100,7 @@ class TorchCUDAKernel:
 
     name = "torch"
     softcap = False  # the op has no logit soft-capping
+    window = False  # nor a band mask here (_no_band)
     heads_major = False  # the op works on [B, S, H, D] memory
 
     def __init__(self, ops: Any = None) -> None:
@@ -162,6 +163,7 @@ class TorchEfficientKernel:
 
     name = "torch_efficient"
     softcap = False  # the op has no logit soft-capping
+    window = False  # nor a band mask here (_no_band)
     heads_major = False
 
     def __init__(self, ops: Any = None, compute_dtype: torch.dtype | None = None) -> None:
@@ -254,6 +256,7 @@ class FlashAttnKernel:
 
     name = "flash_attn"
     softcap = True  # passed to flash-attn's own softcap argument
+    window = True  # passed as its window_size
     heads_major = False  # flash-attn takes [B, S, H, D] memory
 
     def __init__(self, module: ModuleType | Any = None) -> None:

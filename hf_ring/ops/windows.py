@@ -183,6 +183,11 @@ def masked_attention(
         ring = Ring(group)
     elif group is not None:
         raise ValueError("masked_attention: pass group or ring, not both")
+    cap = _check_extras(q, softcap, sinks)
+    if isinstance(backend, str):  # a kernel that takes the band when the plan has banded blocks
+        blocks = plan.blocks if plan.route == "border" else [b for step in plan.schedule or () for b in step]
+        band = any(b.window is not None for b in blocks)
+        backend = get_kernel(backend, q.device, q.dtype, softcap=bool(cap), window=band)
     if plan.route == "ring":
         return ring_attention(
             q,
@@ -202,8 +207,7 @@ def masked_attention(
         )
     assert plan.halo is not None
     b, s, hq, d = q.shape
-    cap = _check_extras(q, softcap, sinks)
-    kernel = get_kernel(backend, q.device, q.dtype, softcap=bool(cap)) if isinstance(backend, str) else backend
+    kernel = backend
     if cap and not getattr(kernel, "softcap", False):
         raise ValueError(f"masked_attention: softcap={cap} but the block kernel {kernel.name!r} has no soft-capping")
     if sinks is not None and sinks.dim() == 3:
