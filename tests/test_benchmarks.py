@@ -261,3 +261,16 @@ def test_quick_mixer_benchmark(tmp_path):
     assert got[("gated_deltanet", "comm_bytes", "hf_ring", "bytes_sent_per_rank.backward", 2, n)] == 2 * slot + halo
     png = B.plot(rows, tmp_path / "mixers.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+# ============================================================ GPT-OSS-shaped model step (bench_gptoss.py)
+@pytest.mark.timeout(180)
+def test_gptoss_quick(tmp_path):
+    """CPU seconds of the busiest of 2 ranks and of one process, and their ratio, for one N."""
+    rows = run_quick("bench_gptoss", tmp_path / "gptoss.jsonl", timeout=170)
+    got = {(r["name"], r["provider"], r["P"]): r["median"] for r in rows}
+    assert set(got) == {("fwd_bwd_cpu", "hf_ring", 2), ("fwd_bwd", "hf_ring", 2), ("cpu_ratio", "hf_ring", 2),
+                        ("fwd_bwd_cpu", "one_process", 1), ("fwd_bwd", "one_process", 1)}  # fmt: skip
+    assert all(v > 0 for v in got.values())
+    ratio = got[("fwd_bwd_cpu", "hf_ring", 2)] / got[("fwd_bwd_cpu", "one_process", 1)]
+    assert abs(got[("cpu_ratio", "hf_ring", 2)] - ratio) <= 0.2 * ratio
