@@ -352,8 +352,8 @@ class TimedChannel:
     def __init__(self, inner, probe: Probe) -> None:
         self.inner, self.probe = inner, probe
 
-    def send_recv(self, send, recv) -> None:
-        self.inner.send_recv(send, recv)
+    def send_recv(self, send, recv, **kw) -> None:
+        self.inner.send_recv(send, recv, **kw)
 
     def commit(self) -> None:
         import torch

@@ -21,7 +21,7 @@ class NoCommChannel:
         self.sent_bytes = 0
         self._pending: list[tuple[Tensor, Tensor]] = []
 
-    def send_recv(self, send: Tensor, recv: Tensor) -> None:
+    def send_recv(self, send: Tensor, recv: Tensor, hops: int = 1) -> None:
         self._pending.append((send, recv))
 
     def commit(self) -> None:

@@ -66,16 +66,25 @@ def _check(cond: bool, msg: str) -> None:
         raise RuntimeError(msg)  # what TORCH_CHECK raises
 
 
-def _fa_scores(q: Tensor, k: Tensor, scale: float, causal: bool, softcap: float = 0.0) -> Tensor:
+def _fa_scores(
+    q: Tensor, k: Tensor, scale: float, causal: bool, softcap: float = 0.0, wl: int = -1, wr: int = -1
+) -> Tensor:
     """Scores as the kernel forms them: scaled, then ``softcap * tanh(s / softcap)`` when ``softcap > 0``
-    (flash-attn folds the scale into the cap: ``params.softcap = softmax_scale / softcap``), then masked."""
+    (flash-attn folds the scale into the cap: ``params.softcap = softmax_scale / softcap``), then masked
+    (causal, and the band ``window_size = (wl, wr)``, -1 unbounded)."""
     rep = q.shape[2] // k.shape[2]
     s = torch.einsum("bqhd,bkhd->bhqk", q.float(), k.float().repeat_interleave(rep, 2)) * scale
     if softcap > 0:
         s = torch.tanh(s / softcap) * softcap
+    sq, sk = s.shape[-2:]
     if causal:  # flash-attn >= 2.1: aligned to the bottom-right corner
-        sq, sk = s.shape[-2:]
         s = s.masked_fill(torch.ones(sq, sk, dtype=torch.bool).triu(sk - sq + 1), float("-inf"))
+    # window_size (left, right), -1 unbounded: key j visible iff i + sk - sq - left <= j <= i + sk - sq + right
+    d = torch.arange(sk)[None, :] - torch.arange(sq)[:, None] - (sk - sq)
+    if wl >= 0:
+        s = s.masked_fill(d < -wl, float("-inf"))
+    if wr >= 0:
+        s = s.masked_fill(d > wr, float("-inf"))
     return s
 
 
@@ -96,8 +105,9 @@ def _fa_check_defaults(dropout_p: float, wl: int, wr: int, softcap: float, alibi
     _check(isinstance(softcap, float) and math.isfinite(softcap) and softcap >= 0.0, "softcap: a float >= 0")
     if softcap > 0.0:
         _check(dropout_p == 0.0, "Softcapping does not support dropout for now")
-    # everything else the ring must leave at its default
-    _check(dropout_p == 0.0 and wl == -1 and wr == -1 and alibi_slopes is None, "options")
+    # windows are ints, -1 unbounded (band blocks set them); everything else the ring must leave at its default
+    _check(isinstance(wl, int) and isinstance(wr, int) and wl >= -1 and wr >= -1, "window_size")
+    _check(dropout_p == 0.0 and alibi_slopes is None, "options")
 
 
 def flash_attn_forward(
@@ -117,7 +127,7 @@ def flash_attn_forward(
     _fa_check_inputs(q, k, v)
     _fa_check_defaults(dropout_p, window_size_left, window_size_right, softcap, alibi_slopes)
     _check(not return_softmax, "return_softmax")
-    s = _fa_scores(q, k, softmax_scale, causal, softcap)
+    s = _fa_scores(q, k, softmax_scale, causal, softcap, window_size_left, window_size_right)
     lse = torch.logsumexp(s, -1)  # [B, H, Sq] float32
     lse = lse.masked_fill(torch.isneginf(lse), float("inf"))  # flash-attn: +inf for empty rows
     rep = q.shape[2] // k.shape[2]
@@ -169,7 +179,7 @@ def flash_attn_backward(
         _check(g.shape == ref.shape, f"{name} shape")
         grads.append(g)
     rep = h // hkv
-    s = _fa_scores(q, k, softmax_scale, causal, softcap)
+    s = _fa_scores(q, k, softmax_scale, causal, softcap, window_size_left, window_size_right)
     p = torch.exp(s - softmax_lse[..., None])
     do, vx = dout.float(), v.float().repeat_interleave(rep, 2)
     delta = (do * out.float()).sum(-1).transpose(1, 2)  # [B, H, Sq]

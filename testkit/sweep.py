@@ -485,8 +485,6 @@ def explain(record: dict) -> str:
                 "computes attention outside transformers' attention registry (it used the mask itself); "
                 "would need the model to call the registry"
             )
-        if "sliding window" in msg:
-            return "sliding window shorter than the sequence; would need a windowed (banded) ring schedule"
         if "must have the same shape" in msg:
             return (
                 "value head dim != qk head dim (MLA); would need V padded to the qk head dim around the ring, "

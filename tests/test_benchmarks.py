@@ -214,6 +214,23 @@ def test_autocast_errors_quick(tmp_path):
     assert all(got[(p, "max_ratio_to_plain")] > 2 for p in before)  # the recompute outside autocast
 
 
+# ============================================================================ sliding windows
+@pytest.mark.timeout(300)
+def test_windows_quick(tmp_path):
+    """Both tables: times of the windowed layer at P = 4 and one process over N / P; bytes per rank
+    per layer flat in N on the border route, growing with N on the ring route."""
+    rows = run_quick("bench_windows", tmp_path / "windows.jsonl", timeout=290)
+    times = {(r["provider"], r["x"]) for r in rows if r["name"] == "fwd_bwd"}
+    assert times == {(p, w) for p in ("cp_border", "one_process_N_over_P") for w in (64, 256)}
+    assert all(r["median"] > 0 for r in rows if r["name"] == "fwd_bwd")
+    sent = [r for r in rows if r["name"] == "bytes_sent"]
+    for w in (64, 256):
+        border = [r["median"] for r in sorted(sent, key=lambda r: r["N"]) if r["provider"] == "border" and r["x"] == w]
+        ring = [r["median"] for r in sorted(sent, key=lambda r: r["N"]) if r["provider"] == "ring" and r["x"] == w]
+        assert len(set(border)) == 1 and ring == sorted(ring) and ring[-1] > ring[0] > border[0]
+    assert (tmp_path / "windows.png").exists()
+
+
 # ============================================================================ hybrid token mixers (bench_mixers.py)
 @pytest.mark.timeout(120)
 def test_quick_mixer_benchmark(tmp_path):
@@ -254,3 +271,16 @@ def test_quick_mixer_benchmark(tmp_path):
         assert got[(name, "comm_bytes", "hf_ring", "bytes_sent_per_rank.backward", 2, n)] == 2 * 4 * slot, name
     png = B.plot(rows, tmp_path / "mixers.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+# ============================================================ GPT-OSS-shaped model step (bench_gptoss.py)
+@pytest.mark.timeout(180)
+def test_gptoss_quick(tmp_path):
+    """CPU seconds of the busiest of 2 ranks and of one process, and their ratio, for one N."""
+    rows = run_quick("bench_gptoss", tmp_path / "gptoss.jsonl", timeout=170)
+    got = {(r["name"], r["provider"], r["P"]): r["median"] for r in rows}
+    assert set(got) == {("fwd_bwd_cpu", "hf_ring", 2), ("fwd_bwd", "hf_ring", 2), ("cpu_ratio", "hf_ring", 2),
+                        ("fwd_bwd_cpu", "one_process", 1), ("fwd_bwd", "one_process", 1)}  # fmt: skip
+    assert all(v > 0 for v in got.values())
+    ratio = got[("fwd_bwd_cpu", "hf_ring", 2)] / got[("fwd_bwd_cpu", "one_process", 1)]
+    assert abs(got[("cpu_ratio", "hf_ring", 2)] - ratio) <= 0.2 * ratio

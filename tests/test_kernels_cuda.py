@@ -20,9 +20,11 @@ from hf_ring.ops import kernels as kernels_mod
 from hf_ring.ops.comm import Ring
 from hf_ring.ops.kernels import (
     FlashAttnKernel,
+    ReferenceKernel,
     TorchCUDAKernel,
     TorchEfficientKernel,
     available_backends,
+    band_mask,
     get_kernel,
 )
 from hf_ring.ops.ring import _RingAttention
@@ -300,7 +302,13 @@ BROKEN_FLASH_ATTN = {
 @pytest.fixture
 def fresh_kernel_caches():
     """Empty get_kernel's caches before and after (and forget any fake flash_attn package)."""
-    caches = (kernels_mod._flash_attn, kernels_mod._kernel, kernels_mod._capability, kernels_mod._warn_pre_ampere)
+    caches = (
+        kernels_mod._flash_attn,
+        kernels_mod._kernel,
+        kernels_mod._capability,
+        kernels_mod._warn_pre_ampere,
+        kernels_mod._warn_no_band,
+    )
     for cache in caches:
         cache.cache_clear()
     yield
@@ -481,3 +489,56 @@ def test_cuda_kernels_match_the_real_aten_schemas_on_meta_tensors() -> None:
     ]
     args, kwargs = probe.calls["_efficient_attention_backward"]
     assert args[10].shape == (2, 8, 32) and args[14] == 1 and kwargs == {"scale": 0.2}  # padded LSE; top-left causal
+
+
+# --------------------------------------------------------------------------- windowed blocks without flash-attn
+
+
+@pytest.mark.parametrize("capability", [(7, 5), (9, 0)])
+def test_auto_runs_windowed_blocks_without_flash_attn(
+    capability: tuple[int, int], monkeypatch: pytest.MonkeyPatch, fresh_kernel_caches: None
+) -> None:
+    """torch's CUDA ops have no band: without flash-attn, "auto" gives the blocks of windowed layers the
+    reference kernel, warning once per op it replaces (not per layer or call); layers without a window
+    keep the fused op; an explicit backend without a band refuses. The kernel it picks is exact on a
+    band (forward and gradients against float64)."""
+    _fake_capability(monkeypatch, capability)
+    monkeypatch.setattr(kernels_mod, "_flash_attn_importable", lambda: False)
+    cuda, old = torch.device("cuda"), capability < (8, 0)
+    fused = {torch.bfloat16: TorchEfficientKernel if old else TorchCUDAKernel, torch.float32: TorchEfficientKernel}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for dtype in (torch.bfloat16, torch.float32):
+            for _ in range(8):  # every layer and call
+                assert isinstance(get_kernel("auto", cuda, dtype, window=True), ReferenceKernel)
+                assert isinstance(get_kernel("auto", cuda, dtype, softcap=True, window=True), ReferenceKernel)
+                assert type(get_kernel("auto", cuda, dtype)) is fused[dtype]
+    bands = [str(w.message) for w in caught if "no sliding-window (band) mask" in str(w.message)]
+    replaced = {fused[dtype].name for dtype in fused}
+    assert len(bands) == len(replaced), bands  # once per fused op replaced
+    assert all("reference kernel" in m and "pip install hf-ring[flash]" in m for m in bands), bands
+    for backend in ("torch_efficient",) if old else ("torch", "torch_efficient"):
+        with pytest.raises(ValueError, match=r"no sliding-window \(band\) mask.*backend='auto'"):
+            get_kernel(backend, cuda, torch.bfloat16, window=True)
+    with pytest.raises(ValueError, match="no sliding-window"):  # a fused op handed a band refuses, too
+        q, k, v, _ = (x.bfloat16() for x in inputs((1, 13, 13, 4, 2, 16, True), torch.bfloat16))
+        TorchEfficientKernel(ops=AtenCUDAStandIn(capability=capability)).forward(
+            q, k, v, causal=False, scale=0.25, window=(4, 0)
+        )
+    # the picked kernel on a band of 5 keys over a square block and a block with 4 more keys
+    kernel = get_kernel("auto", cuda, torch.bfloat16, window=True)
+    for sq, sk in ((13, 13), (13, 17)):
+        g = torch.Generator().manual_seed(sk)
+        q, dout = (torch.randn(2, sq, 6, 16, generator=g) for _ in range(2))
+        k, v = (torch.randn(2, sk, 2, 16, generator=g) for _ in range(2))
+        xs = [t.double().requires_grad_() for t in (q, k, v)]
+        kx, vx = (t.repeat_interleave(3, 2) for t in xs[1:])
+        s = torch.einsum("bqhd,bkhd->bhqk", xs[0], kx) * 0.25
+        s = s.masked_fill(~band_mask(sq, sk, (4, 0)), float("-inf"))
+        ref = torch.einsum("bhqk,bkhd->bqhd", s.softmax(-1), vx)
+        ref.backward(dout.double())
+        out, lse = kernel.forward(q, k, v, causal=False, scale=0.25, window=(4, 0))
+        grads = kernel.backward(dout, q, k, v, out, lse, causal=False, scale=0.25, window=(4, 0))
+        assert rel_err(out, ref) <= 1e-5
+        for got, x in zip(grads, xs):
+            assert rel_err(got, x.grad) <= 1e-5

@@ -1,7 +1,7 @@
 """Every causal-LM family of the installed transformers at CP=2: ring attention is exact or refused;
-hybrid families (routed token mixers) and families with attention sinks or soft-capping also exact at
-CP=4, and every MoE family with its router load-balancing loss on exact at CP=4 (or refused for
-another reason).
+hybrid families (routed token mixers), sliding-window / chunked families, and families with attention
+sinks or soft-capping also exact at CP=4, and every MoE family with its router load-balancing loss on
+exact at CP=4 (or refused for another reason).
 
 One test per family and variant (``testkit.families``): one training step on 2 gloo ranks against
 one process (``testkit.sweep.check_family``). WRONG (runs, differs) and BROKEN (another exception)
@@ -84,6 +84,20 @@ def test_hybrids_are_exact_at_cp4(family: str) -> None:
     """Families with routed token mixers (Gated DeltaNet, KDA, short convolutions, ...) at CP = 4:
     chunks of 8 tokens, shorter than nothing but the state and convolution halos cross them all."""
     r = check_family(family, None, n=N, cp=4)
+    assert r["status"] == "exact", f"{r['status'].upper()}: {r['detail']}"
+
+
+# Families whose `sliding` variant slides (or chunks, llama4_text) over fewer tokens than the sequence
+# (gpt_oss, mimo_v2_flash and granite_swa with attention sinks, gemma2 with soft-capping on those layers)
+WINDOWED = ["mistral", "ministral", "qwen2", "qwen2_moe", "gemma3_text", "gemma4_text", "olmo3", "cohere2",
+            "exaone4", "llama4_text", "gpt_oss", "mimo_v2_flash", "granite_swa", "gemma2"]  # fmt: skip
+
+
+@pytest.mark.parametrize("family", WINDOWED)
+def test_windows_are_exact_at_cp4(family: str) -> None:
+    """A window of 15 tokens over 61 at CP = 4: zigzag chunks of 8, so the windowed layers take the
+    ring (the window spans chunks); at CP = 2 (chunks of 16) the sweep above takes the border route."""
+    r = check_family(family, "sliding", n=N, cp=4)
     assert r["status"] == "exact", f"{r['status'].upper()}: {r['detail']}"
 
 

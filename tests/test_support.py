@@ -3,9 +3,9 @@
 Each case the sweep (tests/test_model_sweep.py) classifies is also pinned here on its own, at
 CP = 2 with N not divisible by 2P: multi-head latent attention exact; mixed precision under
 autocast as close to float64 as SDPA under the same autocast; hybrid mixers without a
-context-parallel form (or without the batch's ring_context), mask-only sliding windows, chunked
-attention, and models that use the mask themselves or build their own
-attention refused with ``RingNotSupported``.
+context-parallel form (or without the batch's ring_context), windows the ring cannot read from the
+model's mask, and models that use the mask themselves or build their own attention refused with
+``RingNotSupported``; sliding windows and chunked attention, and the MoE router loss, exact.
 """
 
 from __future__ import annotations
@@ -105,8 +105,6 @@ def refusal(model_type: str, n: int = 29, unroute: bool = False, **overrides) ->
 @pytest.mark.parametrize(
     ("model_type", "message"),
     [
-        ("qwen2_moe", "sliding window of 8 tokens"),
-        ("llama4_text", "chunks of 8 tokens"),
         ("mpt", "uses the attention mask itself"),
         ("xglm", "uses the attention mask itself"),
         ("falcon", "falcon computes attention itself"),
@@ -141,6 +139,53 @@ def hand_sharded_hybrid() -> str:
 def test_hybrid_without_ring_context_is_refused() -> None:
     for msg in run_ranks(2, hand_sharded_hybrid):
         assert "no ring_context" in msg and "shard_batch" in msg, msg
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("model_type", ["qwen2_moe", "llama4_text"])
+def test_windows_and_chunks_are_exact(model_type: str, world: int) -> None:
+    """A sliding window of 8 (Qwen2-MoE) and chunks of 8 (Llama 4) over 29 tokens: at CP = 2 the
+    border route (zigzag chunks of 8), at CP = 4 the ring (chunks of 4)."""
+    for r in run_ranks(world, step_errors, model_type):
+        assert r["loss"] <= 1e-5 and r["grads"] <= 1e-5, r
+
+
+def hand_sharded_window() -> str:
+    """A windowed model on a shard made by hand (no ring_context): the layout is unknown."""
+    model = build("qwen2_moe", "ring")
+    kwargs = hf_ring.shard_batch(tiny_batch(2, 28))
+    kwargs.pop("ring_context")
+    try:
+        model(**kwargs)
+    except hf_ring.RingNotSupported as e:
+        return str(e)
+    return "no error"
+
+
+def test_window_without_ring_context_is_refused() -> None:
+    for msg in run_ranks(2, hand_sharded_window):
+        assert "slides over 8 tokens" in msg and "shard_batch" in msg, msg
+
+
+def test_window_the_mask_does_not_apply_is_refused() -> None:
+    """A layer that passes sliding_window= to the attention function while its mask applies another
+    window (or none): flash-attn and SDPA would disagree, so the ring refuses; a config field that
+    neither the mask nor the call applies is ignored, as SDPA ignores it."""
+    from hf_ring.transformers.attention import RING_MASK, RingMask
+    from hf_ring.transformers.support import check_layer
+
+    model = build("qwen2_moe", "ring")
+    layer = model.model.layers[0].self_attn
+    with pytest.raises(hf_ring.RingNotSupported, match="passes sliding_window=8 .* its mask applies no window"):
+        check_layer(layer, {"sliding_window": 8}, 32, True, 2, mask=RING_MASK)
+    with pytest.raises(hf_ring.RingNotSupported, match="a window of 4"):
+        check_layer(layer, {"sliding_window": 8}, 32, True, 2, mask=RingMask(window=4))
+    check_layer(layer, {"sliding_window": 8}, 32, True, 2, mask=RingMask(window=8))
+    check_layer(layer, {}, 32, True, 2, mask=RING_MASK)  # config.sliding_window alone: the mask is the truth
+    with pytest.raises(hf_ring.RingNotSupported, match="local over 8 tokens"):
+        check_layer(layer, {}, 32, True, 2, mask=RingMask(local_size=8, unknown="it is neither"))
+    with pytest.raises(hf_ring.RingNotSupported, match="did not make its mask"):
+        check_layer(layer, {"sliding_window": 8}, 32, True, 2, mask=None)
 
 
 @pytest.mark.parametrize("coef", [0.0, 0.001])

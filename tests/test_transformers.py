@@ -145,14 +145,21 @@ def test_dropout_while_training_raises() -> None:
     _step(model, tiny_batch(1, 16))
 
 
-def test_sliding_window_in_effect_raises() -> None:
-    qwen = tiny_model("qwen2", "ring", use_sliding_window=True, sliding_window=8, max_window_layers=1)
-    with pytest.raises(ValueError, match="sliding window of 8 tokens"):
-        _step(qwen, tiny_batch(1, 16))
-    mistral = AutoModelForCausalLM.from_config(tiny_config("mistral", sliding_window=8), attn_implementation="ring")
-    with pytest.raises(ValueError, match="sliding window of 8 tokens"):
-        _step(mistral, tiny_batch(1, 16))
-    _step(mistral, tiny_batch(1, 8))  # window covers the whole sequence: exact, allowed
+def test_sliding_window_in_effect_matches_sdpa() -> None:
+    """One process: windows shorter than the sequence (Qwen2 layers from 1 on, Mistral every layer) as
+    SDPA computes them, through shard_batch and without it (the whole sequence on one rank)."""
+    batch = tiny_batch(1, 16)
+    for cfg in (
+        tiny_config("qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=1),
+        tiny_config("mistral", sliding_window=8),
+    ):
+        torch.manual_seed(0)
+        ring = AutoModelForCausalLM.from_config(cfg, attn_implementation="ring")
+        torch.manual_seed(0)
+        sdpa = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
+        want = sdpa(**batch).loss.item()
+        assert abs(_step(ring, batch).loss.item() - want) < 1e-5
+        assert abs(ring(**batch, use_cache=False).loss.item() - want) < 1e-5
 
 
 def test_softcapping_and_sinks_reach_the_ring() -> None:

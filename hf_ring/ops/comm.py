@@ -36,10 +36,17 @@ class RingComm:
         self._ops: list[dist.P2POp] = []
         self._works: list[dist.Work] = []
 
-    def send_recv(self, send: Tensor, recv: Tensor) -> None:
-        """Queue sending ``send`` to the next rank and receiving the previous rank's into ``recv``."""
-        self._ops.append(dist.P2POp(dist.isend, send, self.next, self.group, self.tag))
-        self._ops.append(dist.P2POp(dist.irecv, recv, self.prev, self.group, self.tag))
+    def send_recv(self, send: Tensor, recv: Tensor, hops: int = 1) -> None:
+        """Queue sending ``send`` to the next rank and receiving the previous rank's into ``recv``
+        (``hops``: to the rank that many places on, from the one that many places back)."""
+        dst, src = self.next, self.prev
+        if hops != 1:
+            dst, src = self._global((self.rank + hops) % self.size), self._global((self.rank - hops) % self.size)
+        self._ops.append(dist.P2POp(dist.isend, send, dst, self.group, self.tag))
+        self._ops.append(dist.P2POp(dist.irecv, recv, src, self.group, self.tag))
+
+    def _global(self, rank: int) -> int:
+        return dist.get_global_rank(self.group, rank) if self.group else rank
 
     def commit(self) -> None:
         """Launch every queued transfer."""

@@ -6,8 +6,11 @@ Layout everywhere is ``[B, S, H, D]``; keys and values may have fewer heads than
 (grouped-query attention: query head ``h`` reads key head ``h // (Hq // Hkv)``).
 
 ``causal=True`` masks key ``j`` from query ``i`` when ``j > i`` (top-left aligned); the ring only asks
-for it on square blocks. The CUDA kernels live in ``kernels_cuda`` and are re-exported here. ``get_kernel``
-hands out one cached kernel object per (backend, device type, dtype). This module imports only torch.
+for it on square blocks. ``window=(left, right)`` (optional keyword) masks a band, aligned bottom-right
+as in flash-attn: key ``j`` is visible to query ``i`` iff ``-left <= j - i - (Sk - Sq) <= right``
+(``band_mask``); the ring passes it only for blocks that cross a sliding window's edge. The CUDA
+kernels live in ``kernels_cuda`` and are re-exported here. ``get_kernel`` hands out one cached kernel
+object per (backend, device type, dtype). This module imports only torch.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ __all__ = [
     "TorchCUDAKernel",
     "TorchEfficientKernel",
     "available_backends",
+    "band_mask",
     "get_kernel",
 ]
 
@@ -49,6 +53,10 @@ class BlockKernel(Protocol):
 
     ``heads_major``: the kernel reads K/V faster from ``[B, H, S, D]`` memory; the ring then keeps
     the K/V message it sends around in that order and hands the kernel ``[B, S, H, D]`` views of it.
+
+    Blocks that cross a sliding window's edge come with ``window=(left, right)`` (``band_mask``) in
+    both calls; kernels that take it have ``window = True``: ``ReferenceKernel``, ``TorchCPUKernel``,
+    ``FlashAttnKernel`` (torch's CUDA ops refuse a band).
 
     Optional: a kernel with ``softcap = True`` takes a keyword ``softcap: float`` in every method
     (``0``: none; ``> 0``: scores capped to ``softcap * tanh(scores / softcap)`` before masking, as
@@ -77,6 +85,24 @@ class BlockKernel(Protocol):
     ) -> tuple[Tensor, Tensor, Tensor]: ...
 
 
+def band_mask(
+    sq: int,
+    sk: int,
+    window: tuple[int, int],
+    device: torch.device | str = "cpu",
+    *,
+    q0: int = 0,
+    rows: int | None = None,
+) -> Tensor:
+    """``[Sq, Sk]`` bool, True where key ``j`` is visible to query ``i``: ``-left <= j - i - (Sk - Sq) <= right``
+    (``window = (left, right)``, flash-attn's bottom-right alignment). ``q0``/``rows``: only query rows
+    ``q0 ... q0 + rows - 1`` of the block (``[rows, Sk]``)."""
+    left, right = window
+    rows = sq - q0 if rows is None else rows
+    d = torch.arange(sk, device=device)[None, :] - torch.arange(q0, q0 + rows, device=device)[:, None] - (sk - sq)
+    return (d >= -left) & (d <= right)
+
+
 class ReferenceKernel:
     """Plain-torch attention in float32 (float64 for float64 inputs): the oracle, the fallback, and the
     kernel for logit soft-capping where no fused kernel has it.
@@ -92,6 +118,7 @@ class ReferenceKernel:
     name = "reference"
     heads_major = False
     softcap = True  # takes softcap > 0 (the fused CPU/CUDA torch ops do not)
+    window = True  # takes window=(left, right)
 
     def __init__(self, tile_elems: int = 1 << 22) -> None:
         self.tile_elems = tile_elems
@@ -115,11 +142,18 @@ class ReferenceKernel:
 
     @staticmethod
     def _scores(
-        qg: Tensor, kt: Tensor, causal: bool, scale: float, softcap: float, q0: int
+        qg: Tensor,
+        kt: Tensor,
+        causal: bool,
+        scale: float,
+        softcap: float,
+        q0: int,
+        sq: int,
+        window: tuple[int, int] | None,
     ) -> tuple[Tensor, Tensor | None]:
-        """Scores ``[B, Hkv, rep, rows, Sk]`` of query rows ``q0 ...`` of the block (``qg`` grouped,
-        ``kt [B, Hkv, 1, D, Sk]``), and ``tanh`` of the capped ones (``None`` without a cap) for the
-        backward's chain rule."""
+        """Scores ``[B, Hkv, rep, rows, Sk]`` of query rows ``q0 ...`` of a block of ``sq`` queries (``qg``
+        grouped, ``kt [B, Hkv, 1, D, Sk]``), masked causally and/or to the band ``window``, and ``tanh`` of
+        the capped ones (``None`` without a cap) for the backward's chain rule."""
         s = torch.matmul(qg, kt).mul_(scale)
         t = None
         if softcap:
@@ -129,10 +163,21 @@ class ReferenceKernel:
             rows, sk = s.shape[-2:]
             hide = torch.arange(sk, device=s.device)[None, :] > torch.arange(q0, q0 + rows, device=s.device)[:, None]
             s = s.masked_fill_(hide, float("-inf"))
+        if window is not None:
+            seen = band_mask(sq, s.shape[-1], window, s.device, q0=q0, rows=s.shape[-2])
+            s = s.masked_fill_(~seen, float("-inf"))
         return s, t
 
     def forward(
-        self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float, softcap: float = 0.0
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        causal: bool,
+        scale: float,
+        softcap: float = 0.0,
+        window: tuple[int, int] | None = None,
     ) -> tuple[Tensor, Tensor]:
         ct = torch.float64 if q.dtype == torch.float64 else torch.float32
         hkv = k.shape[2]
@@ -141,7 +186,8 @@ class ReferenceKernel:
         outs, lses = [], []
         tiles = self._tiles(q, k)
         for q0 in tiles:
-            s, _ = self._scores(self._grouped(q[:, q0 : q0 + tiles.step], hkv, ct), kt, causal, scale, softcap, q0)
+            qg = self._grouped(q[:, q0 : q0 + tiles.step], hkv, ct)
+            s, _ = self._scores(qg, kt, causal, scale, softcap, q0, q.shape[1], window)
             lse = torch.logsumexp(s, dim=-1)  # (B, Hkv, rep, rows)
             p = s.sub_(lse[..., None]).exp_().nan_to_num_(0.0)  # rows with no key: all zero
             outs.append(self._ungrouped(torch.matmul(p, vh)).to(q.dtype))
@@ -161,6 +207,7 @@ class ReferenceKernel:
         causal: bool,
         scale: float,
         softcap: float = 0.0,
+        window: tuple[int, int] | None = None,
     ) -> tuple[Tensor, Tensor, Tensor]:
         ct = torch.float64 if q.dtype == torch.float64 else torch.float32
         hkv = k.shape[2]
@@ -172,7 +219,7 @@ class ReferenceKernel:
         for q0 in tiles:
             rows = slice(q0, q0 + tiles.step)
             qg = self._grouped(q[:, rows], hkv, ct)
-            s, t = self._scores(qg, kt, causal, scale, softcap, q0)
+            s, t = self._scores(qg, kt, causal, scale, softcap, q0, q.shape[1], window)
             lse_g = self._grouped(lse[:, rows, :, None], hkv, ct)  # (B, Hkv, rep, rows, 1)
             p = s.sub_(lse_g).exp_().nan_to_num_(0.0)
             do = self._grouped(dout[:, rows], hkv, ct)
@@ -191,22 +238,39 @@ class TorchCPUKernel:
     """torch's fused CPU flash attention (``aten._scaled_dot_product_flash_attention_for_cpu``).
 
     Takes fewer K/V heads directly and ``[B, H, S, D]`` views over ``[B, S, H, D]`` memory, so
-    nothing is copied or expanded on the way in.
+    nothing is copied or expanded on the way in. A band (``window``) goes in as an additive
+    ``[Sq, Sk]`` mask in the inputs' dtype (the op's own ``attn_mask``; rows that see no key get
+    ``lse = -inf`` here, where the op reports 0).
     """
 
     name = "torch"
     softcap = False
+    window = True  # as an additive mask
     heads_major = True  # its backward reads K/V 3-5% faster from [B, H, S, D] memory (benchmarks/NOTES.md)
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+    @staticmethod
+    def _mask(q: Tensor, k: Tensor, window: tuple[int, int] | None) -> tuple[Tensor | None, Tensor | None]:
+        if window is None:
+            return None, None
+        seen = band_mask(q.shape[1], k.shape[1], window, q.device)
+        return torch.zeros(seen.shape, dtype=q.dtype, device=q.device).masked_fill_(~seen, float("-inf")), seen
+
+    def forward(
+        self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float, window: tuple[int, int] | None = None
+    ) -> tuple[Tensor, Tensor]:
+        mask, seen = self._mask(q, k, window)
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, causal, scale=scale
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, causal, attn_mask=mask, scale=scale
         )
-        return out.transpose(1, 2), lse.transpose(1, 2)
+        lse = lse.transpose(1, 2)
+        if seen is not None and not bool(seen.any(1).all()):
+            lse = lse.masked_fill(~seen.any(1)[None, :, None], float("-inf"))
+        return out.transpose(1, 2), lse
 
     def backward(
-        self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *, causal: bool, scale: float
-    ) -> tuple[Tensor, Tensor, Tensor]:
+        self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *, causal: bool, scale: float,
+        window: tuple[int, int] | None = None,
+    ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout.transpose(1, 2),
             q.transpose(1, 2),
@@ -216,6 +280,7 @@ class TorchCPUKernel:
             lse.transpose(1, 2).to(torch.float64 if q.dtype == torch.float64 else torch.float32),
             0.0,
             causal,
+            attn_mask=self._mask(q, k, window)[0],
             scale=scale,
         )
         return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
@@ -298,7 +363,9 @@ def available_backends(device: torch.device | str = "cpu") -> list[str]:
     return ["torch", "reference"]
 
 
-def get_kernel(backend: str, device: torch.device | str, dtype: torch.dtype, softcap: bool = False) -> BlockKernel:
+def get_kernel(
+    backend: str, device: torch.device | str, dtype: torch.dtype, softcap: bool = False, window: bool = False
+) -> BlockKernel:
     """The block kernel for ``backend`` (one of ``BACKENDS``) on ``device`` for ``dtype`` inputs.
 
     "auto" picks, on CUDA: flash-attn for fp16/bf16 when it imports (else torch's flash op), torch's
@@ -315,21 +382,45 @@ def get_kernel(backend: str, device: torch.device | str, dtype: torch.dtype, sof
     flash-attn on CUDA for fp16/bf16 when it imports, and the reference kernel (tiled over query rows,
     float32 math) everywhere else: torch's fused ops have no soft-capping. An explicit backend without it
     raises ``ValueError``.
+
+    ``window=True``: the kernel must take a band (``window = True`` on it: blocks across a sliding window's
+    or a chunk's edge). On CPU torch's fused op takes it; on CUDA, where torch's ops have no band, "auto"
+    picks flash-attn when it imports, and otherwise the reference kernel with one warning per process and
+    kernel it replaces (install flash-attn for a fused kernel). An explicit backend without it raises
+    ``ValueError``.
     """
     device = torch.device(device)
     capability = _cuda_capability(device) if device.type == "cuda" else None
-    if not softcap:
-        return _kernel(backend, device.type, dtype, capability)
-    if backend == "auto":
-        kernel = _kernel("auto", device.type, dtype, capability)
-        return kernel if getattr(kernel, "softcap", False) else _kernel("reference", device.type, dtype, capability)
     kernel = _kernel(backend, device.type, dtype, capability)
-    if not getattr(kernel, "softcap", False):
+    if (not softcap or getattr(kernel, "softcap", False)) and (not window or getattr(kernel, "window", False)):
+        return kernel
+    if backend == "auto":
+        if window and not getattr(kernel, "window", False):
+            _warn_no_band(kernel.name)
+        return _kernel("reference", device.type, dtype, capability)
+    if softcap and not getattr(kernel, "softcap", False):
         raise ValueError(
             f"backend={backend!r} has no attention logit soft-capping (torch's fused attention ops do not); "
             "use backend='auto', 'reference' or 'flash_attn' (CUDA, fp16/bf16) for a soft-capped model."
         )
-    return kernel
+    raise ValueError(
+        f"backend={backend!r} has no sliding-window (band) mask (torch's CUDA attention ops do not); use "
+        "backend='auto', 'reference' or 'flash_attn' (CUDA, fp16/bf16) for a model with sliding windows or "
+        "chunked attention."
+    )
+
+
+@functools.cache
+def _warn_no_band(replaced: str) -> None:
+    """Once per process and kernel: "auto" runs windowed layers on the reference kernel."""
+    warnings.warn(
+        f"backend {replaced!r} (torch's CUDA attention op) has no sliding-window (band) mask; hf_ring runs the "
+        "blocks of sliding-window and chunked layers on its reference kernel instead (float32 math tiled over "
+        "query rows: exact, slower than a fused kernel). Install flash-attn (`pip install hf-ring[flash]`) "
+        "for a fused kernel with windows.",
+        RuntimeWarning,
+        stacklevel=4,
+    )
 
 
 @functools.cache

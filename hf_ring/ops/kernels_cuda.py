@@ -61,6 +61,15 @@ def _check_flash_head_dim(d: int, who: str) -> None:
         )
 
 
+def _no_band(window: tuple[int, int] | None, name: str) -> None:
+    """torch's CUDA ops take no band mask here: refuse a block that crosses a sliding window's edge."""
+    if window is not None:
+        raise ValueError(
+            f"backend={name!r} has no sliding-window (band) mask; backend='auto' runs windowed layers on "
+            "flash-attn (`pip install hf-ring[flash]`) or, without it, on the reference kernel."
+        )
+
+
 def _expand_kv(k: Tensor, v: Tensor, rep: int) -> tuple[Tensor, Tensor]:
     if rep == 1:
         return k, v
@@ -91,14 +100,18 @@ class TorchCUDAKernel:
 
     name = "torch"
     softcap = False  # the op has no logit soft-capping
+    window = False  # nor a band mask here (_no_band)
     heads_major = False  # the op works on [B, S, H, D] memory
 
     def __init__(self, ops: Any = None) -> None:
         self.ops = ops if ops is not None else torch.ops.aten
         self._rng: dict[torch.device, tuple[Tensor, Tensor]] = {}
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+    def forward(
+        self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float, window: tuple[int, int] | None = None
+    ) -> tuple[Tensor, Tensor]:
         """``q [B, Sq, Hq, D]``, ``k, v [B, Sk, Hkv, D]`` -> ``out [B, Sq, Hq, D]``, ``lse [B, Sq, Hq]`` float32."""
+        _no_band(window, self.name)
         d = q.shape[-1]
         _check_flash_head_dim(d, "torch's CUDA flash op")
         qp, kp, vp = (_pad8(t).transpose(1, 2) for t in (q, k, v))
@@ -107,9 +120,11 @@ class TorchCUDAKernel:
         return res[0].transpose(1, 2)[..., :d], res[1].transpose(1, 2)
 
     def backward(
-        self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *, causal: bool, scale: float
-    ) -> tuple[Tensor, Tensor, Tensor]:
+        self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *, causal: bool, scale: float,
+        window: tuple[int, int] | None = None,
+    ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
         """Gradients shaped like ``q, k, v``; ``out``/``lse`` may be those of the merged attention."""
+        _no_band(window, self.name)
         d, sq, sk = q.shape[-1], q.shape[1], k.shape[1]
         _check_flash_head_dim(d, "torch's CUDA flash op")
         dop, qp, kp, vp, op = (_pad8(t).transpose(1, 2) for t in (dout, q, k, v, out))
@@ -148,6 +163,7 @@ class TorchEfficientKernel:
 
     name = "torch_efficient"
     softcap = False  # the op has no logit soft-capping
+    window = False  # nor a band mask here (_no_band)
     heads_major = False
 
     def __init__(self, ops: Any = None, compute_dtype: torch.dtype | None = None) -> None:
@@ -158,8 +174,11 @@ class TorchEfficientKernel:
     def _in(self, *ts: Tensor) -> tuple[Tensor, ...]:
         return ts if self.compute_dtype is None else tuple(t.to(self.compute_dtype) for t in ts)
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+    def forward(
+        self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float, window: tuple[int, int] | None = None
+    ) -> tuple[Tensor, Tensor]:
         """``q [B, Sq, Hq, D]``, ``k, v [B, Sk, Hkv, D]`` -> ``out [B, Sq, Hq, D]``, ``lse [B, Sq, Hq]`` float32."""
+        _no_band(window, self.name)
         if self.compute_dtype is not None and q.dtype != self.compute_dtype:
             out, lse = self.forward(*self._in(q, k, v), causal=causal, scale=scale)
             return out.to(q.dtype), lse
@@ -172,9 +191,11 @@ class TorchEfficientKernel:
         return out[..., :d], lse[..., :sq].transpose(1, 2)
 
     def backward(
-        self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *, causal: bool, scale: float
-    ) -> tuple[Tensor, Tensor, Tensor]:
+        self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *, causal: bool, scale: float,
+        window: tuple[int, int] | None = None,
+    ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
         """Gradients shaped like ``q, k, v``; ``out``/``lse`` may be those of the merged attention."""
+        _no_band(window, self.name)
         if self.compute_dtype is not None and q.dtype != self.compute_dtype:
             grads = self.backward(*self._in(dout, q, k, v, out), lse, causal=causal, scale=scale)
             return tuple(g.to(x.dtype) for g, x in zip(grads, (q, k, v)))  # type: ignore[return-value]
@@ -235,6 +256,7 @@ class FlashAttnKernel:
 
     name = "flash_attn"
     softcap = True  # passed to flash-attn's own softcap argument
+    window = True  # passed as its window_size
     heads_major = False  # flash-attn takes [B, S, H, D] memory
 
     def __init__(self, module: ModuleType | Any = None) -> None:
@@ -252,22 +274,32 @@ class FlashAttnKernel:
             )
 
     def forward(
-        self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float, softcap: float = 0.0
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        causal: bool,
+        scale: float,
+        softcap: float = 0.0,
+        window: tuple[int, int] | None = None,
     ) -> tuple[Tensor, Tensor]:
-        """``q [B, Sq, Hq, D]``, ``k, v [B, Sk, Hkv, D]`` -> ``out [B, Sq, Hq, D]``, ``lse [B, Sq, Hq]`` float32."""
+        """``q [B, Sq, Hq, D]``, ``k, v [B, Sk, Hkv, D]`` -> ``out [B, Sq, Hq, D]``, ``lse [B, Sq, Hq]`` float32.
+        ``window``: flash-attn's own ``(window_size_left, window_size_right)``."""
         d = q.shape[-1]
         _check_flash_head_dim(d, "flash-attn")
         q, k, v = _pad8(q), _pad8(k), _pad8(v)
+        left, right = window if window is not None else (-1, -1)
         if self.legacy:
-            res = self.fa._flash_attn_forward(q, k, v, 0.0, scale, causal, (-1, -1), softcap, None, False)
+            res = self.fa._flash_attn_forward(q, k, v, 0.0, scale, causal, (left, right), softcap, None, False)
             out, lse = res[0], res[5]
         else:
-            out, lse, _, _ = self.fa._flash_attn_forward(q, k, v, 0.0, scale, causal, -1, -1, softcap, None, False)
+            out, lse, _, _ = self.fa._flash_attn_forward(q, k, v, 0.0, scale, causal, left, right, softcap, None, False)
         return out[..., :d], lse.transpose(1, 2)
 
     def backward(
         self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *, causal: bool, scale: float,
-        softcap: float = 0.0,
+        softcap: float = 0.0, window: tuple[int, int] | None = None,
     ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
         """Gradients shaped like ``q, k, v``; ``out``/``lse`` may be those of the merged attention."""
         d = q.shape[-1]
@@ -275,15 +307,16 @@ class FlashAttnKernel:
         dout, q, k, v, out = (_pad8(t) for t in (dout, q, k, v, out))
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         lse = lse.transpose(1, 2).to(torch.float32).contiguous()  # [B, H, Sq]
+        left, right = window if window is not None else (-1, -1)
         if self.legacy:
             self.fa._flash_attn_backward(
                 dout, q, k, v, out, lse, dq, dk, dv,
-                0.0, scale, causal, (-1, -1), softcap, None, False, None,
+                0.0, scale, causal, (left, right), softcap, None, False, None,
             )  # fmt: skip
         else:
             self.fa._flash_attn_backward(
                 dout, q, k, v, out, lse, dq, dk, dv,
-                0.0, scale, causal, -1, -1, softcap, None, False, None,
+                0.0, scale, causal, left, right, softcap, None, False, None,
             )  # fmt: skip
         return dq[..., :d], dk[..., :d], dv[..., :d]
 

@@ -12,6 +12,11 @@ step's many small blocks -- packed documents -- as at most two calls: one for th
 diagonal and one for the unmasked ones (blocks with the same query rows share one key list). The rows
 are gathered into ``[total, H, D]`` and the results merged back row by row (``_VarlenCall``).
 
+Layer masks (sliding windows, chunked attention) are schedules too (``schedule.band_block``): blocks
+that cross a window's edge reach the kernel with their band (``window=(left, right)``), and a schedule
+may end before ``P`` steps (no rank needs a later block): the K/V then make fewer hops, and in
+backward the last hop sends each dK/dV accumulator straight back to the rank that owns it.
+
 The op is a pure function of its arguments: the ring it runs on (``Ring``, or a process group) and
 the block kernel (an object, or a backend name) are passed in; ``group=None`` is the world group.
 Defaults such as "the CP group of ``setup_context_parallel``" are resolved by the layers above
@@ -74,7 +79,7 @@ def _single_block(steps: list[tuple[Block, ...]]) -> bool:
     if len(steps) != 1 or len(steps[0]) != 1:
         return False
     b = steps[0][0]
-    return b.unit == 2 and b.q == (0, 2) and b.kv == (0, 2) and b.batch is None
+    return b.unit == 2 and b.q == (0, 2) and b.kv == (0, 2) and b.batch is None and b.window is None
 
 
 @dataclass(frozen=True, eq=False)
@@ -103,6 +108,8 @@ def _varlen_calls(
     when they do not fit that form (query rows shared by two sequences of one call, or a causal
     block that is not square). Cached: a batch's schedule is the same for every layer."""
     seqs: dict[bool, dict[tuple[int, int, int], list[tuple[int, int]]]] = {True: {}, False: {}}
+    if any(b.window is not None for b in blocks):
+        return blocks  # banded blocks: one call each, with their own window
     for b in blocks:
         qs, ks = b.rows(b.q, n), b.rows(b.kv, n)
         if qs.stop <= qs.start or ks.stop <= ks.start:
@@ -149,6 +156,11 @@ def _step_calls(
     if len(blocks) < 2 or not getattr(kernel, "varlen", False) or kernel.heads_major:
         return blocks
     return _varlen_calls(blocks, n, batch, device)
+
+
+def _band(b: Block) -> dict[str, tuple[int, int]]:
+    """The kernel keyword of a banded block (nothing for the others: kernels without bands still run them)."""
+    return {} if b.window is None else {"window": b.window}
 
 
 def _rows(t: Tensor) -> Tensor:
@@ -236,7 +248,7 @@ class _RingAttention(torch.autograd.Function):
                     continue
                 bs, qr, kr = _slices(b, s_loc)
                 o_b, l_b = kernel.forward(
-                    q[bs, qr], kvv[0, bs, kr], kvv[1, bs, kr], causal=b.causal, scale=scale, **cap
+                    q[bs, qr], kvv[0, bs, kr], kvv[1, bs, kr], causal=b.causal, scale=scale, **cap, **_band(b)
                 )
                 merge_(out[bs, qr], lse[bs, qr], o_b, l_b)
                 del o_b, l_b  # free the block result before the next kernel call
@@ -294,7 +306,7 @@ class _RingAttention(torch.autograd.Function):
                 bs, qr, kr = _slices(b, s_loc)
                 dq_b, dk_b, dv_b = kernel.backward(
                     dout[bs, qr], q[bs, qr], kvv[0, bs, kr], kvv[1, bs, kr], out[bs, qr], lse[bs, qr],
-                    causal=b.causal, scale=ctx.scale, **cap,
+                    causal=b.causal, scale=ctx.scale, **cap, **_band(b),
                 )  # fmt: skip
                 dq[bs, qr] += dq_b
                 grads.append((bs, kr, dk_b, dv_b))
@@ -311,7 +323,12 @@ class _RingAttention(torch.autograd.Function):
                 accv[1, bs, kr] += dv_b
             grads = dq_b = dk_b = dv_b = None  # free this step's block gradients before the next kernel call
             if dkv_comm is not None:
-                dkv_comm.send_recv(acc, dkv_bufs[(step + 1) % 2])
+                # the last hop of a schedule shorter than the ring goes straight to the owner
+                hops = ctx.ring.size - n_steps + 1 if step + 1 == n_steps else 1
+                if hops == 1:
+                    dkv_comm.send_recv(acc, dkv_bufs[(step + 1) % 2])
+                else:
+                    dkv_comm.send_recv(acc, dkv_bufs[(step + 1) % 2], hops=hops)
                 dkv_comm.commit()
             if kv_comm is not None and step + 1 < n_steps:
                 kv_comm.wait()
@@ -412,7 +429,9 @@ def ring_attention(
         dropout_p, attn_mask: not supported; anything but the defaults raises ``ValueError``.
         schedule: the kernel calls of every ring step, instead of the ``layout``'s; for packed
             documents, ``hf_ring.ops.schedule.document_schedule`` (tokens attend only to earlier
-            tokens of their own document). Computed once per batch and reused by every layer.
+            tokens of their own document); for sliding windows and chunked attention,
+            ``hf_ring.ops.windows.mask_plan``. Computed once per batch and reused by every layer.
+            It may have fewer steps than the ring has ranks (the K/V then stop early).
         softcap: logit soft-capping (Gemma 2): scaled scores become ``softcap * tanh(s / softcap)``
             before the mask and the softmax, inside every block kernel call (forward and backward
             recompute), so the merge stays exact. Needs a kernel that has it (``get_kernel(...,
@@ -458,10 +477,10 @@ def ring_attention(
         schedule = make_schedule(layout, causal, rank, size)
     elif max((max(b.q[1], b.kv[1]) for s in schedule for b in s if b.unit == 0), default=0) > q.shape[1]:
         raise ValueError(f"ring_attention: the schedule addresses rows beyond the local length {q.shape[1]}")
-    elif len(schedule) != size or not causal:
+    elif not 1 <= len(schedule) <= size or not causal:
         raise ValueError(
             f"ring_attention: a schedule of {len(schedule)} steps for a ring of {size} ranks (causal={causal}); "
-            "a document schedule is causal and has one step per rank"
+            "a document schedule is causal and has at most one step per rank"
         )
     return _RingAttention.apply(q, k, v, scale, schedule, kernel, ring, sinks, cap)
 

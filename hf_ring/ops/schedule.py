@@ -18,7 +18,14 @@ Packed documents (``document_schedule``): the same zigzag over the packed stream
 cut along document boundaries. A token attends only to earlier tokens of its own document, so a
 chunk pair contributes one kernel call per document that both chunks hold -- causal on the
 diagonal (the same rows on both sides), unmasked below it -- and chunk pairs that share no document
-make no call at all. This module imports nothing.
+make no call at all.
+
+Layer masks (``band_block(s)``, ``chunk_layout``, ``layout_schedule(..., window=W)``): a sliding window
+keeps key ``j`` for query ``i`` iff ``i - W < j <= i`` (global positions of one document, as
+transformers' ``sliding_window_causal_mask_function``); a block that crosses the band's edge carries
+it as ``Block.window``, a block outside the band is no call, and trailing ring steps in which no
+rank has a call are dropped. Chunked attention (boundaries every ``C`` positions of a document) is
+a document layout cut at the chunk boundaries. This module imports nothing.
 """
 
 from __future__ import annotations
@@ -34,7 +41,9 @@ class Block:
 
     ``q`` and ``kv`` are ``[start, stop)`` in units of ``1 / unit`` of the local length: halves for
     the zigzag schedules (``unit=2``); rows for document schedules (``unit=0`` means "in rows").
-    ``batch``: the batch rows of the call (``None``: all).
+    ``batch``: the batch rows of the call (``None``: all). ``window``: a band mask ``(left, right)``
+    in flash-attn's convention (aligned bottom-right: key ``j`` is visible to query ``i`` iff
+    ``-left <= j - i - (Sk - Sq) <= right``), with ``causal=False``; ``None``: no band.
     """
 
     q: tuple[int, int]
@@ -42,6 +51,7 @@ class Block:
     causal: bool
     unit: int = 2
     batch: tuple[int, int] | None = None
+    window: tuple[int, int] | None = None
 
     def rows(self, which: tuple[int, int], n: int) -> slice:
         """``which`` (``self.q`` or ``self.kv``) as a slice of ``n`` local rows."""
@@ -161,14 +171,100 @@ def balanced_layout(starts: list[int], n: int, size: int, split_from: int | None
     return layout, max(held)
 
 
-def layout_schedule(layout: Layout, rank: int, batch: tuple[int, int] | None = None) -> Schedule:
+def band_block(
+    q: tuple[int, int], k: tuple[int, int], q_local: int, k_local: int, window: int | None,
+    batch: tuple[int, int] | None = None,
+) -> Block | None:  # fmt: skip
+    """The call in which global positions ``q = [a, b)`` (local rows from ``q_local``) attend to the
+    earlier-or-equal positions ``k = [c, d)`` (local rows from ``k_local``) of the same document
+    within a window of ``window`` keys (``i - W < j <= i``; ``None``: no window), or ``None`` when
+    no pair is visible. Rows that see no key and keys no row sees are cut off first, so every query
+    row of the block sees at least one key. The block is unmasked, causal (square, on the diagonal)
+    or banded (``Block.window``).
+    """
+    w = window if window is not None else q[1] - k[0] + 1  # a window that never binds
+    qa, qb = max(q[0], k[0]), min(q[1], k[1] + w - 1)
+    ka, kb = max(k[0], q[0] - w + 1), min(k[1], q[1])
+    if qa >= qb or ka >= kb:
+        return None
+    rows = (q_local + qa - q[0], q_local + qb - q[0]), (k_local + ka - k[0], k_local + kb - k[0])
+    upper = kb - 1 > qa  # a key after the first query
+    lower = ka < qb - w  # a key too old for the last query
+    if not upper and not lower:
+        return Block(*rows, causal=False, unit=0, batch=batch)
+    if not lower and qa == ka and qb == kb:
+        return Block(*rows, causal=True, unit=0, batch=batch)
+    right = qb - kb
+    return Block(*rows, causal=False, unit=0, batch=batch, window=(w - 1 - right, right))
+
+
+TILE = 256  # fewest query rows of a band tile
+
+
+def band_blocks(
+    q: tuple[int, int], k: tuple[int, int], q_local: int, k_local: int, window: int | None,
+    batch: tuple[int, int] | None = None,
+) -> list[Block]:  # fmt: skip
+    """``band_block`` with long bands cut into tiles of ``max(W, TILE)`` query rows, each against the
+    keys its rows see (at most ``2 max(W, TILE) - 1``): a windowed layer's kernel work stays
+    ``O(N W)`` rather than ``O(N * block)``, and its masks small."""
+    tile = max(window or 0, TILE)
+    if window is None or q[1] - q[0] <= tile:
+        b = band_block(q, k, q_local, k_local, window, batch)
+        return [b] if b is not None else []
+    out = []
+    for t0 in range(q[0], q[1], tile):
+        b = band_block((t0, min(q[1], t0 + tile)), k, q_local + t0 - q[0], k_local, window, batch)
+        if b is not None:
+            out.append(b)
+    return out
+
+
+def chunk_layout(layout: Layout, starts: list[int], chunk: int) -> tuple[Layout, list[int]]:
+    """``layout``'s segments cut where chunked attention restarts: every ``chunk`` positions of each
+    document (from the document's start; ``starts``: the documents' global starts). Returns the cut
+    layout, whose segments are numbered by the pieces they belong to, and the pieces' starts."""
+    if chunk < 1:
+        raise ValueError(f"chunk_layout: chunk must be >= 1, got {chunk}")
+    ends = [*starts[1:], max(seg.stop for segs in layout for seg in segs)]
+    cuts = sorted({s + i * chunk for s, e in zip(starts, ends) for i in range(max(1, -(-(e - s) // chunk)))})
+    piece = {c: i for i, c in enumerate(cuts)}
+    out: Layout = []
+    for segs in layout:
+        mine = []
+        for seg in segs:
+            doc0 = starts[seg.doc]
+            pos = seg.start
+            while pos < seg.stop:
+                c0 = doc0 + (pos - doc0) // chunk * chunk
+                stop = min(seg.stop, c0 + chunk)
+                mine.append(Segment(piece[c0], pos, stop, seg.local + pos - seg.start))
+                pos = stop
+        out.append(mine)
+    return out, cuts
+
+
+def trim_steps(schedules: list[Schedule]) -> list[Schedule]:
+    """Every rank's schedule cut after the last step in which some rank still has a call (the ring
+    then makes fewer hops; at least one step is kept)."""
+    last = max((s for sched in schedules for s, blocks in enumerate(sched) if blocks), default=0)
+    return [sched[: last + 1] for sched in schedules]
+
+
+def layout_schedule(
+    layout: Layout, rank: int, batch: tuple[int, int] | None = None, window: int | None = None
+) -> Schedule:
     """The ring schedule of ``rank`` for ``layout``, as row ranges (``unit=0``).
 
     At step ``s`` the K/V of rank ``src = (r - s) mod P`` are here. Every pair of segments of the
     same document makes one call: causal when it is the same segment (the diagonal), unmasked when
     the keys come entirely before the queries; keys after the queries, and segments of different
-    documents, make no call.
+    documents, make no call. With ``window`` (a sliding window of ``W`` keys, ``i - W < j <= i``)
+    pairs are cut to the band (``band_block``) and the schedule ends after the last step in which
+    any rank has a call.
     """
+    if window is not None:
+        return trim_steps([band_schedule(layout, r, batch, window) for r in range(len(layout))])[rank]
     size = len(layout)
     steps: Schedule = []
     for step in range(size):
@@ -185,6 +281,23 @@ def layout_schedule(layout: Layout, rank: int, batch: tuple[int, int] | None = N
                     blocks.append(Block(q_rows, k_rows, causal=False, unit=0, batch=batch))
                 else:
                     raise ValueError(f"layout_schedule: segments {qs} and {ks} overlap")
+        steps.append(tuple(blocks))
+    return steps
+
+
+def band_schedule(layout: Layout, rank: int, batch: tuple[int, int] | None, window: int) -> Schedule:
+    """``rank``'s ring steps for ``layout`` under a sliding ``window`` (``band_blocks`` per pair of
+    segments of one document), all ``P`` of them (``trim_steps`` cuts them over every rank)."""
+    size = len(layout)
+    steps: Schedule = []
+    for step in range(size):
+        src = (rank - step) % size
+        blocks = []
+        for qs in layout[rank]:
+            for ks in layout[src]:
+                if ks.doc != qs.doc or ks.start >= qs.stop:
+                    continue
+                blocks.extend(band_blocks((qs.start, qs.stop), (ks.start, ks.stop), qs.local, ks.local, window, batch))
         steps.append(tuple(blocks))
     return steps
 

@@ -30,6 +30,7 @@ from .comm import Ring, check_same_across_ranks, group_size_rank
 from .kernels import BlockKernel
 from .ring import ring_attention
 from .schedule import Schedule
+from .windows import MaskPlan, masked_attention
 
 __all__ = ["all_to_all", "kv_replication", "ulysses_attention"]
 
@@ -127,6 +128,7 @@ def ulysses_attention(
     dropout_p: float = 0.0,
     attn_mask: Tensor | None = None,
     schedule: Schedule | None = None,
+    mask: MaskPlan | None = None,
     softcap: float | None = None,
     sinks: Tensor | None = None,
 ) -> Tensor:
@@ -150,6 +152,8 @@ def ulysses_attention(
         schedule: packed documents: the ring schedule of this rank's ring position over the rows
             of that position's whole shard (what the all-to-all gathers: the ``U`` pieces of the
             Ulysses group end to end), one step per ring rank; ``hf_ring.shard_batch`` makes it.
+        mask: a sliding window or chunked attention (``hf_ring.ops.windows.mask_plan`` of this rank's
+            ring position over the batch's layout), instead of ``schedule``.
         softcap, sinks: as for ``ring_attention``; ``sinks [Hq]`` is cut to this rank's ``Hq / U`` heads
             (its gradient is zero for the other heads on this rank, and summed over the grid with
             every other parameter's gradient); per-row ``sinks [B, S_local, Hq]`` go through the
@@ -187,6 +191,13 @@ def ulysses_attention(
         sinks = all_to_all(sinks, ulysses_group, scatter_dim=2, gather_dim=1)
     elif sinks is not None:
         raise ValueError(f"ulysses_attention: sinks must be [Hq] or [B, S, Hq], got {tuple(sinks.shape)}")
+    if mask is not None:
+        if dropout_p or attn_mask is not None or schedule is not None or not causal:
+            raise ValueError("ulysses_attention: a mask plan takes no dropout_p, attn_mask or schedule, and is causal")
+        out = masked_attention(
+            ql, kl, vl, mask, ring=ring, softmax_scale=softmax_scale, backend=backend, softcap=softcap, sinks=sinks
+        )
+        return all_to_all(out, ulysses_group, scatter_dim=1, gather_dim=2)
     out = ring_attention(
         ql,
         kl,

@@ -8,18 +8,29 @@ run on -- with Ulysses (``ulysses_size > 1``), its Ulysses and ring groups, and 
 ``hf_ring.ops.ulysses.ulysses_attention`` --, and the call is counted on it for the loss's "ring
 attention never ran" guard. Everything
 it cannot compute exactly raises ``RingNotSupported`` (``support.py`` says what and why).
+
+Sliding windows and chunked attention come from the model's own mask: transformers builds each
+layer's mask through the mask function registered for "ring" (``ring_mask``), and its
+``create_sliding_window_causal_mask`` / ``create_chunked_causal_mask`` pass the window or chunk
+they apply as ``local_size`` (read against ``config.sliding_window`` / ``attention_chunk_size``);
+``create_causal_mask`` passes none. The ``RingMask`` handed to the layer carries it, and the call
+runs ``hf_ring.ops.windows.masked_attention`` with the batch's plan for it (``mask_plan``, once per
+batch and mask). A config field the mask ignores is ignored, as SDPA ignores it.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..ops.layout import sequence_layout
 from ..ops.ring import ring_attention
 from ..ops.ulysses import ulysses_attention
+from ..ops.windows import MaskPlan, mask_plan, masked_attention
 from ..parallel import context_parallel_state, default_group
 from .context import RingContext
 from .support import RingMaskUsed, RingNotSupported, check_layer
@@ -35,11 +46,19 @@ _MASK_USED = (
 
 class RingMask:
     """What the ring mask function hands the model instead of an ``[N, N]`` mask: "causal over
-    global positions, no padding". The attention function accepts nothing else; any other use of
-    it (as a tensor, sliced, its ``.dtype``) raises ``RingNotSupported``."""
+    global positions, no padding", with the model's sliding ``window`` (keys ``i - W < j <= i``) or
+    attention ``chunk`` when its mask applies one (``unknown``: why a local mask of ``local_size``
+    tokens could not be read). The attention function accepts nothing else; any other use of it
+    (as a tensor, sliced, its ``.dtype``) raises ``RingNotSupported``."""
+
+    def __init__(
+        self, window: int | None = None, chunk: int | None = None, local_size: int = 0, unknown: str | None = None
+    ) -> None:
+        self.window, self.chunk, self.local_size, self.unknown = window, chunk, local_size, unknown
 
     def __repr__(self) -> str:
-        return "RingMask(causal over global positions)"
+        extra = f", window={self.window}" if self.window else f", chunk={self.chunk}" if self.chunk else ""
+        return f"RingMask(causal over global positions{extra})"
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -59,12 +78,23 @@ class RingMask:
 RING_MASK = RingMask()
 
 
-def ring_mask(*, attention_mask: Tensor | None = None, **_: Any) -> RingMask:
+def ring_mask(
+    *,
+    attention_mask: Tensor | None = None,
+    local_size: int | None = None,
+    config: Any = None,
+    use_vmap: bool = False,
+    **_: Any,
+) -> RingMask:
     """Mask function registered for "ring": never builds an ``O(N^2)`` mask.
 
     Raises on a padding mask: a 2D mask must reach the model through ``hf_ring.shard_batch``, which
     handles right padding exactly (and passes no mask). ``mask_function`` is ignored on purpose:
-    transformers reads zigzag ``position_ids`` as packed documents.
+    transformers reads zigzag ``position_ids`` as packed documents. ``local_size`` (passed by
+    transformers' sliding-window and chunked mask builders) names the window or chunk, told apart
+    by the config field it equals; a local mask with the model's own extra mask functions
+    (``use_vmap``), or one that equals both fields or neither, is marked unknown (refused by the
+    attention function when it is shorter than the sequence).
     """
     if attention_mask is not None and not bool(attention_mask.all()):
         raise RingNotSupported(
@@ -72,7 +102,23 @@ def ring_mask(*, attention_mask: Tensor | None = None, **_: Any) -> RingMask:
             "through hf_ring.shard_batch, which handles right padding exactly and drops the mask; "
             "left padding is not supported."
         )
-    return RING_MASK
+    if local_size is None:
+        return RING_MASK
+    window, chunk = getattr(config, "sliding_window", None), getattr(config, "attention_chunk_size", None)
+    if use_vmap:
+        return _local_mask(None, None, local_size, "the model adds mask functions of its own to it")
+    if local_size == window and local_size != chunk:
+        return _local_mask(local_size, None, local_size)
+    if local_size == chunk and local_size != window:
+        return _local_mask(None, local_size, local_size)
+    return _local_mask(
+        None, None, local_size, "it is neither config.sliding_window nor config.attention_chunk_size (or both)"
+    )
+
+
+@functools.cache
+def _local_mask(window: int | None, chunk: int | None, local_size: int, unknown: str | None = None) -> RingMask:
+    return RingMask(window, chunk, local_size, unknown)
 
 
 _UNSUPPORTED = {
@@ -116,7 +162,7 @@ def ring_attention_forward(
             f'attn_implementation="ring" does not support attention dropout (dropout={dropout} while '
             "training); set config.attention_dropout = 0.0."
         )
-    if attention_mask is not None and attention_mask is not RING_MASK:
+    if attention_mask is not None and not isinstance(attention_mask, RingMask):
         raise RingNotSupported(
             f'attn_implementation="ring" got an attention mask it did not prepare ({type(attention_mask).__name__}); '
             "it applies the causal mask over global positions itself. Pass the batch through "
@@ -139,7 +185,9 @@ def ring_attention_forward(
         ulysses = (cp.ulysses_group, cp.ring_group) if cp is not None and cp.ulysses_size > 1 else None
     labelled = ring_context.labelled if ring_context is not None else False
     given = ring_context.positions_given if ring_context is not None else True
-    check_layer(module, kwargs, query.shape[2] * size, labelled, size, given, ring_context is not None)
+    n_global = query.shape[2] * size
+    mask = attention_mask if isinstance(attention_mask, RingMask) else None
+    check_layer(module, kwargs, n_global, labelled, size, given, ring_context is not None, mask=mask)
     if ring_context is not None:  # Llama 4's NoPE temperature from global positions
         query = global_temperature(module, query, ring_context)
     device = query.device.type
@@ -153,6 +201,7 @@ def ring_attention_forward(
         d = max(d_qk, d_v)
         query, key, value = (F.pad(t, (0, d - t.shape[-1])) for t in (query, key, value))
     causal = module.is_causal if is_causal is None else is_causal
+    plan = _mask_plan(mask, n_global, causal, ring_context, query.shape[0], query.shape[2], size)
     softcap, sinks = kwargs.get("softcap"), _sinks(kwargs, query.shape[1], query.shape[2])
     if ring_context is not None and not _in_backward():
         ring_context.attention_calls += 1  # forward calls only: a checkpoint recompute does not count
@@ -161,14 +210,44 @@ def ring_attention_forward(
         if ulysses is not None:
             out = ulysses_attention(
                 q, k, v, ulysses_group=ulysses[0], ring_group=ulysses[1], causal=causal, softmax_scale=scaling,
-                schedule=schedule, softcap=softcap, sinks=sinks,
+                schedule=schedule if plan is None else None, mask=plan, softcap=softcap, sinks=sinks,
             )  # fmt: skip
+        elif plan is not None:
+            out = masked_attention(q, k, v, plan, group=group, softmax_scale=scaling, softcap=softcap, sinks=sinks)
         else:
             out = ring_attention(
                 q, k, v, group=group, causal=causal, softmax_scale=scaling, schedule=schedule, softcap=softcap,
                 sinks=sinks,
             )  # fmt: skip
     return (out[..., :d_v] if d_v != d_qk else out), None
+
+
+def _mask_plan(
+    mask: RingMask | None, n_global: int, causal: bool, ctx: RingContext | None, batch: int, s_local: int, size: int
+) -> MaskPlan | None:
+    """The batch's plan for the window or chunk of ``mask`` (``None``: plain causal attention, also for
+    windows and chunks no shorter than the sequence)."""
+    window = mask.window if mask is not None and mask.window and mask.window < n_global else None
+    chunk = mask.chunk if mask is not None and mask.chunk and mask.chunk < n_global else None
+    if window is None and chunk is None:
+        return None
+    if not causal:
+        raise RingNotSupported(
+            'attn_implementation="ring" computes sliding windows and chunks of causal attention only; this layer '
+            "is bidirectional."
+        )
+    if ctx is None:
+        if size > 1:  # without the layout the documents and the shard's positions are unknown
+            raise RingNotSupported(
+                f'attn_implementation="ring": this layer slides over {window or chunk} tokens; at CP > 1 the ring '
+                "computes that from the batch's layout. Pass the batch through hf_ring.shard_batch."
+            )
+        return mask_plan(sequence_layout(s_local, 1), batch, 0, window=window, chunk=chunk)
+    ring_pos = ctx.rank // ctx.ulysses_size
+    return ctx.cached(
+        ("mask", window, chunk, batch),
+        lambda: mask_plan(ctx.layout, batch, ring_pos, window=window, chunk=chunk),
+    )
 
 
 def _sinks(kwargs: dict[str, Any], heads: int, rows: int) -> Tensor | None:

@@ -9,13 +9,15 @@ raises ``RingNotSupported`` -- naming the model, the reason and the alternative 
   and other linear attention, short convolutions, RG-LRU, ...) that have no context-parallel form
   (``mixers.FAMILIES`` routes the rest): they would run on the local zigzag shard as if it were a
   contiguous sequence; routed ones need the batch's ``ring_context``;
-- restrictions that live only in the mask or in the model (a sliding window or chunked attention
-  shorter than the sequence; Llama 4's NoPE temperature tuning on a shard made by hand -- with the
-  batch's ``ring_context`` it is computed from global positions, ``temperature.py``);
+- restrictions that live only in the model, or in a mask the ring cannot read (a sliding window or
+  chunked attention that the model's own mask does not state -- the ring computes the ones
+  transformers' mask functions apply, ``_check_mask`` --; Llama 4's NoPE temperature tuning on a
+  shard made by hand -- with the batch's ``ring_context`` it is computed from global positions,
+  ``temperature.py``);
 - the MoE router's auxiliary loss with a nonzero coefficient in models whose loss ``router.py``
   does not compute over the CP group, or on a shard made by hand (no ``ring_context``);
-- dropout, additive bias, KV-cache decoding, dynamic RoPE (logit soft-capping and attention sinks
-  are computed exactly inside the ring).
+- dropout, additive bias, KV-cache decoding, dynamic RoPE; a window on a non-causal layer (logit
+  soft-capping and attention sinks are computed exactly inside the ring, windowed layers included).
 
 ``check_layer`` also refuses, at CP > 1, causal LMs that compute their loss themselves (hf_ring sums
 the loss over the CP group through transformers' loss registry), and RoBERTa-style models that
@@ -154,6 +156,59 @@ def _mask_window(module: nn.Module, config: Any) -> int | None:
     return window
 
 
+def _check_mask(module: nn.Module, config: Any, name: str, kwargs: dict[str, Any], n_global: int, mask: Any) -> None:
+    """Refuse a window or chunk the ring cannot take from the model's own mask.
+
+    The model's mask is the truth (its SDPA and eager paths apply nothing else): a config field such
+    as ``sliding_window`` that the mask ignores is ignored (moshi), and a window the mask applies is
+    computed. Refused: a layer that passes ``sliding_window=`` to the attention function but whose
+    mask applies another window (flash-attn would apply the keyword, SDPA the mask), a chunked layer
+    whose mask has no chunks, a local mask the ring cannot name, and -- without the mask (a shard
+    made by hand, a model that builds no mask) -- any window or chunk shorter than the sequence.
+    """
+    kw = kwargs.get("sliding_window")
+    chunk = getattr(config, "attention_chunk_size", None)
+    chunked = _layer_type(module, config) == "chunked_attention" and isinstance(chunk, int) and chunk < n_global
+    if mask is None:
+        window = kw if kw is not None else (_mask_window(module, config) if config is not None else None)
+        if window is not None and window < n_global:
+            raise RingNotSupported(
+                f'attn_implementation="ring": this {name} layer has a sliding window of {window} tokens, shorter '
+                f"than the sequence ({n_global}), and the ring did not make its mask (a shard made by hand, or a "
+                "model that builds no mask through transformers' mask functions), so it cannot tell which "
+                "window the model applies. Pass the batch through hf_ring.shard_batch, or set "
+                "config.sliding_window = None (Mistral) / config.use_sliding_window = False (Qwen2) to train "
+                "with full attention."
+            )
+        if chunked:
+            raise RingNotSupported(
+                f'attn_implementation="ring": this {name} layer attends within chunks of {chunk} tokens '
+                f"(attention_chunk_size), shorter than the sequence ({n_global}), and the ring did not make its "
+                "mask. Pass the batch through hf_ring.shard_batch, or set "
+                f"config.attention_chunk_size >= {n_global}."
+            )
+        return
+    if mask.unknown is not None and mask.local_size < n_global:
+        raise RingNotSupported(
+            f'attn_implementation="ring": this {name} layer\'s mask is local over {mask.local_size} tokens, '
+            f"shorter than the sequence ({n_global}), but {mask.unknown}, so the ring cannot compute it exactly. "
+            "Keep sequences within that length, or train with cp_size=1 and another attn_implementation."
+        )
+    if kw is not None and kw < n_global and kw != mask.window:
+        raise RingNotSupported(
+            f'attn_implementation="ring": this {name} layer passes sliding_window={kw} to the attention function '
+            f"but its mask applies {f'a window of {mask.window}' if mask.window else 'no window'}; the model "
+            "computes different attention with flash-attn and with SDPA, so the ring cannot tell which is meant. "
+            "Set config.sliding_window to the window the model should apply, or None."
+        )
+    if chunked and mask.chunk != chunk:
+        raise RingNotSupported(
+            f'attn_implementation="ring": this {name} layer is a chunked-attention layer (chunks of {chunk} '
+            "tokens) but its mask has no chunks, so the ring cannot tell which attention is meant. Set "
+            f"config.attention_chunk_size >= {n_global}."
+        )
+
+
 def _check_mixers(name: str, modeling_module: str, mixers: tuple[str, ...], context: bool) -> None:
     """Mixers routed through their context-parallel form (``mixers.FAMILIES``) are exact on batches from
     ``shard_batch``; any other mixer class is refused."""
@@ -205,6 +260,7 @@ def check_layer(
     cp_size: int,
     positions_given: bool = True,
     context: bool = True,
+    mask: Any = None,
 ) -> None:
     """Raise ``RingNotSupported`` if this attention call cannot be computed exactly by the ring.
 
@@ -212,7 +268,11 @@ def check_layer(
     arguments it passed (``sliding_window``, ``softcap``, ``output_router_logits``, ...);
     ``n_global``: the whole sequence's length; ``labelled``: the batch computes a loss;
     ``positions_given``: the batch came with its own ``position_ids`` (or from no ``shard_batch``);
-    ``context``: the call carries the batch's ``ring_context`` (hybrid mixers need its layout).
+    ``context``: the call carries the batch's ``ring_context`` (hybrid mixers need its layout);
+    ``mask``: what the model's own mask function applies, as the ring's mask function read it (an
+    object with ``window``, ``chunk``, ``unknown``: ``attention.RingMask``), ``None`` when the model
+    made no mask through it (windows and chunks shorter than the sequence are then refused), or
+    ``"static"`` (``check_model``: not known before the forward, not checked).
     """
     config = getattr(module, "config", None)
     name = model_name(config)
@@ -232,23 +292,8 @@ def check_layer(
             "position_ids, and shard_batch would pass 0, 1, 2, ... instead. Pass the position_ids the model "
             "uses (padding_idx + 1 + offset) in the batch to shard_batch."
         )
-    window = kwargs.get("sliding_window")
-    if window is None and config is not None:
-        window = _mask_window(module, config)
-    if window is not None and window < n_global:
-        raise RingNotSupported(
-            f'attn_implementation="ring" computes full causal attention, but this {name} layer has a sliding '
-            f"window of {window} tokens, shorter than the sequence ({n_global}). Set "
-            "config.sliding_window = None (Mistral) or config.use_sliding_window = False (Qwen2/Qwen3) "
-            "to train with full attention, or keep sequences within the window."
-        )
-    chunk = getattr(config, "attention_chunk_size", None)
-    if _layer_type(module, config) == "chunked_attention" and isinstance(chunk, int) and chunk < n_global:
-        raise RingNotSupported(
-            f'attn_implementation="ring" computes full causal attention, but this {name} layer attends within '
-            f"chunks of {chunk} tokens (attention_chunk_size), shorter than the sequence ({n_global}). Set "
-            f"config.attention_chunk_size >= {n_global}, or keep sequences within one chunk."
-        )
+    if mask != "static":
+        _check_mask(module, config, name, kwargs, n_global, mask)
     floor = getattr(config, "floor_scale", None)
     if (
         getattr(config, "attn_temperature_tuning", False)
@@ -345,8 +390,9 @@ def check_model(model: nn.Module, cp_size: int, seq_len: int = 0, labelled: bool
     would refuse at the first forward, found when the model is handed over (``RingTrainer``) or, on
     the meta device, before its weights load (the recipe runner).
 
-    ``seq_len``: the longest sequence the run will see (0: unknown, length-dependent checks such as
-    a sliding window shorter than the sequence are left to the forward); ``labelled``: it trains on
+    ``seq_len``: the longest sequence the run will see (0: unknown, length-dependent checks are left
+    to the forward; sliding windows and chunks, which the ring reads from the model's mask, are
+    always left to the forward); ``labelled``: it trains on
     a loss. The keyword arguments a layer would pass are taken from the module (``sliding_window``)
     and its config (``output_router_logits``).
     """
@@ -358,4 +404,4 @@ def check_model(model: nn.Module, cp_size: int, seq_len: int = 0, labelled: bool
             "sliding_window": getattr(module, "sliding_window", None),
             "output_router_logits": getattr(config, "output_router_logits", False),
         }
-        check_layer(module, kwargs, seq_len, labelled, cp_size)
+        check_layer(module, kwargs, seq_len, labelled, cp_size, mask="static")

@@ -1,0 +1,222 @@
+"""Layer masks over a sharded sequence, exact: sliding windows and chunked attention.
+
+A sliding window of ``W`` keys lets query ``i`` see keys ``i - W < j <= i`` of its own document
+(transformers' ``sliding_window_causal_mask_function``; flash-attn's ``window_size=(W - 1, 0)``).
+Chunked attention (Llama 4) lets it see the earlier keys of its own chunk of ``C`` positions,
+counted from the document's start (positions do not restart at a chunk). Both run on the batch's
+layout (``ShardLayout``, ring level: the rows a ring position holds) by one of two routes, which
+``mask_plan`` picks from the layout alone (every rank picks the same):
+
+- **border** (the mask reaches back ``R = W - 1`` or ``C - 1`` rows, at most a zigzag chunk): the
+  ring does not turn. Each rank fetches the ``R`` rows of K/V that precede each run of its rows
+  (``exchange.halo_plan``: one all-to-all, its backward sends dK/dV of those rows home) and attends
+  locally, one band block per run and one per run's border. Communication is ``O(R)`` rows per run,
+  flat in the sequence length::
+
+      P = 2, chunks c0 c1 c2 c3, W - 1 <= |chunk|: rank 0 holds [c0 | c3], rank 1 [c1 | c2]
+      rank 0 fetches the last W - 1 rows of c2 (for c3); rank 1 those of c0 (c1) and c1 (c2)
+
+- **ring** (longer reach): the zigzag ring with the schedule cut to the mask (``layout_schedule``
+  with ``window``; chunked attention is the layout cut at the chunk boundaries,
+  ``schedule.chunk_layout``): blocks outside the band make no call, blocks across its edge carry
+  it to the kernel, and the ring stops after the last step in which some rank has a call.
+
+This module imports only torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .comm import Ring
+from .exchange import Halo, halo_plan, tie
+from .kernels import BlockKernel, get_kernel
+from .layout import ShardLayout
+from .ring import _check_extras, _RingAttention, ring_attention
+from .schedule import Block, Layout, Schedule, band_blocks, band_schedule, chunk_layout, layout_schedule, trim_steps
+
+__all__ = ["ROUTES", "MaskPlan", "mask_plan", "masked_attention", "ring_level"]
+
+ROUTES = ("auto", "border", "ring")
+
+
+@dataclass(frozen=True, eq=False)
+class MaskPlan:
+    """How one ring position computes a masked layer for one batch (``mask_plan``).
+
+    ``route``: ``"ring"`` (``schedule``: the ring steps) or ``"border"`` (``halo``: the rows fetched
+    before each run; ``blocks``: the local calls, rows of the ``[B * S]`` local rows followed by the
+    fetched rows). ``window``/``chunk``: the mask it computes.
+    """
+
+    window: int | None
+    chunk: int | None
+    route: str
+    schedule: Schedule | None = None
+    halo: Halo | None = None
+    blocks: tuple[Block, ...] = ()
+
+    @property
+    def sent_rows(self) -> int:
+        """K/V rows this rank sends to other ranks per forward on the border route (the backward
+        sends as many rows of dK/dV back); 0 on the ring route (see ``schedule``)."""
+        return self.halo.plan.sent_rows if self.halo is not None else 0
+
+
+def ring_level(layout: ShardLayout) -> ShardLayout:
+    """``layout`` as the ring sees it: ``R`` ranks, each with its ring position's whole shard (what
+    the Ulysses all-to-all gathers: the ``U`` pieces end to end)."""
+    if layout.ulysses == 1:
+        return layout
+    return ShardLayout(
+        layout.n, layout.ring, 1, layout.local * layout.ulysses, layout.rows, layout.starts, layout.packed
+    )
+
+
+def _chunked(layout: ShardLayout, chunk: int) -> ShardLayout:
+    """``layout`` (ring level) with every document cut into pieces of ``chunk`` positions."""
+    rows, starts = [], []
+    for i, row in enumerate(layout.rows):
+        cut, pieces = chunk_layout(row, list(layout.starts[i if len(layout.starts) > 1 else 0]), chunk)
+        rows.append(cut)
+        starts.append(tuple(pieces))
+    return ShardLayout(layout.n, layout.ring, 1, layout.local, tuple(rows), tuple(starts), layout.packed)
+
+
+def _ring_schedule(rows: tuple[Layout, ...], rank: int, window: int | None) -> Schedule:
+    size = len(rows[0])
+
+    def one(layout: Layout, r: int, batch: tuple[int, int] | None) -> Schedule:
+        return band_schedule(layout, r, batch, window) if window is not None else layout_schedule(layout, r, batch)
+
+    every = []
+    for r in range(size):
+        if len(rows) == 1:
+            every.append(one(rows[0], r, None))
+            continue
+        per_row = [one(layout, r, (i, i + 1)) for i, layout in enumerate(rows)]
+        every.append([tuple(b for row in per_row for b in row[s]) for s in range(size)])
+    return trim_steps(every)[rank]
+
+
+def mask_plan(
+    layout: ShardLayout,
+    batch: int,
+    ring_pos: int,
+    *,
+    window: int | None = None,
+    chunk: int | None = None,
+    route: str = "auto",
+) -> MaskPlan:
+    """The plan of ring position ``ring_pos`` for a layer with a sliding ``window`` (keys
+    ``i - W < j <= i``) and/or attention ``chunk``s, over ``batch`` rows laid out as ``layout``
+    (``hf_ring.shard_batch``'s; with Ulysses, the plan is over the ring level).
+
+    ``route="auto"``: ``"border"`` when the mask reaches back at most one zigzag chunk
+    (``min(W, C) - 1 <= S_ring / 2``) and there is a ring, else ``"ring"``. Computed once per batch
+    and mask (``RingContext.cached``); every rank derives the same route.
+    """
+    if route not in ROUTES:
+        raise ValueError(f"mask_plan: unknown route {route!r}; choose one of {ROUTES}")
+    for name, w in (("window", window), ("chunk", chunk)):
+        if w is not None and (not isinstance(w, int) or w < 1):
+            raise ValueError(f"mask_plan: {name} must be a positive int or None, got {w!r}")
+    lay = ring_level(layout)
+    if chunk is not None:
+        lay = _chunked(lay, chunk)
+    reach = min((w - 1 for w in (window, chunk) if w is not None), default=None)
+    if route == "auto":
+        border = reach is not None and lay.ring > 1 and reach <= lay.local // 2
+        route = "border" if border else "ring"
+    if route == "ring":
+        return MaskPlan(window, chunk, "ring", schedule=_ring_schedule(lay.rows, ring_pos, window))
+    if reach is None:
+        raise ValueError("mask_plan: the border route needs a window or a chunk")
+    halo = halo_plan(lay, batch, ring_pos, reach)
+    base = batch * lay.local  # fetched rows follow the local ones
+    blocks = []
+    for i, run in enumerate(halo.runs):
+        q = (run.start, run.start + run.length)
+        flat = run.row * lay.local + run.local
+        fetched = halo.offsets[i + 1] - halo.offsets[i]
+        blocks += band_blocks(q, (run.start - fetched, run.start), flat, base + halo.offsets[i], window)
+        blocks += band_blocks(q, q, flat, flat, window)
+    return MaskPlan(window, chunk, "border", halo=halo, blocks=tuple(blocks))
+
+
+class _OneRank:
+    """The ring of the border route's local step: one rank, never a channel."""
+
+    size, rank, group = 1, 0, None
+
+    def channel(self, tag: int = 0) -> None:  # pragma: no cover - one step opens no channel
+        raise RuntimeError("the border route has no ring channel")
+
+
+def masked_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    plan: MaskPlan,
+    *,
+    group: dist.ProcessGroup | None = None,
+    ring: Ring | None = None,
+    softmax_scale: float | None = None,
+    backend: str | BlockKernel = "auto",
+    softcap: float | None = None,
+    sinks: Tensor | None = None,
+) -> Tensor:
+    """Attention of this rank's rows under ``plan``'s mask (``mask_plan`` of this ring position).
+
+    ``q: [B, S, Hq, D]``, ``k, v: [B, S, Hkv, D]``: this ring position's rows (with Ulysses: after
+    the all-to-all). ``group``/``ring``: the ring (group) the plan was made for. ``softcap`` and
+    ``sinks`` (``[Hq]`` or ``[B, S, Hq]``) as for ``ring_attention``, on either route: the cap goes to
+    every block kernel call, the sinks join each row's merged softmax once. Returns ``[B, S, Hq, D]``
+    in ``q``'s dtype, differentiable in ``q``, ``k``, ``v`` (and ``sinks``); collective over the ring
+    on either route.
+    """
+    if ring is None:
+        ring = Ring(group)
+    elif group is not None:
+        raise ValueError("masked_attention: pass group or ring, not both")
+    cap = _check_extras(q, softcap, sinks)
+    if isinstance(backend, str):  # a kernel that takes the band when the plan has banded blocks
+        blocks = plan.blocks if plan.route == "border" else [b for step in plan.schedule or () for b in step]
+        band = any(b.window is not None for b in blocks)
+        backend = get_kernel(backend, q.device, q.dtype, softcap=bool(cap), window=band)
+    if plan.route == "ring":
+        return ring_attention(
+            q,
+            k,
+            v,
+            ring=ring,
+            softmax_scale=softmax_scale,
+            backend=backend,
+            schedule=plan.schedule,
+            softcap=softcap,
+            sinks=sinks,
+        )
+    if k.shape != v.shape or q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3] or q.shape[2] % k.shape[2]:
+        raise ValueError(
+            f"masked_attention expects q [B, S, Hq, D] and k, v [B, S, Hkv, D] with Hq % Hkv == 0; got q "
+            f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
+    assert plan.halo is not None
+    b, s, hq, d = q.shape
+    kernel = backend
+    if cap and not getattr(kernel, "softcap", False):
+        raise ValueError(f"masked_attention: softcap={cap} but the block kernel {kernel.name!r} has no soft-capping")
+    if sinks is not None and sinks.dim() == 3:
+        sinks = sinks.reshape(1, b * s, hq)  # per-row sinks follow the rows into the one flat block
+    scale = softmax_scale if softmax_scale is not None else 1.0 / d**0.5
+    kv = torch.cat((k, v), dim=-1)  # [B, S, Hkv, 2D]: K and V rows travel together
+    got = plan.halo.fetch(kv, ring.group)  # [M, Hkv, 2D]
+    rows = torch.cat((kv.reshape(b * s, *kv.shape[2:]), got))[None]  # [1, B * S + M, Hkv, 2D]
+    out = _RingAttention.apply(
+        q.reshape(1, b * s, hq, d), rows[..., :d], rows[..., d:], scale, [plan.blocks], kernel, _OneRank(), sinks, cap
+    )
+    return tie(out, got).view(b, s, hq, d)  # every rank runs the fetch's backward
