@@ -63,6 +63,61 @@ def real_rows(layout: ShardLayout, rank: int, batch: int) -> Tensor:
     return layout.index(batch)[rank] < layout.n
 
 
+def mixer_errors(
+    out: Tensor,
+    want: Tensor,
+    w: Tensor,
+    layout: ShardLayout,
+    rank: int,
+    batch: int,
+    inputs: list[tuple[str, Tensor, Tensor]],
+    params: list[tuple[str, Tensor, Tensor]] | None = None,
+    one_process: tuple[Tensor, list[Tensor]] | None = None,
+) -> dict:
+    """This rank's errors against a whole-sequence oracle, after ``backward`` of ``<out, w>``.
+
+    ``out [B, S_local, ...]``: this rank's output; ``want``, ``w [B, N, ...]``: the oracle's output
+    and the weights of the scalar loss; ``inputs``: (name, local leaf ``[B, S_local, ...]``, oracle
+    gradient ``[B, N, ...]``); ``params``: (name, leaf, oracle gradient), their gradients summed over
+    the CP group first. Padding rows are left out. ``one_process``: one process's output and
+    gradients (``inputs`` then ``params``) in the run's dtype, recorded as ``one_process_<name>``
+    errors against the oracle. Returns ``{"err": {name: max abs error}, "scale": {name: max abs}}``.
+    """
+    import torch.distributed as dist
+
+    real = real_rows(layout, rank, batch)
+
+    def masked(t: Tensor) -> Tensor:
+        return t * real.view(batch, -1, *([1] * (t.dim() - 2)))
+
+    (masked(out.double() * local_rows(w, layout, rank))).sum().backward()
+    err = {"out": float(masked(out.double() - local_rows(want, layout, rank)).abs().max())}
+    scale = {"out": float(want.abs().max())}
+    for name, leaf, ref in inputs:
+        err[name] = float(masked(leaf.grad.double() - local_rows(ref, layout, rank)).abs().max())
+        scale[name] = float(ref.abs().max())
+    params = params or []
+    for name, leaf, ref in params:
+        mine = leaf.grad.double().clone()
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(mine)
+        err[name] = float((mine - ref).abs().max())
+        scale[name] = float(ref.abs().max())
+    if one_process is not None:
+        base_out, base_grads = one_process
+        err["one_process_out"] = float((base_out - want).abs().max())
+        for (name, _, ref), g1 in zip([*inputs, *params], base_grads):
+            err[f"one_process_{name}"] = float((g1 - ref).abs().max())
+    return {"err": err, "scale": scale}
+
+
+def assert_within_twice_one_process(result: dict, names: tuple[str, ...]) -> None:
+    """Each error of ``result`` (from ``mixer_errors``) within 2x one process's in the same dtype."""
+    for name in names:
+        err, base, scale = result["err"][name], result["err"][f"one_process_{name}"], result["scale"][name]
+        assert err <= 2 * base + 1e-3 * scale, (name, result)
+
+
 def delta_rule_reference(
     query: Tensor,
     key: Tensor,

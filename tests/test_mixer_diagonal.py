@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from hf_ring.ops.mixers.diagonal import diagonal_plan, diagonal_recurrence
-from testkit.mixers import KINDS, documents, local_rows, make_layout, real_rows
+from testkit.mixers import KINDS, assert_within_twice_one_process, documents, local_rows, make_layout, mixer_errors
 from testkit.spawn import run_ranks
 
 D = 7
@@ -55,19 +55,8 @@ def diagonal_errors(kind: str, ulysses: int, dtype: str) -> dict:
     dt = getattr(torch, dtype)
     leaves = [local_rows(t, layout, rank).to(dt).requires_grad_() for t in xs]
     out = diagonal_recurrence(*leaves, diagonal_plan(layout, batch, rank), None).to(dt)
-    mask = real_rows(layout, rank, batch)[..., None]
-    (out.double() * local_rows(w, layout, rank) * mask).sum().backward()
-    err = {"out": float(((out.double() - local_rows(want, layout, rank)) * mask).abs().max())}
-    scale = {"out": float(want.abs().max())}
-    for name, leaf, ref in zip(NAMES, leaves, grads):
-        err[name] = float(((leaf.grad.double() - local_rows(ref, layout, rank)) * mask).abs().max())
-        scale[name] = float(ref.abs().max())
-    if dtype != "float64":
-        base_out, base_grads = oracle(xs, w, layout, dt)
-        err["one_process_out"] = float((base_out - want).abs().max())
-        for name, g1, ref in zip(NAMES, base_grads, grads):
-            err[f"one_process_{name}"] = float((g1 - ref).abs().max())
-    return {"err": err, "scale": scale}
+    base = oracle(xs, w, layout, dt) if dtype != "float64" else None
+    return mixer_errors(out, want, w, layout, rank, batch, list(zip(NAMES, leaves, grads)), one_process=base)
 
 
 CASES = [(1, 1), (2, 1), (3, 1), (4, 1), (4, 2)]
@@ -83,5 +72,4 @@ def test_diagonal_recurrence_matches_each_document_alone(world: int, ulysses: in
 @pytest.mark.parametrize("world", [2, 4])
 def test_bf16_within_twice_one_process(world: int) -> None:
     for r in run_ranks(world, diagonal_errors, "long_and_short", 1, "bfloat16"):
-        for name in ("out", *NAMES):
-            assert r["err"][name] <= 2 * r["err"][f"one_process_{name}"] + 1e-3 * r["scale"][name], (name, r)
+        assert_within_twice_one_process(r, ("out", *NAMES))

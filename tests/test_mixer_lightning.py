@@ -12,7 +12,14 @@ import torch.distributed as dist
 
 from hf_ring.ops.mixers.lightning import lightning_attention
 from hf_ring.ops.mixers.ssd import ssd_plan
-from testkit.mixers import KINDS, documents, local_rows, make_layout, real_rows
+from testkit.mixers import (
+    KINDS,
+    assert_within_twice_one_process,
+    documents,
+    local_rows,
+    make_layout,
+    mixer_errors,
+)
 from testkit.spawn import run_ranks
 
 H, DH = 3, 5
@@ -57,19 +64,8 @@ def lightning_errors(kind: str, ulysses: int, block: int, dtype: str) -> dict:
     dt = getattr(torch, dtype)
     leaves = [local_rows(t, layout, rank).to(dt).requires_grad_() for t in xs]
     out = lightning_attention(*leaves, slope.to(dt), ssd_plan(layout, batch, rank), None, block_size=block)
-    mask = real_rows(layout, rank, batch).view(batch, -1, 1, 1)
-    (out.double() * local_rows(w, layout, rank) * mask).sum().backward()
-    err = {"out": float(((out.double() - local_rows(want, layout, rank)) * mask).abs().max())}
-    scale = {"out": float(want.abs().max())}
-    for name, leaf, ref in zip(NAMES, leaves, grads):
-        err[name] = float(((leaf.grad.double() - local_rows(ref, layout, rank)) * mask).abs().max())
-        scale[name] = float(ref.abs().max())
-    if dtype != "float64":
-        base_out, base_grads = oracle(xs, slope, w, layout, dt)
-        err["one_process_out"] = float((base_out - want).abs().max())
-        for name, g1, ref in zip(NAMES, base_grads, grads):
-            err[f"one_process_{name}"] = float((g1 - ref).abs().max())
-    return {"err": err, "scale": scale}
+    base = oracle(xs, slope, w, layout, dt) if dtype != "float64" else None
+    return mixer_errors(out, want, w, layout, rank, batch, list(zip(NAMES, leaves, grads)), one_process=base)
 
 
 CASES = [(1, 1), (2, 1), (3, 1), (4, 1), (4, 2)]
@@ -85,5 +81,4 @@ def test_lightning_matches_each_document_alone(world: int, ulysses: int, kind: s
 @pytest.mark.parametrize("world", [2, 4])
 def test_bf16_within_twice_one_process(world: int) -> None:
     for r in run_ranks(world, lightning_errors, "long_and_short", 1, 16, "bfloat16"):
-        for name in ("out", *NAMES):
-            assert r["err"][name] <= 2 * r["err"][f"one_process_{name}"] + 1e-3 * r["scale"][name], (name, r)
+        assert_within_twice_one_process(r, ("out", *NAMES))
