@@ -265,41 +265,47 @@ def layout_schedule(
     """
     if window is not None:
         return trim_steps([band_schedule(layout, r, batch, window) for r in range(len(layout))])[rank]
-    size = len(layout)
     steps: Schedule = []
-    for step in range(size):
-        src = (rank - step) % size
+    for pairs in _step_pairs(layout, rank):
         blocks = []
-        for qs in layout[rank]:
-            for ks in layout[src]:
-                if ks.doc != qs.doc or ks.start >= qs.stop:
-                    continue
-                q_rows, k_rows = (qs.local, qs.local + qs.stop - qs.start), (ks.local, ks.local + ks.stop - ks.start)
-                if ks == qs:
-                    blocks.append(Block(q_rows, k_rows, causal=True, unit=0, batch=batch))
-                elif ks.stop <= qs.start:
-                    blocks.append(Block(q_rows, k_rows, causal=False, unit=0, batch=batch))
-                else:
-                    raise ValueError(f"layout_schedule: segments {qs} and {ks} overlap")
+        for qs, ks in pairs:
+            q_rows, k_rows = (qs.local, qs.local + qs.stop - qs.start), (ks.local, ks.local + ks.stop - ks.start)
+            if ks == qs:
+                blocks.append(Block(q_rows, k_rows, causal=True, unit=0, batch=batch))
+            elif ks.stop <= qs.start:
+                blocks.append(Block(q_rows, k_rows, causal=False, unit=0, batch=batch))
+            else:
+                raise ValueError(f"layout_schedule: segments {qs} and {ks} overlap")
         steps.append(tuple(blocks))
     return steps
+
+
+def _step_pairs(layout: Layout, rank: int) -> list[list[tuple[Segment, Segment]]]:
+    """Per ring step ``s`` (K/V of rank ``(rank - s) mod P`` here): the pairs (query segment of
+    ``rank``, key segment of that rank) of one document whose keys start before the queries end."""
+    size = len(layout)
+    return [
+        [
+            (qs, ks)
+            for qs in layout[rank]
+            for ks in layout[(rank - step) % size]
+            if ks.doc == qs.doc and ks.start < qs.stop
+        ]
+        for step in range(size)
+    ]
 
 
 def band_schedule(layout: Layout, rank: int, batch: tuple[int, int] | None, window: int) -> Schedule:
     """``rank``'s ring steps for ``layout`` under a sliding ``window`` (``band_blocks`` per pair of
     segments of one document), all ``P`` of them (``trim_steps`` cuts them over every rank)."""
-    size = len(layout)
-    steps: Schedule = []
-    for step in range(size):
-        src = (rank - step) % size
-        blocks = []
-        for qs in layout[rank]:
-            for ks in layout[src]:
-                if ks.doc != qs.doc or ks.start >= qs.stop:
-                    continue
-                blocks.extend(band_blocks((qs.start, qs.stop), (ks.start, ks.stop), qs.local, ks.local, window, batch))
-        steps.append(tuple(blocks))
-    return steps
+    return [
+        tuple(
+            b
+            for qs, ks in pairs
+            for b in band_blocks((qs.start, qs.stop), (ks.start, ks.stop), qs.local, ks.local, window, batch)
+        )
+        for pairs in _step_pairs(layout, rank)
+    ]
 
 
 def document_schedule(starts: list[list[int]], n: int, rank: int, size: int) -> Schedule:
