@@ -27,6 +27,14 @@ from torch import Tensor
 from .mixers import delta_rule_reference
 
 CALLS: list[tuple[str, dict]] = []  # (kernel, shapes and flags) of every call, for tests to inspect
+TRANSFORMERS_KERNELS = {  # transformers' routed name -> (the kernel's name, its package)
+    "causal_conv1d_fn": ("causal_conv1d_fn", "causal_conv1d"),
+    "torch_chunk_gated_delta_rule": ("chunk_gated_delta_rule", "fla"),
+    "chunk_kimi_delta_attention": ("chunk_kda", "fla"),
+    "mamba2_chunk_scan": ("mamba_chunk_scan_combined", "mamba_ssm"),
+    "mamba2_split_conv1d_scan_combined": ("mamba_split_conv1d_scan_combined", "mamba_ssm"),
+    "mamba_selective_scan": ("selective_scan_fn", "mamba_ssm"),
+}
 HALF_OR_FLOAT = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -294,3 +302,28 @@ def kernel_like_transformers(torch_fn: Callable, name: str, package: str) -> Cal
 
     with fake_packages():
         return use_kernel_func_from_hub_with_fallback(name, package)(torch_fn)
+
+
+@contextmanager
+def routed_kernels(modeling_module: ModuleType, kernels: str) -> Iterator[None]:
+    """Within: every function hf_ring routes in ``modeling_module`` calls ``kernels``: ``"standins"``
+    (this module's, wrapped as transformers wraps installed packages) or ``"torch"`` (transformers'
+    own torch fallbacks, undecorated), behind hf_ring's dispatchers as ``install()`` binds them."""
+    import inspect
+
+    from hf_ring.transformers import mixers
+
+    family = mixers.FAMILIES[modeling_module.__name__.removeprefix("transformers.models.")]
+    saved = []
+    for name, route in family.functions.items():
+        torch_fn = inspect.unwrap(mixers.original(modeling_module, name))  # transformers' torch fallback
+        kernel = torch_fn if kernels == "torch" else kernel_like_transformers(torch_fn, *TRANSFORMERS_KERNELS[name])
+        dispatcher = mixers.ROUTES[route](kernel)
+        dispatcher.hf_ring_original = kernel  # type: ignore[attr-defined]
+        saved.append((name, getattr(modeling_module, name)))
+        setattr(modeling_module, name, dispatcher)
+    try:
+        yield
+    finally:
+        for name, fn in saved:
+            setattr(modeling_module, name, fn)
