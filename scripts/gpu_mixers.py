@@ -4,7 +4,9 @@ mamba-ssm, against transformers' torch route (a step of ``scripts/gpu_check.sh``
     python scripts/gpu_mixers.py [--max-seconds 180]   # a CUDA machine: each family whose kernels import
     CHECK_DEVICE=cpu python scripts/gpu_mixers.py      # the CPU, testkit's stand-ins as the kernels
 
-Families: Jamba (mamba-ssm's ``selective_scan_fn``), Qwen3.5 (fla's ``chunk_gated_delta_rule``),
+First the chunked loss's head-gradient accumulation (``head_gradient``: does torch's float32-output
+GEMM take it, and is it as close to float64 as the blocked product). Families: Jamba (mamba-ssm's
+``selective_scan_fn``), Qwen3.5 (fla's ``chunk_gated_delta_rule``),
 Nemotron-H (mamba-ssm's ``mamba_chunk_scan_combined``), each with causal-conv1d's
 ``causal_conv1d_fn``; a family none of whose packages imports is skipped. Two gloo ranks share the
 one GPU (NCCL refuses two ranks on one device): the collectives hf_ring makes on CUDA tensors go
@@ -180,6 +182,37 @@ def rank_step(rank: int, world: int, model_type: str, device: str) -> dict:
     return {"bad": bad, "loss": worst["loss"], "worst_grad": (top, *worst[top]), "params": len(worst) - 1}
 
 
+def head_gradient(device: str) -> bool:
+    """The chunked loss's head-gradient accumulation (``ops.cross_entropy._add_product``) on ``device``:
+    whether torch's float32-output GEMM takes it, and its error against float64 next to the blocked
+    product's (must be within 2x + 1e-6)."""
+    import torch
+
+    from hf_ring.ops.cross_entropy import _add_product
+
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(256, 4096, generator=g).to(device, torch.bfloat16).t()  # [V, T], as dlogits.t()
+    b = torch.randn(256, 512, generator=g).to(device, torch.bfloat16)
+    want = a.double() @ b.double()
+    fused = torch.zeros(4096, 512, device=device)
+    _add_product(fused, a, b)
+    blocked = torch.zeros(4096, 512)  # the blocked 16-bit product, on the host
+    _add_product(blocked, a.cpu(), b.cpu(), budget=2**20)
+    try:
+        torch.addmm(torch.zeros(2, 2, device=device), a[:2, :4], b[:4, :2], out_dtype=torch.float32)
+        native = "yes"
+    except Exception as e:  # noqa: BLE001
+        native = f"no ({type(e).__name__})"
+    err = [float((x.double().cpu() - want.cpu()).abs().max() / want.abs().max()) for x in (fused, blocked)]
+    ok = err[0] <= 2 * err[1] + 1e-6
+    print(
+        f"{'ok  ' if ok else 'FAIL'} chunked-loss head gradient on {device}: float32-output GEMM {native}; "
+        f"error {err[0]:.1e} (blocked bf16 product {err[1]:.1e})",
+        flush=True,
+    )
+    return ok
+
+
 @contextmanager
 def _as_installed() -> Iterator[None]:
     yield  # transformers bound the installed kernels at import; hf_ring's dispatchers wrap them
@@ -198,7 +231,7 @@ def main() -> int:
     if device == "cuda" and not torch.cuda.is_available():
         print("skipped: no CUDA device")
         return 0
-    t0, failed = time.monotonic(), False
+    t0, failed = time.monotonic(), not head_gradient(device)
     for model_type, packages in FAMILIES.items():
         have = [p for p in packages if device == "cpu" or importable(p)]
         if not have:
