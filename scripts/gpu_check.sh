@@ -7,6 +7,9 @@
 #   1. CUDA exactness: the tests skipped without CUDA (tests/test_errors.py; tests/test_kernels.py has none, and
 #      no test is parametrised over devices), then hf_ring's CUDA block kernels and its single-process ring against
 #      a float64 oracle (tests/oracle.py), and emulated ring ranks fed the right K/V blocks (out and dQ) on CUDA
+#   1b. hybrid mixers: Jamba, Qwen3.5 and Nemotron-H tiny training steps at CP = 2 (two ranks on the one GPU)
+#      through the installed fla / causal-conv1d / mamba-ssm kernels against transformers' torch route
+#      (scripts/gpu_mixers.py, its own budget: --max-seconds 180; a family whose packages do not import is skipped)
 #   2. python -m benchmarks.bench_gpu --out $OUT/gpu.jsonl (its own budget: --max-seconds 190): first the activation
 #      offload (step time of checkpointed blocks with the copies on a side stream, on the compute stream, and without
 #      offload; the side-stream step must equal the one without offload: rows gpu_offload_*, a FAIL otherwise), then
@@ -201,6 +204,10 @@ print(f"{len(passes)} passed, {len(failures)} failed in {time.perf_counter() - t
       + ("" if not failures else ": " + "; ".join(failures)))
 raise SystemExit(1 if failures else 0)
 EOF
+
+# ------------------------------------------------------------------------------------------- 1b. hybrid mixers
+step "hybrid mixers at CP=2 through fla / causal-conv1d / mamba-ssm vs the torch route" 210 \
+    "$PY" scripts/gpu_mixers.py --max-seconds 180
 
 # ------------------------------------------------------------------------------------------- 2. benchmark
 step "bench_gpu" 240 "$PY" -m benchmarks.bench_gpu --out "$OUT/gpu.jsonl" --max-seconds 190

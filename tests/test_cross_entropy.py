@@ -393,3 +393,35 @@ def test_large_vocabulary_step_stays_far_below_full_logits():
     assert peak < 2 * param_bytes + 3 * 128 * vocab * 4 + 4 * 2**20
     full_peak, _ = _step_peak(False, n // 4, vocab)  # the full path needs >= 2 logits copies
     assert full_peak > 2 * (n // 4) * vocab * 4
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_head_gradient_accumulates_in_float32_in_blocks(dtype: torch.dtype) -> None:
+    """``_add_product``: ``acc += a @ b`` in float32, in blocks of rows when the operands are 16-bit
+    (here 7 rows a block), equal to the whole product rounded as the GEMM rounds it."""
+    from hf_ring.ops.cross_entropy import _add_product
+
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(40, 9, generator=g).to(dtype).t()  # [9, 40] strided, as dlogits.t()
+    b = torch.randn(40, 6, generator=g).to(dtype)
+    acc = torch.randn(9, 6, generator=g)
+    want = acc + (a @ b).float()
+    _add_product(acc, a, b, budget=7 * 6 * (a.element_size() + 4))
+    assert (acc - want).abs().max() <= 1e-6 * want.abs().max()
+
+
+def test_bf16_head_gradient_has_no_vocab_by_hidden_temporaries(monkeypatch) -> None:
+    """The backward of a bf16 head holds the float32 head gradient and blocks of at most
+    ``PRODUCT_BLOCK_BYTES`` of the per-chunk product: no ``[V, H]`` bf16 product, no float32 copy of it."""
+    import hf_ring.ops.cross_entropy as ce
+
+    vocab, hdim, t, chunk = 8192, 256, 64, 32
+    monkeypatch.setattr(ce, "PRODUCT_BLOCK_BYTES", 2**18)  # 256 KiB blocks
+    torch.manual_seed(0)
+    head = torch.nn.Linear(hdim, vocab, bias=False).to(torch.bfloat16)
+    hidden = torch.randn(1, t, hdim, dtype=torch.bfloat16, requires_grad=True)
+    loss = chunked_causal_lm_loss(hidden, head, _labels((1, t), vocab), chunk_size=chunk)
+    with LiveTensorBytes() as mem:
+        loss.backward()
+    dw32, dw16, chunk_buffers = vocab * hdim * 4, vocab * hdim * 2, chunk * vocab * (4 + 2)
+    assert mem.peak <= dw32 + max(dw16, 2**18 + chunk_buffers) + 2**16, mem.peak

@@ -14,42 +14,21 @@ import torch
 import torch.distributed as dist
 
 import hf_ring
-from hf_ring.transformers import mixers
 from testkit import mixer_standins
 from testkit.families import causal_lm_class, tiny_config
 from testkit.models import tiny_batch
 from testkit.oracle import rel_err
 from testkit.spawn import run_ranks
 
-KERNELS = {  # transformers' name -> (fla / causal-conv1d name, package)
-    "causal_conv1d_fn": ("causal_conv1d_fn", "causal_conv1d"),
-    "torch_chunk_gated_delta_rule": ("chunk_gated_delta_rule", "fla"),
-    "chunk_kimi_delta_attention": ("chunk_kda", "fla"),
-    "mamba2_chunk_scan": ("mamba_chunk_scan_combined", "mamba_ssm"),
-    "mamba2_split_conv1d_scan_combined": ("mamba_split_conv1d_scan_combined", "mamba_ssm"),
-    "mamba_selective_scan": ("selective_scan_fn", "mamba_ssm"),
-}
 
-
-def with_standins(model_type: str) -> list[tuple]:
-    """Rebind the family's kernels to the stand-ins, as on a machine with fla and causal-conv1d."""
-    module = sys.modules[causal_lm_class(model_type).__module__]
-    family = mixers.FAMILIES[module.__name__.removeprefix("transformers.models.")]
-    saved = []
-    for name, route in family.functions.items():
-        torch_fn = mixers.original(module, name).__wrapped__  # transformers' undecorated torch fallback
-        kernel = mixer_standins.kernel_like_transformers(torch_fn, *KERNELS[name])
-        dispatcher = mixers.ROUTES[route](kernel)
-        dispatcher.hf_ring_original = kernel
-        saved.append((module, name, getattr(module, name)))
-        setattr(module, name, dispatcher)
-    return saved
+def modeling_module(model_type: str):
+    return sys.modules[causal_lm_class(model_type).__module__]
 
 
 def standin_step(model_type: str) -> dict:
-    saved = with_standins(model_type)
+    """Rebind the family's kernels to the stand-ins, as on a machine with fla, causal-conv1d and mamba-ssm."""
     mixer_standins.CALLS.clear()
-    try:
+    with mixer_standins.routed_kernels(modeling_module(model_type), "standins"):
         config = tiny_config(model_type)
         torch.manual_seed(0)
         ring = causal_lm_class(model_type)._from_config(config, attn_implementation="ring").to(torch.bfloat16)
@@ -80,9 +59,6 @@ def standin_step(model_type: str) -> dict:
             "kernels": sorted({name for name, _ in ring_calls}),
             "ref_kernels": ref_kernels,
         }
-    finally:
-        for module, name, fn in saved:
-            setattr(module, name, fn)
 
 
 @pytest.mark.parametrize(

@@ -24,6 +24,7 @@ __all__ = ["IGNORE_INDEX", "chunked_causal_lm_loss", "default_chunk_size"]
 
 IGNORE_INDEX = -100  # the label of a position without a target (transformers' convention)
 LOGITS_CHUNK_BYTES = 256 * 2**20  # float32 logits of one chunk, by default
+PRODUCT_BLOCK_BYTES = 64 * 2**20  # the head gradient's blocked product, where no fused kernel takes it
 
 
 def default_chunk_size(vocab_size: int, budget_bytes: int = LOGITS_CHUNK_BYTES) -> int:
@@ -48,6 +49,27 @@ def _cast(tensors: tuple[Tensor | None, ...], dtype: torch.dtype | None) -> tupl
     return tensors if dtype is None else tuple(t if t is None else t.to(dtype) for t in tensors)
 
 
+def _add_product(acc: Tensor, a: Tensor, b: Tensor, budget: int | None = None) -> None:
+    """``acc += a @ b`` accumulated in ``acc`` (float32) with no ``[M, N]`` temporary of the whole
+    product: float32 operands by ``addmm_``; 16-bit operands on CUDA by one GEMM that accumulates and
+    writes float32 into ``acc`` (``torch.addmm(..., out_dtype=torch.float32, out=acc)``); elsewhere (the
+    CPU, or a torch whose kernel wants ``acc`` in the operands' dtype) in blocks of rows whose 16-bit
+    product and its float32 copy take at most ``budget`` bytes."""
+    if a.dtype == acc.dtype:
+        acc.addmm_(a, b)
+        return
+    if acc.is_cuda:
+        try:
+            torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+            return
+        except (RuntimeError, TypeError, NotImplementedError):
+            pass  # refused before any work: the blocked product below
+    budget = PRODUCT_BLOCK_BYTES if budget is None else budget
+    rows = max(1, budget // max(1, b.shape[1] * (a.element_size() + acc.element_size())))
+    for lo in range(0, a.shape[0], rows):
+        acc[lo : lo + rows] += (a[lo : lo + rows] @ b).float()
+
+
 class _ChunkedLinearCE(torch.autograd.Function):
     """``sum_t CE(h_t W^T + b, y_t) * scale`` over rows ``h [T, H]`` that all have a target.
 
@@ -55,7 +77,8 @@ class _ChunkedLinearCE(torch.autograd.Function):
     recomputes each chunk's logits exactly as forward computed them. Under autocast, forward records
     the autocast dtype and both passes run the head in it, as ``F.linear`` runs in transformers' loss
     under the same autocast: the same GEMMs (the backward's three per chunk included), the same logits,
-    upcast to float32 for the softmax. The head's gradient is accumulated in float32.
+    upcast to float32 for the softmax. The head's gradient is accumulated in one float32 ``[V, H]``
+    buffer (``_add_product``: no per-chunk ``[V, H]`` product in the head's dtype nor its float32 copy).
     """
 
     @staticmethod
@@ -104,10 +127,7 @@ class _ChunkedLinearCE(torch.autograd.Function):
                 if need_h:
                     dh[s : s + n] = dlogits @ wc
                 if need_w:
-                    if dw.dtype == dlogits.dtype:
-                        dw.addmm_(dlogits.t(), x)
-                    else:
-                        dw += (dlogits.t() @ x).float()
+                    _add_product(dw, dlogits.t(), x)
                 del dlogits
         return (
             dh,

@@ -22,9 +22,33 @@ from torch import Tensor
 
 from .layout import Run, ShardLayout
 
-__all__ = ["Halo", "RowPlan", "fetch_rows", "halo_plan", "plan_rows", "tie"]
+__all__ = ["Halo", "RowPlan", "check_device", "fetch_rows", "halo_plan", "on_device", "plan_rows", "tie"]
 
 Wanted = Callable[[int], list[tuple[int, int]]]  # CP rank -> (batch row, global position) pairs, in order
+
+
+def on_device(t: Tensor, device: torch.device | str | None) -> Tensor:
+    """A plan's host-made index tensor on ``device`` (once per batch, when the plan is made): on CUDA
+    through pinned memory and an asynchronous copy, so that making it never waits for the stream; as
+    it is on the CPU or when ``device`` is ``None``."""
+    if device is None or t.device == torch.device(device):
+        return t
+    if torch.device(device).type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+def check_device(plan: torch.device, x: Tensor, what: str, maker: str) -> None:
+    """Raise unless a plan made for ``plan`` serves an input on ``x.device`` (its index tensors are there)."""
+    if plan.type != x.device.type or (plan.index is not None and plan.index != x.device.index):
+        raise ValueError(
+            f"{what}: the plan's index tensors are on {plan}, the input on {x.device}; make the plan with "
+            f"{maker}(..., device=x.device), once per batch (RingContext.cached keys it by device)"
+        )
+
+
+def _on(t: Tensor, device: torch.device) -> Tensor:
+    return t if t.device == device else t.to(device)  # a plan made for another device: one copy per call
 
 
 @dataclass(frozen=True, eq=False)
@@ -34,7 +58,9 @@ class RowPlan:
     ``send[d]``: flat indices into this rank's ``[B * S_local]`` rows that rank ``d`` wants, in the
     order ``d`` wants them (``send[rank]``: the rows it wants from itself). ``recv[s]``: how many rows
     come from rank ``s``. ``order``: where each received row goes in the output (received rows are
-    laid end to end by source rank); ``count``: rows wanted (the output's length).
+    laid end to end by source rank); ``count``: rows wanted (the output's length). ``sent``: the
+    ``send`` lists end to end (the backward's scatter). Index tensors live on the plan's device
+    (``to``): the exchange then copies nothing from the host.
     """
 
     rank: int
@@ -43,6 +69,18 @@ class RowPlan:
     recv: tuple[int, ...]
     order: Tensor
     count: int
+    sent: Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.sent is None:
+            sent = torch.cat(self.send) if self.send else torch.zeros(0, dtype=torch.long)
+            object.__setattr__(self, "sent", sent)
+
+    def to(self, device: torch.device | str | None) -> RowPlan:
+        """This plan with its index tensors on ``device`` (see ``on_device``)."""
+        send = tuple(on_device(t, device) for t in self.send)
+        order, sent = on_device(self.order, device), on_device(self.sent, device)  # type: ignore[arg-type]
+        return RowPlan(self.rank, self.size, send, self.recv, order, self.count, sent)
 
     @property
     def sent_rows(self) -> int:
@@ -80,15 +118,14 @@ def plan_rows(layout: ShardLayout, batch: int, rank: int, wanted: Wanted) -> Row
     )
 
 
-def _exchange(x: Tensor, sends: tuple[Tensor, ...], recv: tuple[int, ...], group: dist.ProcessGroup | None) -> Tensor:
+def _exchange(x: Tensor, plan: RowPlan, group: dist.ProcessGroup | None) -> Tensor:
     """Rows ``x[send[d]]`` to every rank ``d``; returns the received rows, end to end by source."""
-    feat = x.shape[1:]
-    out = x.new_empty((sum(recv), *feat))
-    if len(sends) == 1:
-        return x[sends[0].to(x.device)]
-    payload = torch.cat([x[s.to(x.device)] for s in sends]).contiguous()
+    payload = x[_on(plan.sent, x.device)]  # type: ignore[arg-type]  # the send lists end to end
+    if plan.size == 1:
+        return payload
+    out = x.new_empty((sum(plan.recv), *x.shape[1:]))
     dist.all_to_all_single(
-        out, payload, output_split_sizes=list(recv), input_split_sizes=[len(s) for s in sends], group=group
+        out, payload, output_split_sizes=list(plan.recv), input_split_sizes=[len(s) for s in plan.send], group=group
     )
     return out
 
@@ -98,16 +135,16 @@ class _FetchRows(torch.autograd.Function):
     def forward(ctx, x, plan, group):  # type: ignore[override]
         # x: (B * S_local, *F) -- this rank's rows, flattened
         ctx.plan, ctx.group, ctx.rows = plan, group, x.shape[0]
-        got = _exchange(x, plan.send, plan.recv, group)
+        got = _exchange(x, plan, group)
         out = x.new_empty((plan.count, *x.shape[1:]))
-        out[plan.order.to(x.device)] = got
+        out[_on(plan.order, x.device)] = got
         return out
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         plan: RowPlan = ctx.plan
         dev = grad.device
-        back = grad[plan.order.to(dev)]  # laid end to end by the rank that holds each row
+        back = grad[_on(plan.order, dev)]  # laid end to end by the rank that holds each row
         sizes = plan.recv
         pieces = back.split(list(sizes))
         # the reverse exchange: what we received from s goes back to s; we get back what we sent
@@ -121,7 +158,7 @@ class _FetchRows(torch.autograd.Function):
                 input_split_sizes=list(sizes), group=ctx.group,
             )  # fmt: skip
         dx = grad.new_zeros((ctx.rows, *feat))
-        dx.index_add_(0, torch.cat(plan.send).to(dev), got)
+        dx.index_add_(0, _on(plan.sent, dev), got)  # type: ignore[arg-type]
         return dx, None, None
 
 
@@ -182,8 +219,9 @@ def _halo_rows(layout: ShardLayout, batch: int, width: int, rank: int) -> list[t
     return out
 
 
-def halo_plan(layout: ShardLayout, batch: int, rank: int, width: int) -> Halo:
-    """The halo of ``width`` rows of every run of ``rank``'s local rows (all ``batch`` rows)."""
+def halo_plan(layout: ShardLayout, batch: int, rank: int, width: int, device: torch.device | str | None = None) -> Halo:
+    """The halo of ``width`` rows of every run of ``rank``'s local rows (all ``batch`` rows), its
+    index tensors on ``device`` (default: the host)."""
     if width < 0:
         raise ValueError(f"halo_plan: width must be >= 0, got {width}")
     runs = tuple(run for b in range(batch) for run in layout.runs(rank, b))
@@ -191,4 +229,4 @@ def halo_plan(layout: ShardLayout, batch: int, rank: int, width: int) -> Halo:
     for run in runs:
         offsets.append(offsets[-1] + run.start - max(run.doc_start, run.start - width))
     plan = plan_rows(layout, batch, rank, lambda r: _halo_rows(layout, batch, width, r))
-    return Halo(width, runs, tuple(offsets), plan)
+    return Halo(width, runs, tuple(offsets), plan.to(device))

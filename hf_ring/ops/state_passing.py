@@ -87,6 +87,9 @@ class StatePlan:
         slots: slots per rank in the message (the most any rank sends; ranks pad to it).
         chains: per run, the ``(rank, slot, first)`` of every earlier run of its document in global
             order (empty when ``first``).
+        incoming: the runs that ``incoming_states`` gives a state (not ``None``): those with a chain,
+            or, when ``tied``, the first run alone (a zero state; see ``incoming_states``).
+        tied: other ranks need this rank's states but none of its runs has a chain.
     """
 
     runs: tuple[Run, ...]
@@ -95,6 +98,8 @@ class StatePlan:
     slot: tuple[int, ...]
     slots: int
     chains: tuple[tuple[tuple[int, int, bool], ...], ...]
+    incoming: tuple[int, ...] = ()
+    tied: bool = False
 
 
 @functools.lru_cache(maxsize=64)
@@ -138,6 +143,8 @@ def state_plan(layout: ShardLayout, batch: int, rank: int) -> StatePlan:
             other = runs_of[r][i]
             chain.append((r, slot_of[r][i], other.start == other.doc_start))
         chains.append(tuple(chain))
+    incoming = tuple(i for i, chain in enumerate(chains) if chain)
+    tied = slots > 0 and bool(runs) and not incoming
     return StatePlan(
         runs=tuple(runs),
         first=tuple(run.start == run.doc_start for run in runs),
@@ -145,6 +152,8 @@ def state_plan(layout: ShardLayout, batch: int, rank: int) -> StatePlan:
         slot=tuple(slot_of[rank]),
         slots=slots,
         chains=tuple(chains),
+        incoming=(0,) if tied else incoming,
+        tied=tied,
     )
 
 
@@ -280,7 +289,7 @@ def incoming_states(
             state = e if first or state is None else apply(m, state) + e
             prefix[(r, s)] = state
         out.append(state)
-    if plan.runs and all(s is None for s in out):
+    if plan.tied:
         # Other ranks need this rank's states, but none of its own outputs would depend on the
         # message: its backward would skip the all-gather's all_reduce and the group would hang.
         out[0] = tie(gathered.new_zeros(e_shape), gathered)

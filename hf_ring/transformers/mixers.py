@@ -106,8 +106,8 @@ def conv_route(fn: Callable) -> Callable:
         if not _needs_cp(ctx):
             return fn(hidden_states, weight, bias, activation=activation, **kwargs)
         _check_rows(ctx, hidden_states.shape[-1], "causal_conv1d_fn")
-        b, width = hidden_states.shape[0], weight.shape[-1] - 1
-        plan = ctx.cached(("conv", b, width), lambda: conv_plan(ctx.layout, b, ctx.rank, width))
+        b, width, dev = hidden_states.shape[0], weight.shape[-1] - 1, hidden_states.device
+        plan = ctx.cached(("conv", b, width, dev), lambda: conv_plan(ctx.layout, b, ctx.rank, width, dev))
 
         def local(x: Tensor, w: Tensor, bias_: Tensor | None, activation: str | None = None) -> Tensor:
             return fn(x, w, bias_, activation=activation)
@@ -133,8 +133,8 @@ def delta_route(fn: Callable) -> Callable:
                       **kwargs)  # fmt: skip
         _no_cache(fn, initial_state is not None or output_final_state)
         _check_rows(ctx, query.shape[1], fn.__name__)
-        b = query.shape[0]
-        plan = ctx.cached(("delta", b), lambda: delta_plan(ctx.layout, b, ctx.rank))
+        b, dev = query.shape[0], query.device
+        plan = ctx.cached(("delta", b, dev), lambda: delta_plan(ctx.layout, b, ctx.rank, dev))
 
         def local(q: Tensor, k: Tensor, v: Tensor, g_: Tensor, beta_: Tensor, **kw: Any) -> tuple:
             return fn(q, k, v, g=g_, beta=beta_, **kw)
@@ -168,8 +168,8 @@ def ssd_route(fn: Callable) -> Callable:
                 "(the transformers mixers gate in their norm); run this model without context parallelism."
             )
         _check_rows(ctx, hidden_states.shape[1], fn.__name__)
-        b = hidden_states.shape[0]
-        plan = ctx.cached(("ssd", b), lambda: ssd_plan(ctx.layout, b, ctx.rank))
+        b, dev = hidden_states.shape[0], hidden_states.device
+        plan = ctx.cached(("ssd", b, dev), lambda: ssd_plan(ctx.layout, b, ctx.rank, dev))
 
         def local(x: Tensor, dt_: Tensor, a: Tensor, b_: Tensor, c: Tensor, chunk: int, **kw: Any) -> Any:
             return fn(x, dt_, a, b_, c, chunk_size=chunk, **kw)
@@ -195,8 +195,8 @@ def selective_route(fn: Callable) -> Callable:
                       return_last_state=return_last_state, **kwargs)  # fmt: skip
         _no_cache(fn, return_last_state)
         _check_rows(ctx, hidden_states.shape[-1], fn.__name__)
-        b = hidden_states.shape[0]
-        plan = ctx.cached(("selective", b), lambda: selective_plan(ctx.layout, b, ctx.rank))
+        b, dev = hidden_states.shape[0], hidden_states.device
+        plan = ctx.cached(("selective", b, dev), lambda: selective_plan(ctx.layout, b, ctx.rank, dev))
         options = {k: v for k, v in kwargs.items() if k in ("use_mambapy", "use_associative_scan")}
 
         def local(u: Tensor, dt_: Tensor, a: Tensor, b_: Tensor, c: Tensor, **kw: Any) -> Any:
@@ -241,7 +241,8 @@ def lightning_forward(forward: Callable) -> Callable:
         if mask is not None:
             qkv = sys.modules[type(self).__module__].apply_mask_to_padding_states(qkv, mask)
         q, k, v = qkv.view(b, s, h, 3 * d).split(d, dim=3)
-        plan = ctx.cached(("ssd", b), lambda: ssd_plan(ctx.layout, b, ctx.rank))
+        dev = hidden_states.device
+        plan = ctx.cached(("ssd", b, dev), lambda: ssd_plan(ctx.layout, b, ctx.rank, dev))
         out = lightning_attention(q, k, v, self.slope_rate.reshape(h), plan, ctx.group, block_size=self.block_size)
         out = self.norm(out.reshape(b, s, h * d))
         out = self.out_proj(torch.sigmoid(self.output_gate(hidden_states)) * out)
@@ -267,8 +268,8 @@ def recurrent_block_forward(forward: Callable) -> Callable:
         y = self.act_fn(self.linear_y(input_states))
         x = self.linear_x(input_states).transpose(1, 2)
         weight = self.conv_1d.weight[:, 0]
-        width = weight.shape[-1] - 1
-        plan = ctx.cached(("conv", b, width), lambda: conv_plan(ctx.layout, b, ctx.rank, width))
+        width, dev = weight.shape[-1] - 1, x.device
+        plan = ctx.cached(("conv", b, width, dev), lambda: conv_plan(ctx.layout, b, ctx.rank, width, dev))
         x = causal_conv1d(x, weight, self.conv_1d.bias, None, plan, ctx.group)
         token = _ACTIVE.set(ctx)
         try:
@@ -292,8 +293,8 @@ def rnn_scan_method(scan: Callable) -> Callable:
         if not _needs_cp(ctx):
             return scan(self, hidden_states, recurrent_gate, reset, recurrent_states, acc_dtype)
         _no_cache(scan, recurrent_states is not None)
-        b = hidden_states.shape[0]
-        plan = ctx.cached(("diagonal", b), lambda: diagonal_plan(ctx.layout, b, ctx.rank))
+        b, dev = hidden_states.shape[0], hidden_states.device
+        plan = ctx.cached(("diagonal", b, dev), lambda: diagonal_plan(ctx.layout, b, ctx.rank, dev))
         out = diagonal_recurrence(recurrent_gate * ~reset, hidden_states, plan, ctx.group)
         return out.to(hidden_states.dtype), None
 

@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..exchange import RowPlan, fetch_rows, halo_plan, tie
+from ..exchange import RowPlan, check_device, fetch_rows, halo_plan, on_device, tie
 from ..layout import ShardLayout
 
 __all__ = ["ConvPlan", "causal_conv1d", "conv_plan", "torch_causal_conv1d"]
@@ -64,7 +64,8 @@ class ConvPlan:
     ``piece``: ``[R, 2 * width]`` indices into ``cat(fetched, heads rows, one zero row)``: each
     recomputed run's ``[zeros, halo, first rows, zeros]``;
     ``dst_b``, ``dst_t``, ``src_r``, ``src_t``: output ``[dst_b, :, dst_t]`` takes the recomputed
-    ``[src_r, :, width + src_t]``.
+    ``[src_r, :, width + src_t]``. Every index tensor lives on ``device`` (``conv_plan(..., device=)``),
+    so a layer copies nothing from the host.
     """
 
     width: int
@@ -78,16 +79,20 @@ class ConvPlan:
     dst_t: Tensor
     src_r: Tensor
     src_t: Tensor
+    device: torch.device
 
 
-def conv_plan(layout: ShardLayout, batch: int, rank: int, width: int) -> ConvPlan:
-    """The plan of ``causal_conv1d`` with kernel ``width + 1`` on CP rank ``rank``."""
+def conv_plan(
+    layout: ShardLayout, batch: int, rank: int, width: int, device: torch.device | str | None = None
+) -> ConvPlan:
+    """The plan of ``causal_conv1d`` with kernel ``width + 1`` on CP rank ``rank``, its index tensors
+    on ``device`` (default: the host; make it once per batch, e.g. ``RingContext.cached``)."""
     halo = halo_plan(layout, batch, rank, width)
     plan = halo.plan
     keep = torch.unique(torch.cat(plan.send)) if plan.send else torch.zeros(0, dtype=torch.long)
     where = {int(v): i for i, v in enumerate(keep.tolist())}
     send = tuple(torch.tensor([where[int(v)] for v in s.tolist()], dtype=torch.long) for s in plan.send)
-    fetch = RowPlan(plan.rank, plan.size, send, plan.recv, plan.order, plan.count)
+    fetch = RowPlan(plan.rank, plan.size, send, plan.recv, plan.order, plan.count).to(device)
     heads: list[int] = []
     piece: list[list[int]] = []
     dst_b: list[int] = []
@@ -114,18 +119,18 @@ def conv_plan(layout: ShardLayout, batch: int, rank: int, width: int) -> ConvPla
             src_r.append(r)
             src_t.append(width + j)
 
-    def t(v: list) -> Tensor:
-        return torch.tensor(v, dtype=torch.long)
+    def t(v: list | Tensor) -> Tensor:
+        return on_device(torch.as_tensor(v, dtype=torch.long), device)
 
     return ConvPlan(
-        width=width, batch=batch, local=layout.local, keep=keep, fetch=fetch, heads=t(heads),
+        width=width, batch=batch, local=layout.local, keep=t(keep), fetch=fetch, heads=t(heads),
         piece=t(piece).view(len(piece), 2 * width), dst_b=t(dst_b), dst_t=t(dst_t), src_r=t(src_r), src_t=t(src_t),
+        device=torch.device(device or "cpu"),
     )  # fmt: skip
 
 
 def _rows(x: Tensor, flat: Tensor, local: int) -> Tensor:
     """``x [B, C, S]`` at flat rows ``b * S + t`` -> ``[len(flat), C]``."""
-    flat = flat.to(x.device)
     return x[flat // local, :, flat % local]
 
 
@@ -160,6 +165,7 @@ def causal_conv1d(
             f"causal_conv1d: input [B={b}, S={s}] with kernel {weight.shape[-1]} does not match its plan "
             f"(B={plan.batch}, S_local={plan.local}, kernel {plan.width + 1})"
         )
+    check_device(plan.device, x, "causal_conv1d", "conv_plan")
     out = conv(x, weight, bias, activation=activation)
     if plan.width == 0:
         return out
@@ -170,10 +176,10 @@ def causal_conv1d(
     if not len(plan.piece):
         return out
     src = torch.cat((fetched, _rows(x, plan.heads, s), x.new_zeros((1, c))))
-    pieces = src[plan.piece.to(x.device)].transpose(1, 2).contiguous()  # [R, C, 2w]
+    pieces = src[plan.piece].transpose(1, 2).contiguous()  # [R, C, 2w]
     fixed = conv(pieces, weight, bias, activation=activation)
-    values = fixed[plan.src_r.to(x.device), :, plan.src_t.to(x.device)]  # [F, C]
+    values = fixed[plan.src_r, :, plan.src_t]  # [F, C]
     if plan.fetch.size == 1:
         out = out.clone()
-    out[plan.dst_b.to(x.device), :, plan.dst_t.to(x.device)] = values.to(out.dtype)
+    out[plan.dst_b, :, plan.dst_t] = values.to(out.dtype)
     return out

@@ -41,10 +41,10 @@ Rule = Callable[..., tuple[Tensor, Tensor | None]]
 DeltaPlan = RunPlan
 
 
-def delta_plan(layout: ShardLayout, batch: int, rank: int) -> RunPlan:
+def delta_plan(layout: ShardLayout, batch: int, rank: int, device: torch.device | str | None = None) -> RunPlan:
     """The plan of ``delta_rule`` on CP rank ``rank`` for a batch of ``batch`` rows (runs padded
-    after their end: zero rows with ``g = beta = 0`` leave the state alone)."""
-    return run_plan(layout, batch, rank)
+    after their end: zero rows with ``g = beta = 0`` leave the state alone), on ``device``."""
+    return run_plan(layout, batch, rank, device=device)
 
 
 def delta_rule(
@@ -76,16 +76,15 @@ def delta_rule(
     hv, dk = v.shape[2], q.shape[3]
     qs, ks, vs, gs, bs = (stack_runs(t, plan) for t in (q, k, v, g, beta))
     out, ext = rule(qs, ks, vs, gs, bs, initial_state=None, output_final_state=True, **options)
-    cont = plan.cont.to(q.device)
     maps: list[Tensor | None] = [None] * len(plan.state.runs)
     q_map = None
-    if len(cont):
-        eye = torch.eye(dk, dtype=torch.float32, device=q.device).expand(len(cont), hv, dk, dk).contiguous()
-        zeros = vs.new_zeros((len(cont), plan.length, hv, dk))
-        picked = (t.index_select(0, cont) for t in (qs, ks, gs, bs))
-        qi, ki, gi, bi = picked
+    if plan.cont_runs:
+        n = len(plan.cont_runs)
+        eye = torch.eye(dk, dtype=torch.float32, device=q.device).expand(n, hv, dk, dk).contiguous()
+        zeros = vs.new_zeros((n, plan.length, hv, dk))
+        qi, ki, gi, bi = (t.index_select(0, plan.cont) for t in (qs, ks, gs, bs))
         q_map, m = rule(qi, ki, zeros, gi, bi, initial_state=eye, output_final_state=True, **options)
-        for j, i in enumerate(plan.cont.tolist()):
+        for j, i in enumerate(plan.cont_runs):
             maps[i] = m[j]
     exts: list[Tensor | None] = list(ext.unbind(0))[: len(plan.state.runs)]
     states = incoming_states(
@@ -93,18 +92,12 @@ def delta_rule(
         map_shape=(hv, dk, dk), state_shape=(hv, dk, v.shape[3]), plan=plan.state,
         dtype=torch.promote_types(q.dtype, torch.float32), device=q.device,
     )  # fmt: skip
-    fixes = [(i, s) for i, s in enumerate(states) if s is not None]
-    if fixes:
-        rows = torch.tensor([i for i, _ in fixes], dtype=torch.long, device=q.device)
-        s_in = torch.stack([s for _, s in fixes])  # [F, Hv, Dk, Dv], float32 or wider
-        where = {int(i): j for j, i in enumerate(plan.cont.tolist())}
-        picks = [where.get(i, -1) for i, _ in fixes]
-        if min(picks) < 0:  # a zero state handed to a run that begins its document (see incoming_states)
+    if plan.fixed_runs:
+        s_in = torch.stack([states[i] for i in plan.fixed_runs])  # type: ignore[misc]  # [F, Hv, Dk, Dv]
+        if plan.state.tied:  # a zero state handed to a run that begins its document (see incoming_states)
             out = tie(out, s_in)
-            keep = [j for j, p in enumerate(picks) if p >= 0]
-            rows, s_in, picks = rows[keep], s_in[keep], [picks[j] for j in keep]
-        if picks:
-            qm = q_map.index_select(0, torch.tensor(picks, dtype=torch.long, device=q.device))  # [F, L, Hv, Dk]
+        else:
+            qm = q_map.index_select(0, plan.fixed_in_cont)  # type: ignore[union-attr]  # [F, L, Hv, Dk]
             extra = torch.einsum("flhk,fhkv->flhv", qm.to(s_in.dtype), s_in)
-            out = out.index_add(0, rows, extra.to(out.dtype))
+            out = out.index_add(0, plan.fixed, extra.to(out.dtype))
     return unstack_runs(out, plan)

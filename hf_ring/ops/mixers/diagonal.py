@@ -23,9 +23,9 @@ from .runs import RunPlan, run_plan, stack_runs, unstack_runs
 __all__ = ["diagonal_plan", "diagonal_recurrence"]
 
 
-def diagonal_plan(layout: ShardLayout, batch: int, rank: int) -> RunPlan:
-    """The plan of ``diagonal_recurrence`` on CP rank ``rank`` (runs padded before their start)."""
-    return run_plan(layout, batch, rank, left=True)
+def diagonal_plan(layout: ShardLayout, batch: int, rank: int, device: torch.device | str | None = None) -> RunPlan:
+    """The plan of ``diagonal_recurrence`` on CP rank ``rank`` (runs padded before their start), on ``device``."""
+    return run_plan(layout, batch, rank, left=True, device=device)
 
 
 def diagonal_recurrence(a: Tensor, x: Tensor, plan: RunPlan, group: dist.ProcessGroup | None) -> Tensor:
@@ -49,18 +49,17 @@ def diagonal_recurrence(a: Tensor, x: Tensor, plan: RunPlan, group: dist.Process
     out = torch.stack(outs, 1)
     runs = len(plan.state.runs)
     maps: list[Tensor | None] = [None] * runs
-    if len(plan.cont):
-        total = torch.where(plan.real.to(x.device)[..., None], a_s, 1.0).prod(1)  # [R, D], padding left out
-        for i in plan.cont.tolist():
+    if plan.cont_runs:
+        total = torch.where(plan.real[..., None], a_s, 1.0).prod(1)  # [R, D], padding left out
+        for i in plan.cont_runs:
             maps[i] = total[i]
     states = incoming_states(
         plan.layout, plan.batch, plan.rank, group, maps, list(h.unbind(0))[:runs], apply_elementwise,
         map_shape=(a.shape[2],), state_shape=(a.shape[2],), plan=plan.state, dtype=wide, device=x.device,
     )  # fmt: skip
-    fixes = [(i, s) for i, s in enumerate(states) if s is not None]
-    if fixes:  # h_t += (prod_{s <= t} a_s) h_in; a zero state on a first run adds zeros
-        rows = torch.tensor([i for i, _ in fixes], dtype=torch.long, device=x.device)
-        real = plan.real.to(x.device).index_select(0, rows)[..., None]
-        decay = torch.where(real, a_s.index_select(0, rows), 1.0).cumprod(1)  # [F, L, D]
-        out = out.index_add(0, rows, decay * torch.stack([s for _, s in fixes])[:, None])
+    if plan.fixed_runs:  # h_t += (prod_{s <= t} a_s) h_in; a zero state on a first run adds zeros
+        real = plan.real.index_select(0, plan.fixed)[..., None]
+        decay = torch.where(real, a_s.index_select(0, plan.fixed), 1.0).cumprod(1)  # [F, L, D]
+        s_in = torch.stack([states[i] for i in plan.fixed_runs])  # type: ignore[misc]
+        out = out.index_add(0, plan.fixed, decay * s_in[:, None])
     return unstack_runs(out, plan)

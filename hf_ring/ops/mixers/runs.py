@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ..exchange import check_device, on_device
 from ..layout import ShardLayout
 from ..state_passing import StatePlan, state_plan
 
@@ -31,7 +32,11 @@ class RunPlan:
     ``B * S_local`` (a zero row) on padding; ``real``: ``[R, length]`` bool, the rows of a token;
     ``left``: padding before each run (else after); ``reshape``: the runs tile the local rows in
     order with one length, so ``[B, S_local] -> [R, length]`` is a view (no gather, no scatter);
-    ``cont``: the runs that do not begin their document (their incoming state is passed).
+    ``cont``: the runs that do not begin their document (their incoming state is passed);
+    ``sent``: the runs whose state a later run needs; ``fixed``: the runs that get an incoming state
+    (``state.incoming``), ``fixed_in_cont`` their places in ``cont`` (when not ``state.tied``). Each
+    list of runs comes as a tuple of ints (``*_runs``) and as an index tensor on ``device``, so a
+    layer neither reads from nor copies to the device.
     """
 
     state: StatePlan
@@ -45,10 +50,20 @@ class RunPlan:
     left: bool
     reshape: bool
     cont: Tensor
+    cont_runs: tuple[int, ...]
+    sent: Tensor
+    sent_runs: tuple[int, ...]
+    fixed: Tensor
+    fixed_runs: tuple[int, ...]
+    fixed_in_cont: Tensor
+    device: torch.device
 
 
-def run_plan(layout: ShardLayout, batch: int, rank: int, left: bool = False) -> RunPlan:
-    """The runs of CP rank ``rank`` for a batch of ``batch`` rows (padding before them if ``left``)."""
+def run_plan(
+    layout: ShardLayout, batch: int, rank: int, left: bool = False, device: torch.device | str | None = None
+) -> RunPlan:
+    """The runs of CP rank ``rank`` for a batch of ``batch`` rows (padding before them if ``left``),
+    index tensors on ``device`` (default: the host; make it once per batch, ``RingContext.cached``)."""
     plan = state_plan(layout, batch, rank)
     runs = plan.runs
     length = max((r.length for r in runs), default=1)
@@ -60,17 +75,29 @@ def run_plan(layout: ShardLayout, batch: int, rank: int, left: bool = False) -> 
     tiles = len(runs) * length == pad and all(
         r.length == length and r.row * layout.local + r.local == i * length for i, r in enumerate(runs)
     )
-    cont = torch.tensor([i for i, first in enumerate(plan.first) if not first], dtype=torch.long)
-    return RunPlan(plan, layout, rank, batch, layout.local, length, index, index < pad, left, tiles, cont)
+    cont = tuple(i for i, first in enumerate(plan.first) if not first)
+    sent = tuple(i for i, s in enumerate(plan.sent) if s)
+    fixed = plan.incoming
+    where = {r: j for j, r in enumerate(cont)}
+    in_cont = () if plan.tied else tuple(where[i] for i in fixed)
+
+    def t(v: Tensor | tuple[int, ...]) -> Tensor:
+        return on_device(torch.as_tensor(v, dtype=torch.long) if isinstance(v, tuple) else v, device)
+
+    return RunPlan(
+        plan, layout, rank, batch, layout.local, length, t(index), t(index < pad), left, tiles, t(cont), cont,
+        t(sent), sent, t(fixed), fixed, t(in_cont), torch.device(device or "cpu"),
+    )  # fmt: skip
 
 
 def stack_runs(x: Tensor, plan: RunPlan) -> Tensor:
     """``[B, S_local, *F]`` -> ``[R, length, *F]`` (zeros on padding)."""
+    check_device(plan.device, x, "stack_runs", "run_plan")
     flat = x.reshape(plan.batch * plan.local, *x.shape[2:])
     if plan.reshape:
         return flat.view(-1, plan.length, *x.shape[2:])
     flat = torch.cat((flat, flat.new_zeros((1, *x.shape[2:]))))
-    return flat[plan.index.to(x.device)]
+    return flat[plan.index]
 
 
 def unstack_runs(y: Tensor, plan: RunPlan) -> Tensor:
@@ -80,5 +107,5 @@ def unstack_runs(y: Tensor, plan: RunPlan) -> Tensor:
         return y.reshape(plan.batch, plan.local, *feat)
     rows = plan.batch * plan.local
     out = y.new_zeros((rows + 1, *feat))
-    out = out.index_put((plan.index.to(y.device).reshape(-1),), y.reshape(-1, *feat), accumulate=True)
+    out = out.index_put((plan.index.reshape(-1),), y.reshape(-1, *feat), accumulate=True)
     return out[:rows].view(plan.batch, plan.local, *feat)

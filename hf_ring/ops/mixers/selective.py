@@ -10,8 +10,13 @@ vector, and reads it with ``C``::
 So a run maps its incoming state elementwise, ``S_out = m * S_in + E`` with ``m = exp(A sum_t dt_t)``
 (``[D, N]``), and its outputs become ``y = y_E + (sum_n C_t exp(A cumsum_t dt) S_in) * silu(z_t)``.
 The installed scan (mamba-ssm's ``selective_scan_fn`` on CUDA, transformers' torch scan otherwise)
-runs each run from a zero state, giving ``y_E`` and ``E`` (the kernel takes no initial state and
-needs none); ``m`` and the correction are torch ops on the step sizes, ``A`` and ``C``.
+runs each run from a zero state and gives ``y_E`` only. Everything that carries a state to another
+run is torch autograd on the step sizes, ``A``, ``B`` and ``C``: ``m``, the outgoing state
+``E = sum_t exp(A (cumsum_L dt - cumsum_t dt)) dt_t x_t B_t`` and the outputs' correction, each in
+blocks of rows recomputed in the backward (memory flat in the run's length). So the gradients
+through the states are exact whatever the kernel does with its own last state: mamba-ssm 2.2.2 ..
+2.3.2.post1 returns one but drops its gradient (``selective_scan_interface.py``, ``backward(ctx,
+dout, *args)``), which would lose every cross-run term of du, ddt, dA, dB and delta_bias.
 ``ops.state_passing.incoming_states`` gathers every rank's ``(m, E)`` and composes each run's
 ``S_in`` over its document in global order. Runs are stacked with padding before them
 (``runs.run_plan(left=True)``): a zero row still decays the state, and a zero state decayed stays zero.
@@ -36,14 +41,14 @@ from .runs import RunPlan, run_plan, stack_runs, unstack_runs
 
 __all__ = ["selective_plan", "selective_scan"]
 
-Scan = Callable[..., tuple[Tensor, Tensor]]
+Scan = Callable[..., Tensor]
 # scan(u [N, D, L], delta [N, D, L], A [D, Ns], B [N, Ns, L], C [N, Ns, L], D=[D] | None, z=[N, D, L] | None,
-#      delta_bias=[D] | None, delta_softplus=bool, return_last_state=True) -> (y [N, D, L], last state [N, D, Ns])
+#      delta_bias=[D] | None, delta_softplus=bool, return_last_state=False) -> y [N, D, L]
 
 
-def selective_plan(layout: ShardLayout, batch: int, rank: int) -> RunPlan:
-    """The plan of ``selective_scan`` on CP rank ``rank`` (runs padded before their start)."""
-    return run_plan(layout, batch, rank, left=True)
+def selective_plan(layout: ShardLayout, batch: int, rank: int, device: torch.device | str | None = None) -> RunPlan:
+    """The plan of ``selective_scan`` on CP rank ``rank`` (runs padded before their start), on ``device``."""
+    return run_plan(layout, batch, rank, left=True, device=device)
 
 
 def _stack(x: Tensor, plan: RunPlan) -> Tensor:
@@ -51,26 +56,41 @@ def _stack(x: Tensor, plan: RunPlan) -> Tensor:
     return stack_runs(x.transpose(1, 2), plan).transpose(1, 2).contiguous()
 
 
-def _block(cum: Tensor, a: Tensor, c: Tensor, s_in: Tensor) -> Tensor:
-    """``sum_n C_t exp(A cum_t) S_in``: ``cum [F, D, l]``, ``a [D, N]``, ``c [F, N, l]``, ``s_in [F, D, N]``."""
+def _block(cum: Tensor, c: Tensor, a: Tensor, s_in: Tensor) -> Tensor:
+    """``sum_n C_t exp(A cum_t) S_in``: ``cum [F, D, l]``, ``c [F, N, l]``, ``a [D, N]``, ``s_in [F, D, N]``."""
     return torch.einsum("fnl,fdln,fdn->fdl", c, torch.exp(cum[..., None] * a[:, None, :]), s_in)
 
 
-def _correction(cum: Tensor, a: Tensor, c: Tensor, s_in: Tensor, budget: int = 1 << 26) -> Tensor:
-    """``_block`` over the whole run, in blocks of rows whose ``[F, D, rows, N]`` decay holds at most
-    ``budget`` elements, each recomputed in the backward (so the memory does not grow with the run)."""
-    f, d, length = cum.shape
-    rows = max(1, budget // max(1, f * d * a.shape[1]))
-    if rows >= length:
-        return _block(cum, a, c, s_in)
+def _state_block(tail: Tensor, du: Tensor, b: Tensor, a: Tensor) -> Tensor:
+    """``sum_t exp(A tail_t) du_t B_t`` (``[F, D, N]``): ``tail`` (the step sizes after row ``t`` to the
+    run's end) and ``du`` (``dt x``) ``[F, D, l]``, ``b [F, N, l]``, ``a [D, N]``."""
+    return torch.einsum("fdln,fdl,fnl->fdn", torch.exp(tail[..., None] * a[:, None, :]), du, b)
+
+
+def _blocked(fn: Callable[..., Tensor], rows: tuple[Tensor, ...], a: Tensor, *rest: Tensor, cat: bool,
+             budget: int = 1 << 26) -> Tensor:  # fmt: skip
+    """``fn(*rows, a, *rest)`` over the rows (last dim) of ``rows`` in blocks whose ``[F, D, rows, N]``
+    decay holds at most ``budget`` elements, each recomputed in the backward (memory flat in the run's
+    length); the blocks' results concatenated along the rows (``cat``) or summed."""
+    f, d, length = rows[0].shape
+    step = max(1, budget // max(1, f * d * a.shape[1]))
+    if step >= length:
+        return fn(*rows, a, *rest)
     parts = []
-    for lo in range(0, length, rows):
-        piece = (cum[..., lo : lo + rows], a, c[..., lo : lo + rows], s_in)
-        if torch.is_grad_enabled():
-            parts.append(checkpoint(_block, *piece, use_reentrant=False))
-        else:
-            parts.append(_block(*piece))
-    return torch.cat(parts, -1)
+    for lo in range(0, length, step):
+        piece = (*(t[..., lo : lo + step] for t in rows), a, *rest)
+        parts.append(checkpoint(fn, *piece, use_reentrant=False) if torch.is_grad_enabled() else fn(*piece))
+    return torch.cat(parts, -1) if cat else torch.stack(parts).sum(0)
+
+
+def _correction(cum: Tensor, c: Tensor, a: Tensor, s_in: Tensor, budget: int = 1 << 26) -> Tensor:
+    """``_block`` over the whole run, blocked (``_blocked``): ``[F, D, L]``."""
+    return _blocked(_block, (cum, c), a, s_in, cat=True, budget=budget)
+
+
+def _outgoing(tail: Tensor, du: Tensor, b: Tensor, a: Tensor, budget: int = 1 << 26) -> Tensor:
+    """The state leaving each run from a zero state, ``_state_block`` blocked (``_blocked``): ``[F, D, N]``."""
+    return _blocked(_state_block, (tail, du, b), a, cat=False, budget=budget)
 
 
 def selective_scan(
@@ -93,10 +113,10 @@ def selective_scan(
 
     Args:
         scan: the local kernel (see ``Scan``): transformers' ``mamba_selective_scan`` or mamba-ssm's
-            ``selective_scan_fn``.
+            ``selective_scan_fn``; asked for its outputs only (``return_last_state=False``).
         u, delta: ``[B, D, S_local]`` (``delta`` before bias and softplus); A: ``[D, N]`` (negative);
         B, C: ``[B, N, S_local]``; D: ``[D]``; z: the gate ``[B, D, S_local]``; delta_bias: ``[D]``.
-        plan: ``selective_plan(layout, B, rank)``; group: the layout's CP group.
+        plan: ``selective_plan(layout, B, rank, device=u.device)``; group: the layout's CP group.
         options: passed to every scan call (transformers' ``use_mambapy``, ...).
 
     Returns ``[B, D, S_local]`` in the scan's output dtype: each row's output as the scan over its
@@ -106,31 +126,39 @@ def selective_scan(
     d, n = A.shape
     us, ds, bs, cs = (_stack(t, plan) for t in (u, delta, B, C))
     zs = None if z is None else _stack(z, plan)
-    out, ext = scan(us, ds, A, bs, cs, D=D, z=zs, delta_bias=delta_bias, delta_softplus=delta_softplus,
-                    return_last_state=True, **options)  # fmt: skip
+    out = scan(us, ds, A, bs, cs, D=D, z=zs, delta_bias=delta_bias, delta_softplus=delta_softplus,
+               return_last_state=False, **options)  # fmt: skip
     wide = torch.promote_types(u.dtype, torch.float32)
     step = ds.to(wide)
     if delta_bias is not None:
         step = step + delta_bias.to(wide)[:, None]
     if delta_softplus:
         step = F.softplus(step)
-    step = step * plan.real.to(u.device)[:, None, :]  # [R, D, L], 0 on padding
+    step = step * plan.real[:, None, :]  # [R, D, L], 0 on padding
+    cum = step.cumsum(-1)
     a = A.to(wide)
     runs = len(plan.state.runs)
     maps: list[Tensor | None] = [None] * runs
-    if len(plan.cont):
-        total = torch.exp(step.sum(-1)[..., None] * a)  # [R, D, N]
-        for i in plan.cont.tolist():
+    exts: list[Tensor | None] = [None] * runs
+    if plan.cont_runs:
+        total = torch.exp(cum[..., -1:] * a)  # [R, D, N]
+        for i in plan.cont_runs:
             maps[i] = total[i]
+    if plan.sent_runs:  # E in torch: the kernel's own last state may carry no gradient
+        sent = plan.sent
+        tail = (cum[..., -1:] - cum).index_select(0, sent)
+        du = (step * us.to(wide)).index_select(0, sent)
+        ext = _outgoing(tail, du, bs.index_select(0, sent).to(wide), a)  # [S, D, N]
+        for j, i in enumerate(plan.sent_runs):
+            exts[i] = ext[j]
     states = incoming_states(
-        plan.layout, plan.batch, plan.rank, group, maps, list(ext.unbind(0))[:runs], apply_elementwise,
+        plan.layout, plan.batch, plan.rank, group, maps, exts, apply_elementwise,
         map_shape=(d, n), state_shape=(d, n), plan=plan.state, dtype=wide, device=u.device,
     )  # fmt: skip
-    fixes = [(i, s) for i, s in enumerate(states) if s is not None]
-    if fixes:  # y_t += (sum_n C_t exp(A cumsum dt) S_in) silu(z_t); a zero state on a first run adds zeros
-        rows = torch.tensor([i for i, _ in fixes], dtype=torch.long, device=u.device)
-        s_in = torch.stack([s for _, s in fixes])  # [F, D, N]
-        extra = _correction(step.index_select(0, rows).cumsum(-1), a, cs.index_select(0, rows).to(wide), s_in)
+    if plan.fixed_runs:  # y_t += (sum_n C_t exp(A cumsum dt) S_in) silu(z_t); a zero state on a first run adds zeros
+        rows = plan.fixed
+        s_in = torch.stack([states[i] for i in plan.fixed_runs])  # type: ignore[misc]  # [F, D, N]
+        extra = _correction(cum.index_select(0, rows), cs.index_select(0, rows).to(wide), a, s_in)
         if zs is not None:
             extra = extra * F.silu(zs.index_select(0, rows).to(wide))
         out = out.index_add(0, rows, extra.to(out.dtype))

@@ -43,9 +43,9 @@ Scan = Callable[..., tuple[Tensor, Tensor]]
 #      return_final_states=True) -> (y [N, L, H, P], final state [N, H, P, Nst])
 
 
-def ssd_plan(layout: ShardLayout, batch: int, rank: int) -> RunPlan:
-    """The plan of ``ssd_scan`` on CP rank ``rank`` (runs padded before their start)."""
-    return run_plan(layout, batch, rank, left=True)
+def ssd_plan(layout: ShardLayout, batch: int, rank: int, device: torch.device | str | None = None) -> RunPlan:
+    """The plan of ``ssd_scan`` on CP rank ``rank`` (runs padded before their start), on ``device``."""
+    return run_plan(layout, batch, rank, left=True, device=device)
 
 
 def step_sizes(dt: Tensor, dt_bias: Tensor | None, softplus: bool, limit: tuple[float, float]) -> Tensor:
@@ -144,24 +144,22 @@ def ssd_scan(
     out, ext = scan(xs, dts, A, bs, cs, chunk_size, D=D, dt_bias=dt_bias, initial_states=None,
                     dt_softplus=dt_softplus, dt_limit=dt_limit, return_final_states=True)  # fmt: skip
     wide = torch.promote_types(x.dtype, torch.float32)
-    real = plan.real.to(x.device)[..., None]  # [R, L, 1]
+    real = plan.real[..., None]  # [R, L, 1]
     log_decay = step_sizes(dts, dt_bias, dt_softplus, dt_limit) * A.to(wide) * real  # [R, L, H], 0 on padding
     runs = len(plan.state.runs)
     maps: list[Tensor | None] = [None] * runs
-    if len(plan.cont):
+    if plan.cont_runs:
         total = log_decay.sum(1).exp()  # [R, H]
-        for i in plan.cont.tolist():
+        for i in plan.cont_runs:
             maps[i] = total[i]
     states = incoming_states(
         plan.layout, plan.batch, plan.rank, group, maps, list(ext.unbind(0))[:runs], apply_scalar,
         map_shape=(h,), state_shape=(h, p, n), plan=plan.state, dtype=wide, device=x.device,
     )  # fmt: skip
-    fixes = [(i, s) for i, s in enumerate(states) if s is not None]
-    if fixes:  # y_t += exp(cumsum log a)_t (S_in C_t); a zero state on a first run adds zeros (and the backward)
-        rows = torch.tensor([i for i, _ in fixes], dtype=torch.long, device=x.device)
-        s_in = torch.stack([s for _, s in fixes])  # [F, H, P, N]
-        decay = log_decay.index_select(0, rows).cumsum(1).exp()  # [F, L, H]
-        c = cs.index_select(0, rows).to(wide).repeat_interleave(h // g, dim=2)  # [F, L, H, N]
+    if plan.fixed_runs:  # y_t += exp(cumsum log a)_t (S_in C_t); a zero state on a first run adds zeros
+        s_in = torch.stack([states[i] for i in plan.fixed_runs])  # type: ignore[misc]  # [F, H, P, N]
+        decay = log_decay.index_select(0, plan.fixed).cumsum(1).exp()  # [F, L, H]
+        c = cs.index_select(0, plan.fixed).to(wide).repeat_interleave(h // g, dim=2)  # [F, L, H, N]
         extra = torch.einsum("flhn,fhpn->flhp", c, s_in) * decay[..., None]
-        out = out.index_add(0, rows, extra.to(out.dtype))
+        out = out.index_add(0, plan.fixed, extra.to(out.dtype))
     return unstack_runs(out, plan)
