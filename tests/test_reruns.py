@@ -91,13 +91,13 @@ def test_rerun_resumes_and_says_from_which_step(tmp_path: Path, capsys: pytest.C
     with --max_steps 3 resumes from it and says so; starting over there is refused. A run that saved
     no checkpoint, run again, is refused unless --overwrite_output_dir true."""
     recipe = _recipe(tmp_path)
-    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError
-    _train(str(recipe))
+    with monkeypatch.context() as m:
+        m.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError
+        _train(str(recipe))
     out = capsys.readouterr().out
     assert (f"hf-ring train: {tmp_path / 'out' / 'loss.png'} not drawn: matplotlib is not installed (pip install "
             "'hf-ring[plots]'); the losses are in metrics.jsonl") in out  # fmt: skip
     assert (tmp_path / "out" / "checkpoint-2").is_dir() and not (tmp_path / "out" / "loss.png").exists()
-    monkeypatch.delitem(sys.modules, "matplotlib")
     _train(str(recipe), "--max_steps", "3")
     out = capsys.readouterr().out
     assert (f"hf-ring train: resuming from {tmp_path / 'out' / 'checkpoint-2'} (step 2 of 3); "
