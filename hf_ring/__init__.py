@@ -149,7 +149,7 @@ class _RegisteringLoader(importlib.abc.Loader):
         spec = module.__spec__
         self.loader.exec_module(module)
         # transformers puts a lazy module of its own in sys.modules: give both the real loader back
-        for m in {id(module): module, id(sys.modules.get(spec.name)): sys.modules.get(spec.name)}.values():
+        for m in (module, sys.modules.get(spec.name)):
             if m is not None and getattr(m, "__loader__", None) is self:
                 m.__loader__ = self.loader
         if spec.loader is self:

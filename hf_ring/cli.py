@@ -290,6 +290,9 @@ def _main(argv: list[str]) -> int:
     from .evaluation.cli import add_eval_parser
 
     add_eval_parser(sub)
+    if not argv:
+        ap.print_help(sys.stderr)
+        return 2
     a = ap.parse_args(argv)
     return a.func(a)
 

@@ -19,12 +19,15 @@ This module imports only the standard library: every floor of hf_ring may use it
 from __future__ import annotations
 
 import difflib
+import json
 import os
 import sys
+import time
 from collections.abc import Iterable
 
 __all__ = [
     "DEBUG_ENV",
+    "LAUNCHER_ERROR_FILE",
     "USER_ERRORS",
     "RecipeError",
     "RecipeNotFound",
@@ -39,6 +42,8 @@ __all__ = [
 ]
 
 DEBUG_ENV = "HF_RING_DEBUG"
+LAUNCHER_ERROR_FILE = "TORCHELASTIC_ERROR_FILE"  # torch elastic's per-rank error file
+QUIET_RANK_DELAY_S = 3.0  # how long a rank that does not report waits before it exits
 
 # user errors defined elsewhere, as "module.Class" (their modules import torch or transformers)
 USER_ERRORS = (
@@ -109,5 +114,24 @@ def one_line(exc: BaseException) -> str:
 def exit_for(exc: BaseException, command: str) -> SystemExit:
     """The ``SystemExit`` that ends ``command`` (``"hf-ring train"``) after the user error ``exc``:
     ``"<command>: <message on one line>"`` in the process that reports (``reports``), status 1
-    without a word in the others. Raise it ``from None``."""
-    return SystemExit(f"{command}: {one_line(exc)}" if reports() else 1)
+    without a word in the others (a launched one after ``QUIET_RANK_DELAY_S``: the launcher ends
+    the job when a rank exits, maybe before rank 0 has said it). Every process also leaves the
+    line in its launcher's error file (``TORCHELASTIC_ERROR_FILE``, set by ``torchrun`` and
+    ``accelerate launch``), whose report of the failed ranks then shows it instead of a link: a
+    mistake only some ranks make is not lost. Raise it ``from None``."""
+    line = f"{command}: {one_line(exc)}"
+    path = os.environ.get(LAUNCHER_ERROR_FILE)
+    if path:
+        try:
+            info = {"py_callstack": line, "timestamp": str(int(time.time()))}  # the report shows py_callstack
+            with open(path, "w") as f:
+                json.dump({"message": {"message": line, "extraInfo": info}}, f)
+        except OSError:  # the report keeps its link; the line is printed all the same
+            pass
+    if reports():
+        return SystemExit(line)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # the launcher stops every rank once one exits: give rank 0, which hits the same mistake in
+        # the same place, the time to say it before this rank's exit ends the job
+        time.sleep(QUIET_RANK_DELAY_S)
+    return SystemExit(1)

@@ -9,6 +9,7 @@ with), and one runs under ``torchrun`` on two processes: one line, from rank 0, 
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import subprocess
 import sys
@@ -254,9 +255,13 @@ def test_user_errors_are_the_named_classes() -> None:
     assert closest("LLAMA-3.1-8b", ["Llama-3.1-8B", "Qwen3-8B"]) == "Llama-3.1-8B"
 
 
-def test_only_rank_zero_says_it(monkeypatch) -> None:
+def test_only_rank_zero_says_it(monkeypatch, tmp_path: Path) -> None:
     monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "error.json"))
     assert exit_for(UserError("bad"), "hf-ring train").code == 1
+    assert json.loads((tmp_path / "error.json").read_text())["message"]["message"] == "hf-ring train: bad"
+    monkeypatch.delenv("TORCHELASTIC_ERROR_FILE")
     monkeypatch.setenv("RANK", "0")
     assert exit_for(UserError("bad"), "hf-ring train").code == "hf-ring train: bad"
     monkeypatch.delenv("RANK")
@@ -279,8 +284,9 @@ def test_under_torchrun_one_rank_says_it_and_none_hangs(tmp_path: Path) -> None:
                          env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})  # fmt: skip
     text = out.stdout + out.stderr
     ours = [line for line in text.splitlines() if line.startswith("hf-ring train: ")]
-    assert out.returncode != 0 and ours == ["hf-ring train: cp_size=3 does not divide the 2 launched processes: "
-                                            "launch a multiple of 3 processes, or set --cp_size to a divisor of 2"], (
-        text[-3000:]
-    )
+    line = ("hf-ring train: cp_size=3 does not divide the 2 launched processes: launch a multiple of 3 processes, "
+            "or set --cp_size to a divisor of 2")  # fmt: skip
+    assert out.returncode != 0 and ours == [line], text[-3000:]
     assert "hf_ring/" not in text, text[-3000:]  # no traceback through hf_ring's code
+    # torchrun's own report of the failed ranks shows the line (their error files), not a link
+    assert f"traceback : {line}" in text, text[-3000:]
