@@ -252,7 +252,7 @@ def _resolved(section: dict[str, Any], where: Path | None) -> tuple[ModelSource,
             clash = sorted(k for k, v in section["config"].items() if k in saved and saved[k] != v)
             if clash:
                 raise RecipeError(f"model.config disagrees with the config of init_from {src.weights!r} on {clash}; "
-                                 "drop them from model.config, or put the changes in model.overrides")  # fmt: skip
+                                  "drop them from model.config, or put the changes in model.overrides")  # fmt: skip
     if src.overrides:
         check_config_fields(config, src.overrides, "model.overrides")
     return src, config
@@ -271,8 +271,10 @@ def check_ring_model(config: Any, attn: str, cp_size: int, seq_len: int) -> None
     ranks, found on the model built on the meta device (no memory, no weights)."""
     if attn != "ring":
         if cp_size > 1:
-            raise RecipeError(f"model.attn_implementation {attn!r}: cp_size={cp_size} needs 'ring' (each rank holds "
-                             "only a shard of the sequence); remove attn_implementation or set cp_size: 1")  # fmt: skip
+            raise RecipeError(
+                f"model.attn_implementation {attn!r}: cp_size={cp_size} needs 'ring' (each rank holds only a shard "
+                "of the sequence); remove attn_implementation or set cp_size: 1"
+            )
         return
     from transformers import AutoModelForCausalLM
 

@@ -65,7 +65,7 @@ def build_train_dataset(recipe: Recipe, dp_size: int, tokenizer: Any = None, voc
     if data.get("task") == "passkey":
         if vocab_size is not None and vocab_size < PASSKEY_VOCAB:
             raise RecipeError(f"data.task passkey uses token ids 0..{PASSKEY_VOCAB - 1}, but the model's vocab_size "
-                             f"is {vocab_size}: set model.config.vocab_size >= {PASSKEY_VOCAB}")  # fmt: skip
+                              f"is {vocab_size}: set model.config.vocab_size >= {PASSKEY_VOCAB}")  # fmt: skip
         parts = [(passkey_stage(s["seq_len"], args.seed, k), s["steps"]) for k, s in enumerate(stages)]
         return StagedDataset(parts, per_step, args.max_steps, shuffle_seed=None)
     with args.main_process_first(desc="tokenize and pack the data"):

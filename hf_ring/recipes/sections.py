@@ -30,10 +30,10 @@ __all__ = [
     "DATA_KEYS",
     "DTYPES",
     "MODEL_KEYS",
-    "PATH_KEYS",
     "ModelSource",
-    "looks_local",
+    "PATH_KEYS",
     "PATH_RULE",
+    "looks_local",
     "positive_int",
     "resolve_data",
     "resolve_model",
@@ -97,8 +97,8 @@ def _absolute(ref: str | Path, base: Path | None = None) -> Path:
 
 def looks_local(ref: str) -> bool:
     """Whether ``ref`` can only be a path on this machine, never a hub name (``name`` or ``org/name``):
-    it starts with ``/``, ``./``, ``../`` or ``~``, holds a backslash, a glob character or more than
-    one ``/``, or ends in a file suffix (``.jsonl``, ``.parquet``, ...)."""
+    it starts with ``/``, ``.`` or ``~``, holds a backslash, a glob character or more than one
+    ``/``, or ends in a file suffix (``.jsonl``, ``.parquet``, ...)."""
     return (
         ref.startswith(("/", ".", "~"))
         or any(c in ref for c in "\\*?[")
@@ -270,7 +270,7 @@ def resolve_data(section: Any) -> dict[str, Any]:
     passkey = section.get("task") is not None
     if passkey and section["task"] != "passkey":
         raise RecipeError(f"data.task: 'passkey' (the demo's task) or absent (documents from data.path), not "
-                         f"{section['task']!r}")  # fmt: skip
+                          f"{section['task']!r}")  # fmt: skip
     allowed = PASSKEY_KEYS if passkey else DATA_KEYS
     unknown = unknown_keys(section, allowed)
     if unknown:
@@ -280,7 +280,7 @@ def resolve_data(section: Any) -> dict[str, Any]:
     data["stages"] = _stages(section)
     if not passkey and not section.get("path"):
         raise RecipeError("data: give path (local files, a save_to_disk folder, or a hub dataset name), "
-                         "or task: passkey")  # fmt: skip
+                          "or task: passkey")  # fmt: skip
     if data.get("boundaries", "pad") not in BOUNDARIES:
         raise RecipeError(f"data.boundaries: one of {list(BOUNDARIES)}, not {data['boundaries']!r}")
     for key in ("num_proc", "pad_id"):
