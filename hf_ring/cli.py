@@ -8,6 +8,11 @@ hf_ring.cli train RECIPE``); ``hf-ring train --list`` shows the packaged recipes
 
 The options of ``hf-ring plan`` are the fields of ``hf_ring.planner.PlanSettings`` (their metadata
 gives flag, help and parsing); an option given on the command line overrides a recipe's setting.
+
+``--help``, ``train --list``, ``train --config`` and ``plan`` import neither torch nor transformers.
+A user's mistake (``hf_ring.errors.is_user_error``) ends a command with one line naming the field,
+the value and the fix, from one process (rank 0 under a launcher), and exit status 1;
+``HF_RING_DEBUG=1`` shows its traceback instead.
 """
 
 from __future__ import annotations
@@ -17,8 +22,9 @@ import json
 import sys
 from dataclasses import MISSING, Field, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
+from .errors import UserError, debug, did_you_mean, exit_for, is_user_error, reports
 from .planner import KNOWN_MODELS, ModelShape, PlanSettings, max_seq_len, model_shape, plan, smallest_cp, tokens
 from .recipes import (
     description,
@@ -51,7 +57,7 @@ def _option(f: Field) -> tuple[str, dict[str, Any]] | None:
     flag = meta.get("flag", name)
     unit = meta.get("unit", 1)
     parse = meta.get("parse") or type(default)
-    kw["type"] = parse if unit == 1 else (lambda text: float(text) * unit)
+    kw["type"] = _bounded(parse if unit == 1 else (lambda text: float(text) * unit), meta)
     if "choices" in meta:
         kw["choices"] = meta["choices"]
     else:
@@ -59,6 +65,52 @@ def _option(f: Field) -> tuple[str, dict[str, Any]] | None:
     if default is not None:
         kw["help"] += f" (default {default / unit:g})" if isinstance(default, float) else f" (default {default})"
     return flag, kw
+
+
+def _bounded(parse: Any, meta: Any) -> Any:
+    """``parse``, refusing a number below the field's ``least`` or not above its ``above``."""
+    least, above = meta.get("least"), meta.get("above")
+    if least is None and above is None:
+        return parse
+
+    def read(text: str) -> Any:
+        value = parse(text)
+        if (least is not None and value < least) or (above is not None and value <= above):
+            bound = f">= {least}" if least is not None else f"> {above}"
+            raise argparse.ArgumentTypeError(f"{text}: give a number {bound}")
+        return value
+
+    read.__name__ = getattr(parse, "__name__", "number")  # argparse names it in "invalid ... value"
+    return read
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose mistakes are user errors (one line, ``hf_ring.errors``), with the
+    closest valid name for an unknown subcommand, choice or option."""
+
+    def error(self, message: str) -> NoReturn:  # type: ignore[override]
+        raise UserError(message + self._nearest(message))
+
+    def _nearest(self, message: str) -> str:
+        if "invalid choice: " in message:
+            given = message.split("invalid choice: ", 1)[1].split(" (choose from", 1)[0].strip("'\"")
+            choices = message.split("(choose from", 1)[1] if "(choose from" in message else ""
+            return did_you_mean(given, [c.strip(" '\")") for c in choices.split(",")])
+        if message.startswith("unrecognized arguments: "):
+            flags = [f for f in message.split(": ", 1)[1].split() if f.startswith("--")]
+            return did_you_mean(flags[0].split("=")[0], _flags(self)) if flags else ""
+        return ""
+
+
+def _flags(parser: argparse.ArgumentParser) -> set[str]:
+    """Every option string of ``parser`` and of its subcommands."""
+    out: set[str] = set()
+    for action in parser._actions:
+        out.update(s for s in action.option_strings if s.startswith("--"))
+        for sub in getattr(action, "choices", None) or {}:
+            if isinstance(action.choices, dict) and isinstance(action.choices[sub], argparse.ArgumentParser):
+                out |= _flags(action.choices[sub])
+    return out
 
 
 def add_plan_options(parser: argparse.ArgumentParser) -> None:
@@ -75,10 +127,26 @@ def _model_and_settings(a: argparse.Namespace) -> tuple[ModelShape, PlanSettings
     recipe = recipe_path(a.model)
     if recipe is not None:
         return recipe_model(recipe), replace(recipe_settings(recipe), **given)
+    model = _model(a.model)
     if "seq_len" not in given:
-        raise SystemExit("hf-ring plan: --seq-len is required unless MODEL is a recipe")
+        raise UserError(f"--seq-len: give the tokens per sequence to plan {a.model} with (--seq-len 128K); "
+                        "only a recipe states its own")  # fmt: skip
     defaults = {f.name: f.metadata["cli_default"] for f in fields(PlanSettings) if "cli_default" in f.metadata}
-    return model_shape(a.model), PlanSettings(**{**defaults, **given})
+    return model, PlanSettings(**{**defaults, **given})
+
+
+def _model(name: str) -> ModelShape:
+    """The shape of a model MODEL names (a known name, a config.json or a folder with one); an
+    unknown name is refused with the closest recipe or known model."""
+    try:
+        return model_shape(name)
+    except ValueError:
+        pass
+    names = [p.stem for p in packaged_recipes()] + list(KNOWN_MODELS)
+    raise UserError(
+        f"MODEL {name!r}: no recipe, known model or config.json of that name{did_you_mean(name, names)}; "
+        "hf-ring train --list shows the recipes, hf-ring plan --help the known models"
+    )
 
 
 def cmd_plan(a: argparse.Namespace) -> int:
@@ -86,15 +154,15 @@ def cmd_plan(a: argparse.Namespace) -> int:
     if a.write:
         recipe = recipe_path(a.model)
         if recipe is None:
-            raise SystemExit("hf-ring plan: --write needs a recipe as MODEL")
+            raise UserError(f"--write: MODEL {a.model!r} is not a recipe; --write rewrites a recipe's memory_gb line")
         print(f"{recipe}: {write_recipe_memory(recipe)}")
+    model, settings = _model_and_settings(a)
     try:
-        model, settings = _model_and_settings(a)
         best = smallest_cp(model, settings)
         p = plan(model, settings if settings.cp else replace(settings, cp=best or settings.gpus))
         longest = max_seq_len(model, replace(settings, cp=None)) if a.max_len else None
-    except ValueError as e:  # an unknown model, or settings that contradict each other
-        raise SystemExit(f"hf-ring plan: {e}") from None
+    except ValueError as e:  # settings that contradict each other, each message naming them
+        raise UserError(str(e)) from e
     if a.json:
         out = p.as_dict()
         out["smallest_fitting_cp"] = best
@@ -117,14 +185,20 @@ TRAIN_USAGE = """usage: hf-ring train RECIPE [--field value ...]   train a recip
        hf-ring train --config NAME                the path of a packaged launch config
 
 RECIPE: a recipe YAML, or the name of a packaged one. Flags override any RingTrainingArguments field
-(--max_steps 4 --output_dir runs/try) and any key of a section (--data.seq_len 4096, --lora.r 8).
+(--max_steps 4 --output_dir runs/try) and any key of a section (--data.seq_len 4096, --lora.r 8);
+hf-ring train RECIPE --help lists every field. Relative paths of the model and data sections are
+read from the recipe's folder when written in the recipe, from the working directory when given
+as flags; output_dir is in the working directory. Run again, the same command resumes from the
+newest checkpoint in output_dir and says from which step; an output_dir holding an earlier run
+without checkpoints is refused unless --overwrite_output_dir true (--resume_from_checkpoint no:
+start over). A mistake prints one line; HF_RING_DEBUG=1 shows its traceback.
 Several processes:
   accelerate launch --config_file $(hf-ring train --config NAME) -m hf_ring.cli train RECIPE [...]
   torchrun --nproc_per_node N -m hf_ring.cli train RECIPE [...]
 """
 
 
-def _command(path: Path) -> str:
+def _recipe_command(path: Path) -> str:
     """The command a recipe's opening comment gives (its indented ``#   `` lines)."""
     lines = [line[1:].strip() for line in path.read_text().splitlines() if line.startswith("#   ")]
     return " ".join(line.removesuffix("\\").strip() for line in lines)
@@ -135,8 +209,8 @@ def train_listing() -> str:
     out = ["Recipes (hf-ring train NAME [--field value ...]; hf-ring plan NAME prices its memory):"]
     for p in packaged_recipes():
         out += [f"  {p.stem}", f"      {description(p)}"]
-        if _command(p):
-            out.append(f"      $ {_command(p)}")
+        if _recipe_command(p):
+            out.append(f"      $ {_recipe_command(p)}")
     launch = "accelerate launch --config_file $(hf-ring train --config NAME) -m hf_ring.cli train RECIPE"
     out += ["", f"Launch configs ({launch}):"]
     out += [f"  {p.stem:<20} {description(p)}\n  {'':<20} {p}" for p in launch_configs()]
@@ -154,11 +228,11 @@ def cmd_train(argv: list[str]) -> int:
         return 0
     if argv[0] == "--config":
         if len(argv) != 2:
-            raise SystemExit("hf-ring train --config NAME: one launch config name (hf-ring train --list shows them)")
+            raise UserError("--config NAME: give one launch config name (hf-ring train --list shows them)")
         try:
             print(launch_config_path(argv[1]))
         except FileNotFoundError as e:
-            raise SystemExit(f"hf-ring train: {e}") from None
+            raise UserError(str(e)) from None
         return 0
     from .recipes.run import main as run_recipe
 
@@ -166,12 +240,36 @@ def cmd_train(argv: list[str]) -> int:
     return 0
 
 
+def _command(argv: list[str]) -> str:
+    """``hf-ring`` and the subcommand of ``argv`` (``hf-ring train``, ``hf-ring eval needle``), for messages."""
+    if argv[:1] == ["eval"] and argv[1:2] and argv[1] in ("needle", "ppl", "plot"):
+        return f"hf-ring eval {argv[1]}"
+    return f"hf-ring {argv[0]}" if argv[:1] and argv[0] in ("train", "plan", "eval") else "hf-ring"
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``hf-ring``."""
+    """Entry point of ``hf-ring``: a user's mistake ends it with one line (``hf_ring.errors``)."""
     argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        return _main(argv)
+    except SystemExit as e:  # a message of our own (argparse prints its own before): one rank says it
+        if isinstance(e.code, str) and not reports():
+            raise SystemExit(1) from None
+        raise
+    except Exception as e:
+        if debug() or not is_user_error(e):
+            raise
+        raise exit_for(e, _command(argv)) from None
+
+
+EPILOG = ("A mistake in what you give (recipe, flags, data, model, CP layout) prints one line naming the field, "
+          "the value and the fix; HF_RING_DEBUG=1 shows its traceback.")  # fmt: skip
+
+
+def _main(argv: list[str]) -> int:
     if argv[:1] == ["train"]:  # its flags are the recipe's: parsed by hf_ring.recipes.recipe
         return cmd_train(argv[1:])
-    ap = argparse.ArgumentParser(prog="hf-ring", description="hf_ring: ring attention for long-context fine-tuning")
+    ap = _Parser(prog="hf-ring", description="hf_ring: ring attention for long-context fine-tuning", epilog=EPILOG)
     sub = ap.add_subparsers(dest="cmd", required=True)
     sub.add_parser("train", help="train a recipe (hf-ring train --help, hf-ring train --list)", add_help=False)
     p = sub.add_parser(
@@ -192,6 +290,9 @@ def main(argv: list[str] | None = None) -> int:
     from .evaluation.cli import add_eval_parser
 
     add_eval_parser(sub)
+    if not argv:
+        ap.print_help(sys.stderr)
+        return 2
     a = ap.parse_args(argv)
     return a.func(a)
 

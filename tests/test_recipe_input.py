@@ -28,7 +28,8 @@ PASSKEY = {"task": "passkey", "seq_len": 48}
 def _recipe(tmp_path: Path, data: dict[str, Any] | None = None, model: dict[str, Any] | None = None, **fields: Any
             ) -> Path:  # fmt: skip
     body = {"model": model or {"config": TINY}, "data": data or PASSKEY, "max_steps": 1, "save_strategy": "no",
-            "report_to": "none", "disable_tqdm": True, "output_dir": str(tmp_path / "out"), **fields}  # fmt: skip
+            "report_to": "none", "disable_tqdm": True, "output_dir": str(tmp_path / "out"),
+            "overwrite_output_dir": True, **fields}  # fmt: skip
     path = tmp_path / "r.yaml"
     path.write_text(yaml.safe_dump(body))
     return path
@@ -141,7 +142,8 @@ def test_length_flags_are_checked_too(tmp_path: Path) -> None:
 
     with pytest.raises(ValueError, match=r"data.seq_len: a whole number >= 2, not 'abc'"):
         parse_recipe(["--data.seq_len", "abc"], source=_recipe(tmp_path))
-    with pytest.raises(ValueError, match=r"per_device_train_batch_size must be >= 1, not 0"):
+    with pytest.raises(ValueError, match=r"per_device_train_batch_size=0: sequences per process and micro-step; give "
+                                         r"a whole number >= 1 \(e.g. --per_device_train_batch_size 1\)"):  # fmt: skip
         parse_recipe(["--per_device_train_batch_size", "0"], source=_recipe(tmp_path))
 
 

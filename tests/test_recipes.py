@@ -139,7 +139,8 @@ def test_recipe_flags_override_fields_and_sections(tmp_path: Path) -> None:
     assert r.data["seq_len"] == 4096 and r.lora["r"] == 8 and r.lora["lora_alpha"] == 32
     bad = tmp_path / "bad.yaml"
     bad.write_text("model: {name_or_path: x}\ndata: {seq_len: 64}\nmax_steps: 1\nbatch_size: 4\noutput_dir: o\n")
-    with pytest.raises(ValueError, match=r"\['batch_size'\] are neither RingTrainingArguments fields"):
+    with pytest.raises(ValueError, match=r"\['batch_size' \(per_device_train_batch_size\?\)\] are neither "
+                                         r"RingTrainingArguments fields"):  # fmt: skip
         parse_recipe(source=bad)
 
 

@@ -5,16 +5,29 @@
 - ``ppl``: next-token loss by position bucket over long documents, LM head in chunks;
 - ``runtime``: DP x CP layout, model / adapter / tokenizer loading, list parsing, progress;
 - ``plots``: the heatmap and line plots (matplotlib optional);
-- ``cli``: the ``hf-ring eval`` subcommands.
+- ``cli``: the ``hf-ring eval`` subcommands; ``prompts``: the needle task's default texts.
 
 This floor sits beside the trainers: it imports transformers and peft (to load models and
 adapters) and the floors below.
 """
 
-from .needle import PasskeySource, TextSource, evaluate_needle, score_answer
-from .ppl import evaluate_ppl, position_nll
-from .runtime import EvalError, Runtime
+from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# public name -> its module, imported on first use (``hf-ring --help`` builds the eval parser
+# from ``cli`` without importing torch)
+_EXPORTS = {
+    "EvalError": "runtime",
+    "PasskeySource": "needle",
+    "Runtime": "runtime",
+    "TextSource": "needle",
+    "evaluate_needle": "needle",
+    "evaluate_ppl": "ppl",
+    "position_nll": "ppl",
+    "score_answer": "needle",
+}
 __all__ = [
     "EvalError",
     "PasskeySource",
@@ -25,3 +38,20 @@ __all__ = [
     "position_nll",
     "score_answer",
 ]
+
+if TYPE_CHECKING:
+    from .needle import PasskeySource, TextSource, evaluate_needle, score_answer
+    from .ppl import evaluate_ppl, position_nll
+    from .runtime import EvalError, Runtime
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

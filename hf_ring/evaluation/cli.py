@@ -1,6 +1,7 @@
 """``hf-ring eval needle`` and ``hf-ring eval ppl``: the subcommands, and the functions they run
 (``run_needle``, ``run_ppl``: the same in one process and on every rank under ``torchrun`` /
-``accelerate launch``; rank 0 writes the files)."""
+``accelerate launch``; rank 0 writes the files). Building the parser imports no torch: the runners
+import the evaluation modules when they run."""
 
 from __future__ import annotations
 
@@ -10,21 +11,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..errors import debug, exit_for
 from ..planner.settings import tokens
-from .needle import DEFAULT_ANSWER, DEFAULT_NEEDLE, DEFAULT_QUESTION, PasskeySource, TextSource, evaluate_needle
-from .needle import summarise as summarise_needle
-from .plots import model_name, needle_comparison_png, needle_png, ppl_png
-from .ppl import documents, evaluate_ppl
-from .runtime import (
-    EvalError,
-    Runtime,
-    format_tokens,
-    load_model,
-    load_tokenizer,
-    parse_depths,
-    parse_lengths,
-    write_json,
-)
+from .prompts import DEFAULT_ANSWER, DEFAULT_NEEDLE, DEFAULT_QUESTION
 
 __all__ = ["add_eval_parser", "run_needle", "run_ppl"]
 
@@ -124,6 +113,8 @@ def add_eval_parser(sub: Any) -> None:
 
 def _tokenizer(a: argparse.Namespace) -> Any:
     """``--tokenizer``'s tokenizer, else the adapter's or the model's, else ``None``."""
+    from .runtime import EvalError, load_tokenizer
+
     if a.tokenizer:
         tok = load_tokenizer(a.tokenizer)
         if tok is None:
@@ -136,7 +127,19 @@ def _tokenizer(a: argparse.Namespace) -> Any:
     return None
 
 
-def _needle_source(a: argparse.Namespace) -> PasskeySource | TextSource:
+def _check_counts(a: argparse.Namespace, error: type[Exception], *names: str) -> None:
+    """Refuse an option among ``names`` that is given and below its least value (``--seq-len``: 2
+    tokens, the others 1), naming the flag, the value and the least one."""
+    for name in names:
+        value, least = getattr(a, name), 2 if name == "seq_len" else 1
+        if value is not None and value < least:
+            raise error(f"--{name.replace('_', '-')} {value}: give at least {least}")
+
+
+def _needle_source(a: argparse.Namespace) -> Any:
+    from .needle import PasskeySource, TextSource
+    from .runtime import EvalError
+
     texts = {"--haystack": a.haystack, "--needle": a.needle, "--question": a.question, "--answer": a.answer}
     given = [k for k, v in texts.items() if v is not None]
     tok = _tokenizer(a) if a.mode != "passkey" else None
@@ -154,10 +157,14 @@ def _needle_source(a: argparse.Namespace) -> PasskeySource | TextSource:
 
 def run_needle(a: argparse.Namespace) -> dict[str, Any]:
     """``hf-ring eval needle``: the result (``needle.json``'s content) on every rank."""
+    from .needle import evaluate_needle
+    from .needle import summarise as summarise_needle
+    from .plots import needle_png
+    from .runtime import EvalError, Runtime, format_tokens, load_model, parse_depths, parse_lengths, write_json
+
     start = time.perf_counter()
     lengths, depths = parse_lengths(a.lengths), parse_depths(a.depths)
-    if a.samples < 1:
-        raise EvalError(f"--samples {a.samples}: at least 1")
+    _check_counts(a, EvalError, "samples", "cp_size")
     source = _needle_source(a)
     for n in lengths:  # before loading the model: every length must hold needle, question and answer
         source.make(n, 0, a.seed, 0)
@@ -196,9 +203,12 @@ def run_needle(a: argparse.Namespace) -> dict[str, Any]:
 
 def run_ppl(a: argparse.Namespace) -> dict[str, Any]:
     """``hf-ring eval ppl``: the result (``ppl.json``'s content) on every rank."""
+    from .plots import ppl_png
+    from .ppl import documents, evaluate_ppl
+    from .runtime import EvalError, Runtime, format_tokens, load_model, write_json
+
     start = time.perf_counter()
-    if a.docs is not None and a.docs < 1:
-        raise EvalError(f"--docs {a.docs}: at least 1")
+    _check_counts(a, EvalError, "docs", "cp_size", "buckets", "chunk_size", "seq_len")
     docs, counts = documents(a.data, a.seq_len, _tokenizer(a), a.field, a.docs)
     rt = Runtime.start(a.cp_size)
     model = load_model(a.model, a.adapter, a.dtype, rt)
@@ -231,6 +241,9 @@ def run_ppl(a: argparse.Namespace) -> dict[str, Any]:
 
 def run_plot(a: argparse.Namespace) -> None:
     """``hf-ring eval plot``: several needle results in one picture."""
+    from .plots import model_name, needle_comparison_png
+    from .runtime import EvalError
+
     results = []
     for r in a.results:
         path = Path(r) / "needle.json" if Path(r).is_dir() else Path(r)
@@ -250,10 +263,14 @@ def run_plot(a: argparse.Namespace) -> None:
 
 
 def _run(fn: Any, a: argparse.Namespace) -> int:
+    """Run ``fn(a)``; bad input (a ``ValueError``: ``EvalError``, ``RingNotSupported``, the batch
+    checks) ends the command with one line from one rank (``hf_ring.errors.exit_for``)."""
     try:
         fn(a)
-    except ValueError as e:  # EvalError, RingNotSupported, shard_batch's checks: bad input, said clearly
-        raise SystemExit(f"hf-ring eval {a.task}: {e}") from None
+    except ValueError as e:
+        if debug():
+            raise
+        raise exit_for(e, f"hf-ring eval {a.task}") from None
     return 0
 
 

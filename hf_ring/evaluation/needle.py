@@ -30,13 +30,11 @@ from torch import Tensor, nn
 from ..data.passkey import ASK, DIGITS, HAY, KEY, VOCAB, digit_token
 from ..transformers.batch import shard_batch
 from ..transformers.context import KEY as CONTEXT_KEY
+from .prompts import DEFAULT_ANSWER, DEFAULT_NEEDLE, DEFAULT_QUESTION
 from .runtime import EvalError, Runtime, check_ring, progress
 
 __all__ = ["Case", "PasskeySource", "TextSource", "evaluate_needle", "score_answer", "summarise"]
 
-DEFAULT_NEEDLE = " The pass key is {key}. Remember it. {key} is the pass key."
-DEFAULT_QUESTION = " What is the pass key? The pass key is"
-DEFAULT_ANSWER = " {key}"
 # The generated filler: plain sentences that carry no fact (ours, free to use).
 FILLER = (
     " The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."

@@ -13,8 +13,7 @@ transfers hide behind attention compute. ``smallest_cp`` and ``max_seq_len`` sea
 
 Everything is per token of the rank's shard (``T = micro_batch * seq_len / cp``, ``terms.py``)
 except the chunked loss's per-chunk buffers and the model states. Imports neither torch nor
-transformers (the chunked loss's default chunk size comes from ``hf_ring.ops.cross_entropy``, on
-first use).
+transformers (the chunked loss's default chunk size is ``hf_ring.ops.cross_entropy``'s rule, restated).
 """
 
 from __future__ import annotations
@@ -216,10 +215,14 @@ class Plan:
         return lines
 
 
-def _default_chunk_size(vocab: int) -> int:
-    from ..ops.cross_entropy import default_chunk_size  # imports torch: only when a plan needs it
+# ``hf_ring.ops.cross_entropy.default_chunk_size`` (float32 logits of about 256 MiB per chunk, 64 to
+# 16384 tokens), restated here because that module imports torch and hf-ring plan must not; a test
+# holds the two equal (tests/test_startup.py)
+LOGITS_CHUNK_BYTES = 256 * 2**20
 
-    return default_chunk_size(vocab)
+
+def _default_chunk_size(vocab: int) -> int:
+    return int(min(16384, max(64, LOGITS_CHUNK_BYTES // (4 * max(1, vocab)))))
 
 
 def plan(model: ModelShape, settings: PlanSettings) -> Plan:

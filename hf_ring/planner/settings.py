@@ -3,8 +3,8 @@
 ``PlanSettings`` holds every input of ``hf_ring.planner.plan`` besides the model's shape. Each
 field's ``metadata`` documents it (``help``) and says how ``hf-ring plan`` takes it on the command
 line (``flag``, ``parse``, ``unit``, ``choices``, ``metavar``, ``cli_default`` for a required field;
-``cli=False``: not an option), so the CLI derives
-its options from this one table (``hf_ring.cli``).
+``least`` / ``above``: the bounds of a number, checked on the command line; ``cli=False``: not an
+option), so the CLI derives its options from this one table (``hf_ring.cli``).
 
 Imports neither torch nor transformers.
 """
@@ -58,17 +58,18 @@ class PlanSettings:
     memory tools, and the hardware figures of the overlap check. ``seq_len`` and ``gpus`` are
     required; every other field has a default. ``dataclasses.replace(settings, cp=4)`` varies one."""
 
-    seq_len: int = _required("tokens per sequence: 131072, 128K, 1M", parse=tokens)
-    gpus: int = _required("number of GPUs (a recipe states its own)", cli_default=8)
-    cp: int | None = _setting(None, "CP group size (default: the smallest divisor of gpus that fits)", parse=int)
-    gpu_gib: float = _setting(80.0, "GiB per GPU", flag="--gpu-mem")
+    seq_len: int = _required("tokens per sequence: 131072, 128K, 1M", parse=tokens, least=2)
+    gpus: int = _required("number of GPUs (a recipe states its own)", cli_default=8, least=1)
+    cp: int | None = _setting(None, "CP group size (default: the smallest divisor of gpus that fits)", parse=int,
+                              least=1)  # fmt: skip
+    gpu_gib: float = _setting(80.0, "GiB per GPU", flag="--gpu-mem", above=0)
     mode: str = _setting(
         "lora",
         "lora: frozen base weights, float32 adapters with AdamW; full: AdamW on every weight (for bf16, "
         "float32 master weights and moments in the optimizer: 2 + 2 + 12 bytes per parameter)",
         choices=("lora", "full"),
     )
-    lora_rank: int = _setting(16, "LoRA rank")
+    lora_rank: int = _setting(16, "LoRA rank", least=1)
     lora_targets: tuple[str, ...] = _setting(LORA_TARGETS, "linear layers with LoRA adapters", cli=False)
     lora_fp32: bool = _setting(
         True,
@@ -92,18 +93,22 @@ class PlanSettings:
     )
     chunked_loss: bool = _setting(True, "the chunked loss (hf_ring.enable_chunked_loss): no full logits")
     loss_chunk: int | None = _setting(None, "tokens per chunk of the chunked loss (default: from the vocabulary)",
-                                      parse=int)  # fmt: skip
-    micro_batch: int = _setting(1, "sequences per micro-batch")
+                                      parse=int, least=1)  # fmt: skip
+    micro_batch: int = _setting(1, "sequences per micro-batch", least=1)
     tiled_mlp: int | None = _setting(
-        None, "hf_ring.enable_tiled_mlp(model, TOKENS): the MLP over tiles of TOKENS", parse=tokens, metavar="TOKENS"
+        None, "hf_ring.enable_tiled_mlp(model, TOKENS): the MLP over tiles of TOKENS", parse=tokens, metavar="TOKENS",
+        least=1,
     )
     reserve_gib: float = _setting(
-        2.0, "GiB for CUDA context, NCCL buffers, allocator slack (a recipe: 0)", flag="--reserve"
+        2.0, "GiB for CUDA context, NCCL buffers, allocator slack (a recipe: 0)", flag="--reserve", least=0
     )
-    flops: float = _setting(400e12, "achieved attention FLOP/s per GPU (option: TFLOP/s)", flag="--tflops", unit=1e12)
-    intra_GBps: float = _setting(300.0, "GB/s per direction between ring neighbours in a node", flag="--link-gbs")
-    inter_GBps: float = _setting(45.0, "GB/s per direction between ring neighbours across nodes", flag="--inter-gbs")
-    gpus_per_node: int = _setting(8, "GPUs per node (a CP group larger than this crosses nodes)")
+    flops: float = _setting(400e12, "achieved attention FLOP/s per GPU (option: TFLOP/s)", flag="--tflops", unit=1e12,
+                            above=0)  # fmt: skip
+    intra_GBps: float = _setting(300.0, "GB/s per direction between ring neighbours in a node", flag="--link-gbs",
+                                  above=0)  # fmt: skip
+    inter_GBps: float = _setting(45.0, "GB/s per direction between ring neighbours across nodes", flag="--inter-gbs",
+                                  above=0)  # fmt: skip
+    gpus_per_node: int = _setting(8, "GPUs per node (a CP group larger than this crosses nodes)", least=1)
     mixer_kernels: str = _setting(
         "cuda",
         "kernels of a hybrid's linear token mixers: cuda (flash-linear-attention, mamba-ssm: chunked kernels that "

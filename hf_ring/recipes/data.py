@@ -36,7 +36,8 @@ import torch
 from torch.utils.data import Dataset
 
 from ..data.passkey import PasskeyDataset
-from .sections import BOUNDARIES, resolve_data
+from ..errors import RecipeError
+from .sections import BOUNDARIES, PATH_RULE, looks_local, resolve_data
 
 __all__ = ["BOUNDARIES", "StagedDataset", "collate", "load_documents", "pack", "stages_of", "tokenize"]
 
@@ -62,7 +63,7 @@ def load_documents(data: dict[str, Any]) -> Any:
 
     source = data.get("path")
     if source is None:
-        raise ValueError("data: give path (local files, a save_to_disk folder, or a hub dataset name)")
+        raise RecipeError("data: give path (local files, a save_to_disk folder, or a hub dataset name)")
     split = data.get("split", "train")
     p = Path(source)
     if p.is_dir() and ((p / "dataset_info.json").exists() or (p / "dataset_dict.json").exists()):
@@ -70,27 +71,37 @@ def load_documents(data: dict[str, Any]) -> Any:
         return ds[split] if isinstance(ds, datasets.DatasetDict) else ds
     if any(c in str(source) for c in "*?["):  # a glob: data/part-*.jsonl
         files = sorted(Path(f) for f in glob.glob(str(source)))
+        if not files:
+            raise RecipeError(f"data.path {source!r}: no file matches this pattern; fix the pattern or the folder")
     else:
         files = sorted(f for f in p.iterdir() if f.suffix in _BUILDERS) if p.is_dir() else [p]
     if p.exists() or files != [p]:
         kinds = {_BUILDERS.get(f.suffix) for f in files}
         if not files or len(kinds) != 1 or None in kinds:
-            raise ValueError(f"data.path {source!r}: expected files ending in {sorted(_BUILDERS)} (one kind)")
+            raise RecipeError(f"data.path {source!r}: expected files ending in {sorted(_BUILDERS)} (one kind)")
         empty = [str(f) for f in files if f.stat().st_size == 0]
         if empty:
-            raise ValueError(f"data.path {source!r}: {empty} empty: give files with documents, or leave them out")
+            raise RecipeError(f"data.path {source!r}: {empty} empty: give files with documents, or leave them out")
         try:
             ds = datasets.load_dataset(kinds.pop(), data_files=[str(f) for f in files], split="train")
         except Exception as e:  # datasets' own errors name neither the recipe field nor, often, the file
             cause = e.__cause__ or e
-            raise ValueError(
+            raise RecipeError(
                 f"data.path {source!r}: could not read {[f.name for f in files][:5]} "
                 f"({type(cause).__name__}: {cause}); check that the files are well-formed"
             ) from e
         if len(ds) == 0:
-            raise ValueError(f"data.path {source!r}: no documents in {[f.name for f in files][:5]}")
+            raise RecipeError(f"data.path {source!r}: no documents in {[f.name for f in files][:5]}")
         return ds
-    return datasets.load_dataset(str(source), data.get("name"), split=split)  # a hub dataset
+    if looks_local(str(source)):  # a path, never a hub name: no hub lookup
+        raise RecipeError(f"data.path {source!r}: no such file or folder ({PATH_RULE}: {Path.cwd()}); fix the path")
+    try:
+        return datasets.load_dataset(str(source), data.get("name"), split=split)  # a hub dataset
+    except Exception as e:  # not found, unreachable, ...: name the field whatever datasets says
+        raise RecipeError(
+            f"data.path {source!r}: not a file or folder here ({p.absolute()}) and no hub dataset that loads "
+            f"({type(e).__name__}: {e}); fix the path, or give a hub dataset name (org/name) with network access"
+        ) from e
 
 
 def _tokenize_batch(batch: dict[str, list], *, tokenizer: Any, field: str, eos: int | None) -> dict[str, list]:
@@ -108,9 +119,9 @@ def tokenize(ds: Any, data: dict[str, Any], tokenizer: Any = None) -> Any:
         return ds.rename_column(ids_field, "input_ids") if ids_field != "input_ids" else ds
     field = data.get("text_field", "text")
     if field not in ds.column_names:
-        raise ValueError(f"data: no column {ids_field!r} or {field!r} in {ds.column_names}: set ids_field/text_field")
+        raise RecipeError(f"data: no column {ids_field!r} or {field!r} in {ds.column_names}: set ids_field/text_field")
     if tokenizer is None:
-        raise ValueError("data: a text column needs a tokenizer (data.tokenizer, or a model with name_or_path)")
+        raise RecipeError("data: a text column needs a tokenizer (data.tokenizer, or a model with name_or_path)")
     eos = tokenizer.eos_token_id if data.get("add_eos", True) else None
     fn = partial(_tokenize_batch, tokenizer=tokenizer, field=field, eos=eos)
     return ds.map(fn, batched=True, num_proc=data.get("num_proc"), remove_columns=ds.column_names, desc="tokenize")
@@ -123,7 +134,7 @@ def _check_ids(docs: list[np.ndarray], indices: list[int], vocab_size: int | Non
     for d, i in zip(docs, indices):
         if len(d) and (d.min() < 0 or d.max() >= vocab_size):
             bad = int(d[(d < 0) | (d >= vocab_size)][0])
-            raise ValueError(
+            raise RecipeError(
                 f"data: document {i} holds token id {bad}, outside the model's vocabulary [0, {vocab_size}) "
                 "(vocab_size of its config): tokenise with the model's tokenizer (data.tokenizer), or give a "
                 "model whose vocab_size covers the ids (model.overrides.vocab_size)"
@@ -185,9 +196,9 @@ def pack(
     from datasets import Features, Sequence, Value
 
     if boundaries not in BOUNDARIES:
-        raise ValueError(f"data.boundaries: one of {BOUNDARIES}, not {boundaries!r}")
+        raise RecipeError(f"data.boundaries: one of {BOUNDARIES}, not {boundaries!r}")
     if vocab_size is not None and not 0 <= pad_id < vocab_size:
-        raise ValueError(f"data.pad_id {pad_id} is outside the model's vocabulary [0, {vocab_size}): set data.pad_id")
+        raise RecipeError(f"data.pad_id {pad_id} is outside the model's vocabulary [0, {vocab_size}): set data.pad_id")
     cols = {"input_ids": Sequence(Value("int32"), length=seq_len)}
     if boundaries == "pad":
         cols["attention_mask"] = Sequence(Value("int8"), length=seq_len)
@@ -197,7 +208,7 @@ def pack(
     packed = ds.map(fn, with_indices=True, batched=True, batch_size=1000, num_proc=num_proc,
                     remove_columns=ds.column_names, features=Features(cols), desc=f"pack {seq_len}")  # fmt: skip
     if len(packed) == 0:
-        raise ValueError(f"data: no window of {seq_len} tokens could be made (documents too short for concatenate?)")
+        raise RecipeError(f"data: no window of {seq_len} tokens could be made (documents too short for concatenate?)")
     return packed.with_format("torch")
 
 

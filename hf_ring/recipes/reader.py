@@ -23,6 +23,7 @@ from typing import Any
 
 import yaml
 
+from ..errors import RecipeError, RecipeNotFound, did_you_mean
 from ..planner import (
     LORA_TARGETS,
     GiB,
@@ -33,7 +34,7 @@ from ..planner import (
     parse_ulysses_size,
     plan,
 )
-from .sections import ModelSource, resolve_data, resolve_model
+from .sections import PATH_KEYS, ModelSource, resolve_data, resolve_model, resolve_paths
 
 __all__ = [
     "RECIPES_DIR",
@@ -78,8 +79,9 @@ def launch_config_path(name: Source) -> Path:
             return cand
     if p.is_file():
         return p
-    names = ", ".join(c.stem for c in launch_configs())
-    raise FileNotFoundError(f"no launch config {str(name)!r}: give a packaged one ({names}) or a file")
+    names = [c.stem for c in launch_configs()]
+    raise RecipeNotFound(f"no launch config {str(name)!r}{did_you_mean(p.stem, names)}: give a packaged one "
+                         f"({', '.join(names)}) or a file")  # fmt: skip
 
 
 def description(path: Path) -> str:
@@ -110,8 +112,9 @@ def recipe_path(source: Source) -> Path | None:
 def _find(source: Source) -> Path:
     path = recipe_path(source)
     if path is None:
-        names = ", ".join(p.stem for p in packaged_recipes())
-        raise FileNotFoundError(f"no recipe {str(source)!r}: give a .yaml file or a packaged recipe ({names})")
+        names = [p.stem for p in packaged_recipes()]
+        raise RecipeNotFound(f"no recipe {str(source)!r}{did_you_mean(Path(source).stem, names)}: give a .yaml "
+                             f"file or a packaged recipe ({', '.join(names)})")  # fmt: skip
     return path
 
 
@@ -121,14 +124,23 @@ def _yaml(path: Path) -> Any:
 
 
 def _load(path: Path) -> dict[str, Any]:
-    data = _yaml(path)
+    try:
+        data = _yaml(path)
+    except yaml.YAMLError as e:
+        raise RecipeError(f"{path}: not valid YAML ({' '.join(str(e).split())})") from None
     if not isinstance(data, dict):
-        raise ValueError(f"{path}: a recipe is a YAML mapping (model, stages, ...), not {type(data).__name__}")
+        raise RecipeError(f"{path}: a recipe is a YAML mapping (model, stages, ...), not {type(data).__name__}")
+    bases = [path.resolve().parent, Path.cwd()]
+    for name in PATH_KEYS:
+        if name in data:
+            data[name] = resolve_paths(name, data[name], bases, path)
     return data
 
 
 def read_recipe(source: Source) -> dict[str, Any]:
-    """The fields of a recipe (a path, or a packaged recipe's name), as written in its YAML."""
+    """The fields of a recipe (a path, or a packaged recipe's name) as written in its YAML, but for
+    the relative paths of its model and data sections that exist, made absolute: read from the
+    recipe's folder, else from the working directory (``sections.resolve_paths``)."""
     return _load(_find(source))
 
 
@@ -159,7 +171,7 @@ def recipe_model_config(source: Source) -> dict[str, Any]:
     path = _find(source)
     m = resolve_model(_load(path).get("model"), path)
     if m.fields is None:
-        raise ValueError(f"{path.name}: no config for model {m.weights!r} without downloading it")
+        raise RecipeError(f"{path.name}: no config for model {m.weights!r} without downloading it")
     return dict(m.fields)
 
 
@@ -230,7 +242,7 @@ def write_recipe_memory(source: Source) -> str:
     for i, old in enumerate(lines):
         if old.startswith("memory_gb:"):
             if old.split("#")[0].rstrip().endswith(":"):
-                raise ValueError(f"{p}: write memory_gb on one line (memory_gb: {{...}}) to have it rewritten")
+                raise RecipeError(f"{p}: write memory_gb on one line (memory_gb: {{...}}) to have it rewritten")
             lines[i] = line + comment
             break
     else:

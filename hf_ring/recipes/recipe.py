@@ -25,27 +25,39 @@ the ring would refuse at the recipe's longest sequence (``check_ring_model``, on
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import inspect
 import os
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import yaml
 
+from ..errors import RecipeError, did_you_mean
 from ..trainer import RingTrainingArguments
 from ..transformers.support import check_model
 from .reader import read_recipe, recipe_path
-from .sections import ModelSource, resolve_data, resolve_model, unknown_keys
+from .sections import (
+    DATA_KEYS,
+    MODEL_KEYS,
+    PATH_RULE,
+    ModelSource,
+    looks_local,
+    resolve_data,
+    resolve_model,
+    resolve_paths,
+    unknown_keys,
+)
 
 __all__ = [
+    "ALIASES",
     "SECTIONS",
     "Recipe",
     "build_model",
     "check_config_fields",
+    "check_local",
     "check_lora",
     "check_ring_model",
     "model_config",
@@ -53,6 +65,12 @@ __all__ = [
 ]
 
 SECTIONS = ("model", "lora", "data", "memory_gb")
+# names other trainers give to RingTrainingArguments fields: an unknown key named so is pointed there
+ALIASES = {"batch_size": "per_device_train_batch_size", "micro_batch_size": "per_device_train_batch_size",
+           "lr": "learning_rate", "steps": "max_steps", "train_steps": "max_steps", "epochs": "num_train_epochs",
+           "grad_accum": "gradient_accumulation_steps", "gradient_accumulation": "gradient_accumulation_steps",
+           "output": "output_dir", "out_dir": "output_dir", "warmup": "warmup_steps", "context_parallel": "cp_size",
+           "cp": "cp_size", "ulysses": "ulysses_size"}  # fmt: skip
 
 
 @dataclass
@@ -82,46 +100,64 @@ def _split_section_flags(argv: list[str]) -> tuple[dict[str, dict[str, Any]], li
                 value = a.split("=", 1)[1]
             else:
                 if i + 1 >= len(argv):
-                    raise SystemExit(f"{a}: needs a value")
+                    raise RecipeError(f"{a}: give it a value ({a} VALUE, or {a}=VALUE)")
                 i += 1
                 value = argv[i]
-            over.setdefault(section, {})[key] = yaml.safe_load(value)
+            try:
+                over.setdefault(section, {})[key] = yaml.safe_load(value)
+            except yaml.YAMLError as e:
+                raise RecipeError(f"{a} {value!r}: not a YAML value ({' '.join(str(e).split())})") from None
         else:
             rest.append(a)
         i += 1
     return over, rest
 
 
+def _flag_error(message: str) -> NoReturn:
+    """``HfArgumentParser.error``: one line instead of a usage listing of every field."""
+    raise RecipeError(f"{message}; hf-ring train RECIPE --help lists the flags")
+
+
+def _flags(names: set[str]) -> list[str]:
+    """The flags ``hf-ring train`` takes: a field's, or a key of the model or data section."""
+    return [f"--{n}" for n in names] + [f"--model.{k}" for k in MODEL_KEYS] + [f"--data.{k}" for k in DATA_KEYS]
+
+
 def parse_recipe(argv: list[str] | None = None, *, source: str | os.PathLike | None = None) -> Recipe:
-    """Parse ``[RECIPE] [--field value ...]`` (``source`` given: the flags only). The sections are
+    """Parse ``RECIPE [--field value ...]`` (``source`` given: the flags only). The sections are
     checked here, before any data or model is built: the model section (``resolve_model``), the data
-    section (``resolve_data``), the LoRA fields against ``peft.LoraConfig``."""
+    section (``resolve_data``), the LoRA fields against ``peft.LoraConfig``, and the numbers of
+    ``RingTrainingArguments``; every refusal is a ``RecipeError`` naming the field, the value and the
+    fix. Relative paths of the model and data sections are read from the recipe's folder, else the
+    working directory, when the recipe says them, from the working directory when flags do
+    (``sections.resolve_paths``)."""
     argv = list(argv or [])
     if source is None:
-        head = argparse.ArgumentParser(prog="hf-ring train", add_help=False)
-        head.add_argument("recipe", help="a recipe YAML, or the name of one in hf_ring/recipes/")
-        known, argv = head.parse_known_args(argv)
-        source = known.recipe
+        if not argv or argv[0].startswith("-"):
+            raise RecipeError("give a recipe first: hf-ring train RECIPE [--field value ...] (hf-ring train --list "
+                              "shows the packaged ones)")  # fmt: skip
+        source, argv = argv[0], argv[1:]
     path = recipe_path(source)
     raw = read_recipe(source)
+    where = f"recipe {str(source)!r}"
     section_flags, argv = _split_section_flags(argv)
     sections = {k: raw.pop(k, None) for k in SECTIONS}
     for name, values in section_flags.items():
+        values = resolve_paths(name, values, [Path.cwd()], path)  # flags: from the working directory
         sections[name] = {**(sections[name] or {}), **values}
     names = {f.name for f in fields(RingTrainingArguments) if f.init}
-    unknown = sorted(set(raw) - names)
+    unknown = unknown_keys(raw, names | set(SECTIONS), ALIASES)
     if unknown:
-        raise ValueError(
-            f"recipe {str(source)!r}: {unknown} are neither RingTrainingArguments fields nor sections {SECTIONS}"
-        )
+        raise RecipeError(f"{where}: {unknown} are neither RingTrainingArguments fields nor sections {SECTIONS}; "
+                          "fix the names (hf-ring train RECIPE --help lists the fields)")  # fmt: skip
     if sections["model"] is None or sections["data"] is None:
-        raise ValueError(f"recipe {str(source)!r}: needs a model section and a data section")
+        raise RecipeError(f"{where}: needs a model section and a data section")
     try:
         resolve_model(sections["model"], path)
         stages = resolve_data(sections["data"])["stages"]
         check_lora(sections["lora"])
     except ValueError as e:
-        raise ValueError(f"recipe {str(source)!r}: {e}") from None
+        raise RecipeError(f"{where}: {e}") from None
     if not torch.cuda.is_available():
         raw.setdefault("use_cpu", True)  # else Trainer ignores the launcher's processes on a CPU-only machine
     if "max_steps" not in raw and all(s["steps"] for s in stages):
@@ -129,15 +165,25 @@ def parse_recipe(argv: list[str] | None = None, *, source: str | os.PathLike | N
     from transformers import HfArgumentParser
 
     parser = HfArgumentParser(RingTrainingArguments)
+    parser.error = _flag_error  # type: ignore[method-assign]
     parser.set_defaults(**raw)
-    (args,) = parser.parse_args_into_dataclasses(args=argv)
+    try:
+        args, rest = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
+    except ValueError as e:  # RingTrainingArguments' and TrainingArguments' own checks of the values
+        raise RecipeError(f"{where}: {e}") from e
+    if rest:
+        flag = next((a for a in rest if a.startswith("-")), rest[0])
+        raise RecipeError(
+            f"{where}: unknown flag {flag}{did_you_mean(flag.split('=')[0], _flags(names))}; flags are "
+            "RingTrainingArguments fields (--max_steps 4) or keys of a section (--data.seq_len 4096)"
+        )
     if args.output_dir is None:
-        raise ValueError(f"recipe {str(source)!r}: set output_dir")
+        raise RecipeError(f"{where}: output_dir is not set: give output_dir in the recipe, or --output_dir runs/NAME")
     if args.max_steps <= 0:
-        raise ValueError(f"recipe {str(source)!r}: set max_steps (or give every data stage its steps)")
-    for name in ("per_device_train_batch_size", "gradient_accumulation_steps"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"recipe {str(source)!r}: {name} must be >= 1, not {getattr(args, name)}")
+        raise RecipeError(
+            f"{where}: max_steps={args.max_steps}: a recipe trains a set number of optimizer steps; give "
+            "--max_steps N (e.g. --max_steps 100), or steps to every data stage (data.stages: [{seq_len, steps}])"
+        )
     return Recipe(args, sections["model"], sections["lora"], sections["data"], sections["memory_gb"], str(source),
                   path)  # fmt: skip
 
@@ -147,12 +193,12 @@ def check_lora(lora: Any) -> None:
     if lora is None:
         return
     if not isinstance(lora, dict):
-        raise ValueError(f"lora: a mapping of peft.LoraConfig fields, or null (every weight trains), not {lora!r}")
+        raise RecipeError(f"lora: a mapping of peft.LoraConfig fields, or null (every weight trains), not {lora!r}")
     from peft import LoraConfig
 
     unknown = unknown_keys(lora, {f.name for f in fields(LoraConfig) if f.init})
     if unknown:
-        raise ValueError(f"lora: {unknown} are not fields of peft.LoraConfig (r, lora_alpha, target_modules, ...)")
+        raise RecipeError(f"lora: {unknown} are not fields of peft.LoraConfig (r, lora_alpha, target_modules, ...)")
 
 
 def check_config_fields(config: Any, given: dict[str, Any], where: str) -> None:
@@ -170,19 +216,28 @@ def check_config_fields(config: Any, given: dict[str, Any], where: str) -> None:
     stored = set(config.to_dict())  # legacy names that transformers converts (rope_theta, ...) are not kept
     unknown = unknown_keys({k: v for k, v in given.items() if k in stored}, known)
     if unknown:
-        raise ValueError(f"{where}: {unknown} are not fields of {cls.__name__}; fix the names, or drop them")
+        raise RecipeError(f"{where}: {unknown} are not fields of {cls.__name__}; fix the names, or drop them")
+
+
+def check_local(field: str, ref: str | None) -> None:
+    """Refuse ``ref`` (the value of ``field``) when it can only be a local path and names nothing:
+    before transformers or datasets would take it for a hub name and retry a download."""
+    if ref is not None and looks_local(ref) and not Path(ref).expanduser().exists():
+        raise RecipeError(f"{field} {ref!r}: no such file or folder ({PATH_RULE}: {Path.cwd()}); fix the path")
 
 
 def _resolved(section: dict[str, Any], where: Path | None) -> tuple[ModelSource, Any]:
     from transformers import AutoConfig
 
     src = resolve_model(section, where)
+    if src.found != "recipe":
+        check_local("model.init_from" if section.get("init_from") else "model.name_or_path", src.weights)
     if src.weights is None:
         conf = dict(src.fields or {})
         config = AutoConfig.for_model(conf.pop("model_type"), **conf)
         check_config_fields(config, section["config"], "model.config")
     elif src.found == "recipe":
-        raise ValueError(
+        raise RecipeError(
             f"model.init_from {src.weights!r}: no saved model there yet; it is written by {src.writer.name} "
             f"(hf-ring train {src.writer.stem}): run that first"
         )
@@ -191,13 +246,13 @@ def _resolved(section: dict[str, Any], where: Path | None) -> tuple[ModelSource,
             config = AutoConfig.from_pretrained(src.weights, **src.overrides)
         except OSError as e:
             key = "init_from" if section.get("init_from") else "name_or_path"
-            raise ValueError(f"model.{key} {src.weights!r}: no model config found there ({e})") from None
+            raise RecipeError(f"model.{key} {src.weights!r}: no model config found there ({e})") from None
         if src.found == "inline":  # a config given with init_from describes the saved model
             saved = config.to_dict()
             clash = sorted(k for k, v in section["config"].items() if k in saved and saved[k] != v)
             if clash:
-                raise ValueError(f"model.config disagrees with the config of init_from {src.weights!r} on {clash}; "
-                                 "drop them from model.config, or put the changes in model.overrides")  # fmt: skip
+                raise RecipeError(f"model.config disagrees with the config of init_from {src.weights!r} on {clash}; "
+                                  "drop them from model.config, or put the changes in model.overrides")  # fmt: skip
     if src.overrides:
         check_config_fields(config, src.overrides, "model.overrides")
     return src, config
@@ -216,8 +271,10 @@ def check_ring_model(config: Any, attn: str, cp_size: int, seq_len: int) -> None
     ranks, found on the model built on the meta device (no memory, no weights)."""
     if attn != "ring":
         if cp_size > 1:
-            raise ValueError(f"model.attn_implementation {attn!r}: cp_size={cp_size} needs 'ring' (each rank holds "
-                             "only a shard of the sequence); remove attn_implementation or set cp_size: 1")  # fmt: skip
+            raise RecipeError(
+                f"model.attn_implementation {attn!r}: cp_size={cp_size} needs 'ring' (each rank holds only a shard "
+                "of the sequence); remove attn_implementation or set cp_size: 1"
+            )
         return
     from transformers import AutoModelForCausalLM
 

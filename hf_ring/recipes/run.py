@@ -8,35 +8,45 @@ weights), builds the data once (``hf_ring.recipes.data``; token ids checked agai
 ``vocab_size``), the model (LoRA through PEFT), and trains it with ``RingTrainer``: progress bar,
 ``report_to``, checkpoints every ``save_steps`` (sharded under FSDP2) and resume are ``Trainer``'s,
 sealed by ``RingTrainer`` (a kill cannot break them). A run resumes from the newest complete
-checkpoint in ``output_dir`` unless ``--resume_from_checkpoint`` names one (a path) or is ``no``. At
-the end ``trainer.save_model`` writes ``output_dir/final`` (a PEFT adapter, or the full model),
-``metrics.jsonl`` (the logged steps), ``summary.json`` and, when matplotlib is installed,
-``loss.png``; passkey runs with ``data.eval`` report retrieval accuracy before and after.
+checkpoint in ``output_dir`` unless ``--resume_from_checkpoint`` names one (a path) or is ``no``,
+and says from which step; starting over where an earlier run left files needs
+``--overwrite_output_dir true`` (``prepare_output_dir``). At the end ``trainer.save_model`` writes
+``output_dir/final`` (a PEFT adapter, or the full model), ``metrics.jsonl`` (the logged steps),
+``summary.json`` and, when matplotlib is installed, ``loss.png`` (else one line says why not);
+passkey runs with ``data.eval`` report retrieval accuracy before and after. Everything the recipe,
+its flags and the launch can get wrong is refused before the data is built (``check_layout``,
+``prepare_output_dir``, the model's config and ``check_ulysses``, ``check_ring_model``).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from ..data.passkey import VOCAB as PASSKEY_VOCAB
+from ..errors import RecipeError, reports
 from ..trainer import RingTrainer
+from ..trainer.checks import earlier_run
 from .data import StagedDataset, collate, load_documents, pack, passkey_stage, stages_of, tokenize
 from .evaluate import passkey_accuracy
 from .plots import plot_loss
-from .recipe import Recipe, build_model, check_ring_model, model_config, parse_recipe
+from .recipe import Recipe, build_model, check_local, check_ring_model, model_config, parse_recipe
 
-__all__ = ["build_train_dataset", "main", "run"]
+__all__ = ["build_train_dataset", "check_layout", "check_ulysses", "main", "prepare_output_dir", "run"]
 
 
 def _tokenizer(recipe: Recipe) -> Any:
     ref = recipe.data.get("tokenizer") or recipe.model.get("name_or_path") or recipe.model.get("init_from")
     if ref is None:
         return None
+    field = next(f"{s}.{k}" for s, k in (("data", "tokenizer"), ("model", "name_or_path"), ("model", "init_from"))
+                 if getattr(recipe, s).get(k))  # fmt: skip
+    check_local(field, ref)
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(ref)
@@ -54,8 +64,8 @@ def build_train_dataset(recipe: Recipe, dp_size: int, tokenizer: Any = None, voc
     per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps * dp_size
     if data.get("task") == "passkey":
         if vocab_size is not None and vocab_size < PASSKEY_VOCAB:
-            raise ValueError(f"data.task passkey uses token ids 0..{PASSKEY_VOCAB - 1}, but the model's vocab_size "
-                             f"is {vocab_size}: set model.config.vocab_size >= {PASSKEY_VOCAB}")  # fmt: skip
+            raise RecipeError(f"data.task passkey uses token ids 0..{PASSKEY_VOCAB - 1}, but the model's vocab_size "
+                              f"is {vocab_size}: set model.config.vocab_size >= {PASSKEY_VOCAB}")  # fmt: skip
         parts = [(passkey_stage(s["seq_len"], args.seed, k), s["steps"]) for k, s in enumerate(stages)]
         return StagedDataset(parts, per_step, args.max_steps, shuffle_seed=None)
     with args.main_process_first(desc="tokenize and pack the data"):
@@ -69,15 +79,86 @@ def build_train_dataset(recipe: Recipe, dp_size: int, tokenizer: Any = None, voc
     return StagedDataset([(packed[s["seq_len"]], s["steps"]) for s in stages], per_step, args.max_steps, args.seed)
 
 
+_NO = ("no", "false", "none", "")
+
+
+def _say(message: str) -> None:
+    """One line to the user from the process that reports (rank 0, or this process alone)."""
+    if reports():
+        print(f"hf-ring train: {message}", flush=True)
+
+
+def check_layout(recipe: Recipe, world: int) -> None:
+    """Refuse a CP layout the launch cannot make: ``cp_size`` over one process, or not dividing the
+    launched processes."""
+    cp = recipe.args.cp_size
+    if cp > 1 and world == 1:
+        raise RecipeError(
+            f"cp_size={cp}: needs {cp} processes (or a multiple), but this is one process; launch with "
+            f"torchrun --nproc_per_node {cp} -m hf_ring.cli train {recipe.source} (or accelerate launch, "
+            "hf-ring train --list), or set --cp_size 1"
+        )
+    if world % cp:
+        raise RecipeError(f"cp_size={cp} does not divide the {world} launched processes: launch a multiple of {cp} "
+                          f"processes, or set --cp_size to a divisor of {world}")  # fmt: skip
+
+
+def check_ulysses(args: Any, config: Any) -> None:
+    """Refuse an int ``ulysses_size`` that does not divide the model's query heads."""
+    u = args.ulysses_size
+    heads = getattr(config.get_text_config(), "num_attention_heads", None)
+    if u != "auto" and isinstance(heads, int) and heads % int(u):
+        raise RecipeError(
+            f"ulysses_size={u} does not divide the model's {heads} query heads (num_attention_heads): pick a "
+            f"divisor of both {heads} and cp_size={args.cp_size} (1: ring attention only)"
+        )
+
+
+def prepare_output_dir(args: Any) -> None:
+    """Decide what this run does with ``output_dir`` before anything is built (every rank decides the
+    same): resume from its newest checkpoint (the default when it has one: ``_resume`` says which),
+    or start over. Starting over where an earlier run left files (or checkpoints, with
+    ``--resume_from_checkpoint no``) needs ``overwrite_output_dir``: its checkpoints are then removed
+    (by the process that saves), so that a later resume cannot pick one of them."""
+    given = args.resume_from_checkpoint
+    fresh = given is not None and str(given).lower() in _NO
+    if given is not None and not fresh and str(given).lower() not in ("last", "true", "yes"):
+        return  # a checkpoint named by its path: resumed from, whatever else is there
+    earlier = earlier_run(args.output_dir)
+    if not earlier or (earlier.checkpoints and not fresh):
+        return
+    if not args.overwrite_output_dir:
+        what = "checkpoints" if earlier.checkpoints else "no checkpoint"
+        raise RecipeError(
+            f"output_dir {args.output_dir!r} holds an earlier run ({earlier.names()}; {what}) and this run would "
+            "start over: add --overwrite_output_dir true to replace it, or give another --output_dir"
+            + ("" if not earlier.checkpoints else ", or drop --resume_from_checkpoint no to resume")
+        )
+    if args.should_save:
+        for folder in earlier.checkpoints:
+            shutil.rmtree(folder, ignore_errors=True)
+    removed = f"; its {len(earlier.checkpoints)} checkpoint(s) removed" if earlier.checkpoints else ""
+    _say(f"output_dir {args.output_dir} holds an earlier run ({earlier.names()}): starting over "
+         f"(overwrite_output_dir){removed}")  # fmt: skip
+
+
 def _resume(trainer: RingTrainer) -> str | None:
     """The checkpoint to resume from: ``--resume_from_checkpoint`` (a path, or ``no``), by default
     the newest complete one in ``output_dir`` (skipped ones are logged), else none."""
     given = trainer.args.resume_from_checkpoint
-    if given is not None and str(given).lower() in ("no", "false", "none", ""):
+    if given is not None and str(given).lower() in _NO:
         return None
     if given is not None and str(given).lower() not in ("last", "true", "yes"):
         return trainer._resolve_checkpoint(str(given))
     return trainer._resolve_checkpoint("last")
+
+
+def _step(checkpoint: str) -> int | None:
+    """The optimizer step a checkpoint was saved at (its ``trainer_state.json``), ``None`` if unknown."""
+    try:
+        return int(json.loads((Path(checkpoint) / "trainer_state.json").read_text())["global_step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def run(recipe: Recipe) -> dict[str, Any]:
@@ -86,10 +167,11 @@ def run(recipe: Recipe) -> dict[str, Any]:
     args = recipe.args
     args.train_sampling_strategy = "sequential"  # StagedDataset lays the data out along the steps
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world % args.cp_size:
-        raise ValueError(f"cp_size={args.cp_size} does not divide the {world} processes")
     # everything that can be refused is refused before the data is built or any weight is read
+    check_layout(recipe, world)
+    prepare_output_dir(args)
     config = model_config(recipe.model, recipe.path)
+    check_ulysses(args, config)
     longest = max([s["seq_len"] for s in stages_of(recipe.data)] + [(recipe.data.get("eval") or {}).get("seq_len", 0)])
     check_ring_model(config, recipe.model.get("attn_implementation", "ring"), args.cp_size, longest)
     tokenizer = _tokenizer(recipe) if recipe.data.get("task") != "passkey" else None
@@ -100,6 +182,12 @@ def run(recipe: Recipe) -> dict[str, Any]:
     )
     summary: dict[str, Any] = {"cp_size": trainer.cp_size, "dp_size": trainer.dp_size}
     resume = _resume(trainer)
+    if resume is not None:
+        step = _step(resume)
+        _say(f"resuming from {resume} (step {step if step is not None else '?'} of {args.max_steps}); "
+             "--resume_from_checkpoint no --overwrite_output_dir true starts over")  # fmt: skip
+    elif earlier_run(args.output_dir).checkpoints and str(args.resume_from_checkpoint).lower() not in _NO:
+        _say(f"starting at step 0: no checkpoint in {args.output_dir} can be resumed from (the warning above says why)")
     evaluation = recipe.data.get("eval")
     eval_seed = (evaluation or {}).get("seed", args.seed)  # held-out samples: data.eval.seed, else the run's seed
     if evaluation:
@@ -125,6 +213,9 @@ def run(recipe: Recipe) -> dict[str, Any]:
             f.writelines(json.dumps(h) + "\n" for h in history)
         if plot_loss(history, out / "loss.png", f"{out.name}: CP={trainer.cp_size}, DP={trainer.dp_size}"):
             summary["plot"] = str(out / "loss.png")
+        else:
+            print(f"hf-ring train: {out / 'loss.png'} not drawn: matplotlib is not installed "
+                  "(pip install 'hf-ring[plots]'); the losses are in metrics.jsonl", flush=True)  # fmt: skip
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
         print(json.dumps(summary), flush=True)
     return summary

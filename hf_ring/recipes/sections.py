@@ -4,14 +4,17 @@
 
 ``resolve_model(section, where)``: where the weights come from and the model's config fields,
 nothing downloaded (``ModelSource``). ``resolve_data(section)``: the data section checked (its
-keys, lengths and choices, each refusal naming the field) with its ``stages``. Imports neither
-torch nor transformers.
+keys, lengths and choices, each refusal naming the field) with its ``stages``.
+``resolve_paths(name, section, bases, where)``: the relative paths of a section made absolute,
+read from the recipe's folder, else the working directory, when a recipe file says them, from the
+working directory when flags do (runs, ``output_dir``, are written from the working directory).
+Imports neither torch nor transformers.
 """
 
 from __future__ import annotations
 
-import difflib
 import json
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +22,7 @@ from typing import Any
 
 import yaml
 
+from ..errors import RecipeError, closest
 from ..planner import known_config
 
 __all__ = [
@@ -27,15 +31,23 @@ __all__ = [
     "DTYPES",
     "MODEL_KEYS",
     "ModelSource",
+    "PATH_KEYS",
+    "PATH_RULE",
+    "looks_local",
     "positive_int",
     "resolve_data",
     "resolve_model",
+    "resolve_paths",
     "unknown_keys",
 ]
 
 MODEL_KEYS = ("config", "name_or_path", "init_from", "dtype", "overrides", "attn_implementation")
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 BOUNDARIES = ("pad", "concatenate", "documents")
+# the keys of the model and data sections that name files or folders (``resolve_paths``)
+PATH_KEYS = {"model": ("init_from", "name_or_path"), "data": ("path", "tokenizer")}
+FILE_SUFFIXES = (".json", ".jsonl", ".parquet", ".arrow", ".csv", ".txt", ".text", ".yaml", ".yml", ".safetensors",
+                 ".bin", ".pt")  # fmt: skip
 # the keys of a data section: the passkey task's, and those of documents (hf_ring.recipes.data)
 PASSKEY_KEYS = ("task", "seq_len", "stages", "eval")
 DATA_KEYS = (*PASSKEY_KEYS, "path", "name", "split", "text_field", "ids_field", "tokenizer", "add_eos",
@@ -64,24 +76,44 @@ class ModelSource:
     writer: Path | None = None
 
 
-def unknown_keys(given: Iterable[str], known: Iterable[str]) -> str:
-    """The keys of ``given`` outside ``known``, each with the known key it is likely a typo of
-    (``['boundary' (boundaries?)]``); ``""`` when there is none."""
+def unknown_keys(given: Iterable[str], known: Iterable[str], aliases: dict[str, str] | None = None) -> str:
+    """The keys of ``given`` outside ``known``, each with the known key it is likely meant for
+    (``['boundary' (boundaries?)]``): its entry in ``aliases`` (names other tools use), else the
+    closest by spelling (``hf_ring.errors.closest``); ``""`` when there is none."""
     known = sorted(set(known))
     out = []
     for key in sorted(set(given) - set(known)):
-        near = difflib.get_close_matches(str(key), known, n=1)
-        out.append(f"{key!r} ({near[0]}?)" if near else repr(key))
+        near = (aliases or {}).get(str(key).lower()) or closest(str(key), known)
+        out.append(f"{key!r} ({near}?)" if near in known else repr(key))
     return f"[{', '.join(out)}]" if out else ""
 
 
+def _absolute(ref: str | Path, base: Path | None = None) -> Path:
+    """``ref`` as an absolute path (``~`` expanded, ``..`` folded), a relative one taken from ``base``
+    (default: the working directory)."""
+    p = Path(ref).expanduser()
+    return Path(os.path.abspath(p if p.is_absolute() else (base or Path.cwd()) / p))
+
+
+def looks_local(ref: str) -> bool:
+    """Whether ``ref`` can only be a path on this machine, never a hub name (``name`` or ``org/name``):
+    it starts with ``/``, ``.`` or ``~``, holds a backslash, a glob character or more than one
+    ``/``, or ends in a file suffix (``.jsonl``, ``.parquet``, ...)."""
+    return (
+        ref.startswith(("/", ".", "~"))
+        or any(c in ref for c in "\\*?[")
+        or ref.count("/") > 1
+        or Path(ref).suffix.lower() in FILE_SUFFIXES
+    )
+
+
 def _config_json(ref: str) -> Path:
-    cfg = Path(ref) / "config.json"
-    return cfg if cfg.is_absolute() else Path.cwd() / cfg  # runs are written relative to the working directory
+    return _absolute(ref) / "config.json"  # relative: a run written from the working directory
 
 
 def _writer(ref: str, where: Path | None) -> tuple[dict[str, Any], Path] | None:
-    """The recipe next to ``where`` whose ``output_dir`` holds ``ref`` (a run not written yet)."""
+    """The recipe next to ``where`` whose ``output_dir`` holds ``ref`` (a run, maybe not written yet;
+    both relative to the working directory, where runs are written)."""
     if where is None:
         return None
     for other in sorted(where.parent.glob("*.yaml")):
@@ -93,29 +125,61 @@ def _writer(ref: str, where: Path | None) -> tuple[dict[str, Any], Path] | None:
         except (OSError, yaml.YAMLError):  # not a recipe: it writes no run
             continue
         out = r.get("output_dir") if isinstance(r, dict) else None
-        if out and isinstance(r.get("model"), dict) and Path(ref).is_relative_to(Path(out)):
+        if out and isinstance(r.get("model"), dict) and _absolute(ref).is_relative_to(_absolute(out)):
             return r["model"], other
     return None
 
 
+def resolve_paths(name: str, section: Any, bases: list[Path], where: Path | None = None) -> Any:
+    """``section`` (the ``model`` or ``data`` section, or flags for it) with each relative path of its
+    ``PATH_KEYS`` that exists made absolute: the first of ``bases`` that holds it -- the recipe's
+    folder, then the working directory, for what a recipe file says; the working directory for
+    flags. A ``model.init_from`` inside the ``output_dir`` of another recipe next to ``where`` (a run
+    that recipe writes, maybe not yet: the demo's second stage starts from the first) is taken from
+    the working directory, where runs are written. Anything else stays as written: a hub name, or a
+    path that exists nowhere, which the runner refuses by name before any hub lookup. Returns a new
+    dict (anything but a dict as it is)."""
+    if not isinstance(section, dict):
+        return section
+    out = dict(section)
+    for key in PATH_KEYS.get(name, ()):
+        ref = out.get(key)
+        if not isinstance(ref, str) or not ref:
+            continue
+        if Path(ref).expanduser().is_absolute():
+            out[key] = str(_absolute(ref))
+            continue
+        found = next((_absolute(ref, base) for base in bases if (base / ref).exists()), None)
+        if found is None and name == "model" and key == "init_from" and _writer(ref, where) is not None:
+            found = _absolute(ref)
+        if found is not None:
+            out[key] = str(found)
+    return out
+
+
+# where a relative path that exists nowhere was looked for, for messages
+PATH_RULE = ("a relative path written in a recipe is read from the recipe's folder, else from the working directory; "
+             "one given as a flag, from the working directory")  # fmt: skip
+
+
 def _check_model_section(section: Any) -> None:
     if not isinstance(section, dict):
-        raise ValueError(f"model: a mapping (config | name_or_path | init_from, dtype, overrides), not {section!r}")
+        raise RecipeError(f"model: a mapping (config | name_or_path | init_from, dtype, overrides), not {section!r}")
     unknown = unknown_keys(section, MODEL_KEYS)
     if unknown:
-        raise ValueError(f"model: unknown keys {unknown}; a model section holds {list(MODEL_KEYS)}")
+        raise RecipeError(f"model: unknown keys {unknown}; a model section holds {list(MODEL_KEYS)}")
     for key in ("config", "overrides"):
         if section.get(key) is not None and not isinstance(section[key], dict):
-            raise ValueError(f"model.{key}: a mapping of transformers config fields, not {section[key]!r}")
+            raise RecipeError(f"model.{key}: a mapping of transformers config fields, not {section[key]!r}")
     if section.get("config") is not None and "model_type" not in section["config"]:
-        raise ValueError("model.config: give its model_type (llama, qwen2, ...) with the config fields")
+        raise RecipeError("model.config: give its model_type (llama, qwen2, ...) with the config fields")
     if section.get("dtype", "float32") not in DTYPES:
-        raise ValueError(f"model.dtype: one of {list(DTYPES)}, not {section['dtype']!r}")
+        raise RecipeError(f"model.dtype: one of {list(DTYPES)}, not {section['dtype']!r}")
     for key in ("name_or_path", "init_from"):
         if section.get(key) is not None and not isinstance(section[key], str):
-            raise ValueError(f"model.{key}: a folder or a hub name, not {section[key]!r}")
+            raise RecipeError(f"model.{key}: a folder or a hub name, not {section[key]!r}")
     if not (section.get("config") or section.get("init_from") or section.get("name_or_path")):
-        raise ValueError(
+        raise RecipeError(
             "model: give config (a transformers config dict: random initialisation), name_or_path (a hub name "
             "or a folder) or init_from (a saved model to start from)"
         )
@@ -144,7 +208,7 @@ def resolve_model(section: Any, where: Path | None = None, _seen: tuple[Path, ..
         saved = json.loads(cfg.read_text())
         clash = sorted(k for k, v in (inline or {}).items() if k in saved and saved[k] != v)
         if clash:
-            raise ValueError(
+            raise RecipeError(
                 f"model.config disagrees with {cfg} on {clash}: the model starts from init_from {weights!r}; drop "
                 "those fields from model.config, or put the changes in model.overrides"
             )
@@ -169,7 +233,7 @@ def positive_int(value: Any, name: str, minimum: int = 1) -> int:
     """``value`` as an ``int`` >= ``minimum``; else a ``ValueError`` naming the field ``name``."""
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         what = "a positive whole number" if minimum == 1 else f"a whole number >= {minimum}"
-        raise ValueError(f"{name}: {what}, not {value!r}")
+        raise RecipeError(f"{name}: {what}, not {value!r}")
     return value
 
 
@@ -177,18 +241,18 @@ def _stages(data: dict[str, Any]) -> list[dict[str, int]]:
     if "stages" in data:
         stages = data["stages"]
         if not isinstance(stages, list) or not stages or any(not isinstance(s, dict) for s in stages):
-            raise ValueError(f"data.stages: a list of {{seq_len, steps}}, not {stages!r}")
+            raise RecipeError(f"data.stages: a list of {{seq_len, steps}}, not {stages!r}")
         out = []
         for k, s in enumerate(stages):
             if set(s) != {"seq_len", "steps"}:
-                raise ValueError(f"data.stages[{k}]: give exactly seq_len and steps, not {sorted(s)}")
+                raise RecipeError(f"data.stages[{k}]: give exactly seq_len and steps, not {sorted(s)}")
             out.append({"seq_len": positive_int(s["seq_len"], f"data.stages[{k}].seq_len", 2),
                         "steps": positive_int(s["steps"], f"data.stages[{k}].steps", 0)})  # fmt: skip
         if "seq_len" in data:
-            raise ValueError("data: give seq_len or stages, not both")
+            raise RecipeError("data: give seq_len or stages, not both")
         return out
     if "seq_len" not in data:
-        raise ValueError("data: give seq_len (tokens per sequence) or stages: [{seq_len, steps}, ...]")
+        raise RecipeError("data: give seq_len (tokens per sequence) or stages: [{seq_len, steps}, ...]")
     return [{"seq_len": positive_int(data["seq_len"], "data.seq_len", 2), "steps": 0}]
 
 
@@ -202,35 +266,35 @@ def resolve_data(section: Any) -> dict[str, Any]:
     ``passkey``, and documents without a ``path``.
     """
     if not isinstance(section, dict):
-        raise ValueError(f"data: a mapping (task: passkey, or path; seq_len or stages), not {section!r}")
+        raise RecipeError(f"data: a mapping (task: passkey, or path; seq_len or stages), not {section!r}")
     passkey = section.get("task") is not None
     if passkey and section["task"] != "passkey":
-        raise ValueError(f"data.task: 'passkey' (the demo's task) or absent (documents from data.path), not "
-                         f"{section['task']!r}")  # fmt: skip
+        raise RecipeError(f"data.task: 'passkey' (the demo's task) or absent (documents from data.path), not "
+                          f"{section['task']!r}")  # fmt: skip
     allowed = PASSKEY_KEYS if passkey else DATA_KEYS
     unknown = unknown_keys(section, allowed)
     if unknown:
         extra = " (the passkey task makes its own data)" if passkey else ""
-        raise ValueError(f"data: unknown keys {unknown}; a data section holds {list(allowed)}{extra}")
+        raise RecipeError(f"data: unknown keys {unknown}; a data section holds {list(allowed)}{extra}")
     data = dict(section)
     data["stages"] = _stages(section)
     if not passkey and not section.get("path"):
-        raise ValueError("data: give path (local files, a save_to_disk folder, or a hub dataset name), "
-                         "or task: passkey")  # fmt: skip
+        raise RecipeError("data: give path (local files, a save_to_disk folder, or a hub dataset name), "
+                          "or task: passkey")  # fmt: skip
     if data.get("boundaries", "pad") not in BOUNDARIES:
-        raise ValueError(f"data.boundaries: one of {list(BOUNDARIES)}, not {data['boundaries']!r}")
+        raise RecipeError(f"data.boundaries: one of {list(BOUNDARIES)}, not {data['boundaries']!r}")
     for key in ("num_proc", "pad_id"):
         if data.get(key) is not None:
             positive_int(data[key], f"data.{key}", 1 if key == "num_proc" else 0)
     if data.get("add_eos") is not None and not isinstance(data["add_eos"], bool):
-        raise ValueError(f"data.add_eos: true or false, not {data['add_eos']!r}")
+        raise RecipeError(f"data.add_eos: true or false, not {data['add_eos']!r}")
     for key in ("path", "name", "split", "text_field", "ids_field", "tokenizer"):
         if data.get(key) is not None and not isinstance(data[key], str):
-            raise ValueError(f"data.{key}: a string, not {data[key]!r}")
+            raise RecipeError(f"data.{key}: a string, not {data[key]!r}")
     ev = data.get("eval")
     if ev is not None:
         if not isinstance(ev, dict) or not {"seq_len", "samples"} <= set(ev) <= {"seq_len", "samples", "seed"}:
-            raise ValueError(
+            raise RecipeError(
                 f"data.eval: {{seq_len, samples[, seed]}} (passkey retrieval before and after), not {ev!r}"
             )
         data["eval"] = {"seq_len": positive_int(ev["seq_len"], "data.eval.seq_len", 2),

@@ -9,10 +9,11 @@ from dataclasses import dataclass, field
 from torch import nn
 from transformers import TrainingArguments
 
+from ..errors import UserError
 from ..planner.settings import parse_ulysses_size
 from ..transformers.patches import enable_activation_checkpointing, enable_chunked_loss, enable_tiled_mlp
 
-__all__ = ["RingTrainingArguments", "apply_model_options"]
+__all__ = ["NUMBERS", "RingTrainingArguments", "apply_model_options", "check_numbers"]
 
 
 @dataclass
@@ -58,6 +59,14 @@ class RingTrainingArguments(TrainingArguments):
         },
     )
 
+    overwrite_output_dir: bool = field(
+        default=False,
+        metadata={
+            "help": "hf-ring train: start over in an output_dir that holds an earlier run (its checkpoints are "
+            "removed first, its other files replaced as this run writes its own). Without it, such an output_dir "
+            "is resumed from its newest checkpoint, or refused when it has none. RingTrainer itself ignores it."
+        },
+    )
     save_merged_model: bool = field(
         default=False,
         metadata={
@@ -75,23 +84,61 @@ class RingTrainingArguments(TrainingArguments):
     )
 
     def __post_init__(self) -> None:
+        check_numbers(self)
         super().__post_init__()
         if self.activation_offload and not self.activation_checkpointing:
-            raise ValueError(
+            raise UserError(
                 "RingTrainingArguments: activation_offload=True needs activation_checkpointing=True "
                 "(alias gradient_checkpointing): what is offloaded are the checkpointed layers' inputs."
             )
         try:
             self.ulysses_size = parse_ulysses_size(self.ulysses_size)  # type: ignore[assignment]
         except ValueError as e:
-            raise ValueError(f"RingTrainingArguments: {e} (e.g. --ulysses_size 2 or --ulysses_size auto)") from None
+            raise UserError(f"RingTrainingArguments: {e} (e.g. --ulysses_size 2 or --ulysses_size auto)") from None
         if self.ulysses_size != "auto" and self.cp_size % int(self.ulysses_size):
-            raise ValueError(
+            raise UserError(
                 f"RingTrainingArguments: ulysses_size={self.ulysses_size} does not divide cp_size={self.cp_size}; "
                 f"pick a divisor of {self.cp_size} (1 is plain ring attention)."
             )
-        if self.tiled_mlp is not None and self.tiled_mlp < 1:
-            raise ValueError(f"RingTrainingArguments: tiled_mlp must be >= 1 (tokens) or None, not {self.tiled_mlp}")
+
+
+# field -> (the least value, whether it may equal it, whole numbers only, what it counts; None is
+# allowed where the field's default is None). TrainingArguments checks few of these itself: a 0 would
+# surface as a ZeroDivisionError or a silent no-op much later.
+NUMBERS: dict[str, tuple[float, bool, bool, str]] = {
+    "cp_size": (1, True, True, "processes that share one sequence (1: no context parallelism)"),
+    "per_device_train_batch_size": (1, True, True, "sequences per process and micro-step"),
+    "per_device_eval_batch_size": (1, True, True, "sequences per process and evaluation step"),
+    "gradient_accumulation_steps": (1, True, True, "micro-steps per optimizer step"),
+    "tiled_mlp": (1, True, True, "tokens per tile of the MLP (None: off)"),
+    "max_steps": (1, True, True, "optimizer steps to train (-1: as many as num_train_epochs make)"),
+    "save_steps": (0, False, False, "optimizer steps between checkpoints (below 1: a fraction of the run)"),
+    "logging_steps": (0, False, False, "optimizer steps between logs (below 1: a fraction of the run)"),
+    "eval_steps": (0, False, False, "optimizer steps between evaluations (below 1: a fraction of the run)"),
+    "save_total_limit": (1, True, True, "checkpoints kept (None: all)"),
+    "learning_rate": (0, True, False, "the peak learning rate"),
+    "weight_decay": (0, True, False, "AdamW's weight decay"),
+    "warmup_steps": (0, True, False, "optimizer steps of warm-up (below 1: a fraction of the run)"),
+    "max_grad_norm": (0, True, False, "the gradient norm clipped to (0: no clipping)"),
+    "num_train_epochs": (0, False, False, "epochs to train when max_steps is -1"),
+    "dataloader_num_workers": (0, True, True, "data loader worker processes"),
+}
+
+
+def check_numbers(args: object) -> None:
+    """Refuse a field of ``NUMBERS`` that is not a number in its range, naming the field, the value
+    and the fix (``UserError``). ``max_steps`` may also be -1 (``TrainingArguments``' default)."""
+    for name, (least, inclusive, whole, what) in NUMBERS.items():
+        value = getattr(args, name, None)
+        if value is None or (name == "max_steps" and value == -1):
+            continue
+        kind = "a whole number" if whole else "a number"
+        bound = f"{'>=' if inclusive else '>'} {least:g}"
+        number = isinstance(value, int if whole else (int, float)) and not isinstance(value, bool)
+        if not number or value < least or (value == least and not inclusive):
+            example = f"{least:g}" if inclusive and least > 0 else "1"
+            shown = f"{value:g}" if isinstance(value, float) else repr(value)
+            raise UserError(f"{name}={shown}: {what}; give {kind} {bound} (e.g. --{name} {example})")
 
 
 def apply_model_options(model: nn.Module, args: TrainingArguments) -> nn.Module:

@@ -1,15 +1,46 @@
-"""Start-up checks of a distributed run."""
+"""Start-up checks of a run: the output directory shared by all ranks, and what an output directory
+already holds (``earlier_run``: the checkpoints and other files of an earlier run)."""
 
 from __future__ import annotations
 
 import os
 import secrets
 import socket
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch.distributed as dist
 
-__all__ = ["check_shared_output_dir"]
+from .checkpoints import checkpoint_dirs
+
+__all__ = ["EarlierRun", "check_shared_output_dir", "earlier_run"]
+
+
+@dataclass(frozen=True)
+class EarlierRun:
+    """What ``output_dir`` holds from an earlier run: its ``checkpoint-N`` folders (oldest first) and
+    the names of its other entries (files and folders whose name starts with a dot are left out)."""
+
+    checkpoints: tuple[Path, ...]
+    others: tuple[str, ...]
+
+    def __bool__(self) -> bool:
+        return bool(self.checkpoints or self.others)
+
+    def names(self, at_most: int = 4) -> str:
+        """Up to ``at_most`` of its entries, for a message: ``checkpoint-40, final, summary.json, ...``."""
+        names = [p.name for p in reversed(self.checkpoints)] + list(self.others)
+        return ", ".join(names[:at_most]) + (", ..." if len(names) > at_most else "")
+
+
+def earlier_run(output_dir: str | os.PathLike) -> EarlierRun:
+    """What ``output_dir`` holds (nothing when it does not exist)."""
+    root = Path(output_dir)
+    if not root.is_dir():
+        return EarlierRun((), ())
+    checkpoints = tuple(p for _, p in checkpoint_dirs(root))
+    others = tuple(sorted(p.name for p in root.iterdir() if not p.name.startswith(".") and p not in checkpoints))
+    return EarlierRun(checkpoints, others)
 
 
 def check_shared_output_dir(output_dir: str | os.PathLike) -> None:

@@ -1,0 +1,108 @@
+"""How long the command line takes to answer, and what ``import hf_ring`` adds to its dependencies.
+
+    python -m benchmarks.startup --out benchmarks/results/startup.jsonl --before db3a2df   # ~4 min
+
+Each sample is a fresh interpreter, timed from start to exit (what a user waits for):
+
+* ``hf-ring --help``, ``hf-ring train --list``, ``hf-ring plan llama-3.1-8b-128k`` (the console
+  script of this environment);
+* ``import torch, transformers, accelerate, peft`` (the baseline), the same with ``hf_ring`` after
+  them and with ``hf_ring`` before them; ``import hf_ring overhead`` is the difference to the
+  baseline, paired per repetition (both orders: registering the ring costs the same either way);
+* ``import hf_ring`` alone, timed inside an interpreter that has imported the others (the least
+  noisy figure of what it adds: no second interpreter start to subtract).
+
+``--before REV`` measures the same commands on the sources of that commit too (``git archive`` into
+a temporary folder, put first on ``PYTHONPATH``), interleaved with this checkout's in every
+repetition so both see the same machine load. Rows: ``name`` the command, ``provider`` the code
+(``this`` or ``before REV``), ``metric`` ``seconds``, median / p20 / p80 over the repetitions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks import harness as H
+
+HF_RING = str(Path(sys.executable).with_name("hf-ring"))
+COMMANDS = {
+    "hf-ring --help": [HF_RING, "--help"],
+    "hf-ring train --list": [HF_RING, "train", "--list"],
+    "hf-ring plan llama-3.1-8b-128k": [HF_RING, "plan", "llama-3.1-8b-128k"],
+}
+DEPS = "import torch, transformers, accelerate, peft"
+IMPORTS = {
+    "import torch, transformers, accelerate, peft": [sys.executable, "-c", DEPS],
+    "... then import hf_ring": [sys.executable, "-c", f"{DEPS}; import hf_ring"],
+    "import hf_ring, then ...": [sys.executable, "-c", f"import hf_ring; {DEPS}"],
+}
+
+
+# in one interpreter: the seconds of `import hf_ring` alone, once its dependencies are loaded
+IN_PROCESS = "import hf_ring, in-process, after the others"
+TIME_IT = f"{DEPS}; import time; t = time.perf_counter(); import hf_ring; print(time.perf_counter() - t)"
+
+
+def timed(cmd: list[str], pythonpath: str | None) -> float:
+    """Seconds from start to exit of ``cmd`` (which must succeed); for ``TIME_IT``, the time it prints."""
+    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
+    if pythonpath:
+        env["PYTHONPATH"] = pythonpath
+    t = time.perf_counter()
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tempfile.gettempdir(), timeout=300)
+    seconds = time.perf_counter() - t
+    if out.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed: {out.stderr[-2000:]}")
+    return float(out.stdout.split()[-1]) if cmd[-1] == TIME_IT else seconds
+
+
+def sources_of(rev: str, into: Path) -> Path:
+    """The ``hf_ring`` package of commit ``rev`` (``git archive``), under ``into``."""
+    tar = into / "src.tar"
+    subprocess.run(["git", "archive", "-o", str(tar), rev, "hf_ring"], cwd=H.ROOT, check=True)
+    with tarfile.open(tar) as f:
+        f.extractall(into, filter="data")
+    return into
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="benchmarks/results/startup.jsonl")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--before", help="a commit to measure too (its hf_ring sources), e.g. the one before a change")
+    args = ap.parse_args()
+    meta = {"machine": H.machine_info(), "versions": H.versions(transformers=True)}
+    table = H.Table(meta, threads_of=lambda p: os.cpu_count() or 1)
+    with tempfile.TemporaryDirectory() as tmp:
+        variants = {"this": None}
+        if args.before:
+            variants[f"before {args.before}"] = str(sources_of(args.before, Path(tmp)))
+        jobs = {**COMMANDS, **IMPORTS, IN_PROCESS: [sys.executable, "-c", TIME_IT]}
+        samples: dict[tuple[str, str], list[float]] = {(v, name): [] for v in variants for name in jobs}
+        for rep in range(args.reps):
+            for name, cmd in jobs.items():
+                for variant, path in variants.items():
+                    samples[(variant, name)].append(timed(cmd, path))
+            print(f"repetition {rep + 1}/{args.reps} done", flush=True)
+    for (variant, name), xs in samples.items():
+        table.add(name, variant, "seconds", 1, 0, H.stats(xs), "s", x=0, note=" ".join(jobs[name][1:]))
+    base = "import torch, transformers, accelerate, peft"
+    for variant in variants:
+        for order, where in (("... then import hf_ring", "after"), ("import hf_ring, then ...", "before")):
+            diffs = [a - b for a, b in zip(samples[(variant, order)], samples[(variant, base)])]
+            table.add(f"import hf_ring overhead, hf_ring {where} the others", variant, "seconds", 1, 0, H.stats(diffs),
+                      "s", x=0, note=f"{order!r} minus {base!r}, paired per repetition")  # fmt: skip
+    H.write_rows(args.out, table.rows)
+    for r in table.rows:
+        print(f"{r['provider']:<16} {r['name']:<55} {r['median']:6.2f} s  (p20 {r['p20']:.2f}, p80 {r['p80']:.2f})")
+
+
+if __name__ == "__main__":
+    main()
