@@ -27,7 +27,6 @@ import importlib
 import math
 import sys
 from collections.abc import Callable
-from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +39,7 @@ from ..ops.mixers.diagonal import diagonal_plan, diagonal_recurrence
 from ..ops.mixers.lightning import lightning_attention
 from ..ops.mixers.selective import selective_plan, selective_scan
 from ..ops.mixers.ssd import ssd_plan, ssd_scan
+from .carry import ACTIVE, carry_context, context_of, needs_cp
 from .context import RingContext
 from .support import RingNotSupported
 
@@ -47,36 +47,6 @@ __all__ = ["FAMILIES", "ROUTES", "Family", "install", "original", "routed_classe
 
 Route = Callable[[Callable], Callable]  # the original function -> its dispatcher
 _MODELS = "transformers.models."
-
-
-# The ring_context of the layer forward running now, for kernels called without the layer's **kwargs
-# (Jamba's decoder layer calls its mixer without them; Zamba's mixer calls its scan and convolution
-# without them): set by ``carry_context`` (a Family adapter).
-_ACTIVE: ContextVar[RingContext | None] = ContextVar("hf_ring_mixer_context", default=None)
-
-
-def _context(kwargs: dict[str, Any]) -> RingContext | None:
-    ctx = kwargs.get("ring_context")
-    return ctx if ctx is not None else _ACTIVE.get()
-
-
-def carry_context(forward: Callable) -> Callable:
-    """A mixer's ``forward`` that makes its ``ring_context`` keyword visible to the routed kernels it
-    calls without their ``**kwargs``, for the duration of the call (also when checkpointing reruns it)."""
-
-    @functools.wraps(forward)
-    def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
-        token = _ACTIVE.set(kwargs.get("ring_context"))
-        try:
-            return forward(self, *args, **kwargs)
-        finally:
-            _ACTIVE.reset(token)
-
-    return wrapped
-
-
-def _needs_cp(ctx: RingContext | None) -> bool:
-    return ctx is not None and (ctx.size > 1 or ctx.layout.packed)
 
 
 def _check_rows(ctx: RingContext, rows: int, what: str) -> None:
@@ -102,10 +72,11 @@ def conv_route(fn: Callable) -> Callable:
     @functools.wraps(fn)
     def causal_conv1d_fn(hidden_states: Tensor, weight: Tensor, bias: Tensor | None = None,
                          activation: str | None = None, **kwargs: Any) -> Tensor:  # fmt: skip
-        ctx = _context(kwargs)
-        if not _needs_cp(ctx):
+        ctx = context_of(kwargs)
+        if not needs_cp(ctx):
             return fn(hidden_states, weight, bias, activation=activation, **kwargs)
         _check_rows(ctx, hidden_states.shape[-1], "causal_conv1d_fn")
+        ctx.count("mixer")
         b, width = hidden_states.shape[0], weight.shape[-1] - 1
         plan = ctx.cached(("conv", b, width), lambda: conv_plan(ctx.layout, b, ctx.rank, width))
 
@@ -126,13 +97,14 @@ def delta_route(fn: Callable) -> Callable:
     def rule(query: Tensor, key: Tensor, value: Tensor, g: Tensor, beta: Tensor, chunk_size: int = 64,
              initial_state: Tensor | None = None, output_final_state: bool = False,
              use_qk_l2norm_in_kernel: bool = False, **kwargs: Any) -> tuple[Tensor, Tensor | None]:  # fmt: skip
-        ctx = kwargs.get("ring_context")
-        if not _needs_cp(ctx):
+        ctx = context_of(kwargs)
+        if not needs_cp(ctx):
             return fn(query, key, value, g=g, beta=beta, chunk_size=chunk_size, initial_state=initial_state,
                       output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
                       **kwargs)  # fmt: skip
         _no_cache(fn, initial_state is not None or output_final_state)
         _check_rows(ctx, query.shape[1], fn.__name__)
+        ctx.count("mixer")
         b = query.shape[0]
         plan = ctx.cached(("delta", b), lambda: delta_plan(ctx.layout, b, ctx.rank))
 
@@ -156,8 +128,8 @@ def ssd_route(fn: Callable) -> Callable:
              D: Tensor | None = None, dt_bias: Tensor | None = None, initial_states: Tensor | None = None,
              dt_softplus: bool = False, dt_limit: tuple[float, float] = (0.0, math.inf),
              return_final_states: bool = False, **kwargs: Any) -> Any:  # fmt: skip
-        ctx = kwargs.get("ring_context")
-        if not _needs_cp(ctx):
+        ctx = context_of(kwargs)
+        if not needs_cp(ctx):
             return fn(hidden_states, dt, A, B, C, chunk_size=chunk_size, D=D, dt_bias=dt_bias,
                       initial_states=initial_states, dt_softplus=dt_softplus, dt_limit=dt_limit,
                       return_final_states=return_final_states, **kwargs)  # fmt: skip
@@ -168,6 +140,7 @@ def ssd_route(fn: Callable) -> Callable:
                 "(the transformers mixers gate in their norm); run this model without context parallelism."
             )
         _check_rows(ctx, hidden_states.shape[1], fn.__name__)
+        ctx.count("mixer")
         b = hidden_states.shape[0]
         plan = ctx.cached(("ssd", b), lambda: ssd_plan(ctx.layout, b, ctx.rank))
 
@@ -189,12 +162,13 @@ def selective_route(fn: Callable) -> Callable:
     def scan(hidden_states: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor | None = None,
              z: Tensor | None = None, delta_bias: Tensor | None = None, delta_softplus: bool = False,
              return_last_state: bool = False, **kwargs: Any) -> Any:  # fmt: skip
-        ctx = _context(kwargs)
-        if not _needs_cp(ctx):
+        ctx = context_of(kwargs)
+        if not needs_cp(ctx):
             return fn(hidden_states, dt, A, B, C, D=D, z=z, delta_bias=delta_bias, delta_softplus=delta_softplus,
                       return_last_state=return_last_state, **kwargs)  # fmt: skip
         _no_cache(fn, return_last_state)
         _check_rows(ctx, hidden_states.shape[-1], fn.__name__)
+        ctx.count("mixer")
         b = hidden_states.shape[0]
         plan = ctx.cached(("selective", b), lambda: selective_plan(ctx.layout, b, ctx.rank))
         options = {k: v for k, v in kwargs.items() if k in ("use_mambapy", "use_associative_scan")}
@@ -209,13 +183,13 @@ def selective_route(fn: Callable) -> Callable:
 
 
 def unfused_route(fn: Callable) -> Callable:
-    """A fused kernel of a whole mixer (mamba-ssm's ``mamba_split_conv1d_scan_combined``): under a
-    ``ring_context`` it returns ``None``, which makes the mixer take its unfused path (convolution
-    and scan, each routed); every other call goes to the kernel."""
+    """A fused kernel of a whole mixer (mamba-ssm's ``mamba_split_conv1d_scan_combined`` and
+    ``mamba_inner_fn``): under a ``ring_context`` it returns ``None``, which makes the mixer take its
+    unfused path (convolution and scan, each routed); every other call goes to the kernel."""
 
     @functools.wraps(fn)
     def fused(*args: Any, **kwargs: Any) -> Any:
-        if _needs_cp(kwargs.get("ring_context")):
+        if needs_cp(context_of(kwargs)):
             return None
         return fn(*args, **kwargs)
 
@@ -230,11 +204,12 @@ def lightning_forward(forward: Callable) -> Callable:
     @functools.wraps(forward)
     def wrapped(self: Any, hidden_states: Tensor, *args: Any, **kwargs: Any) -> Any:
         ctx = kwargs.get("ring_context")
-        if not _needs_cp(ctx):
+        if not needs_cp(ctx):
             return forward(self, hidden_states, *args, **kwargs)
         _no_cache(forward, kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None)
         b, s, _ = hidden_states.shape
         _check_rows(ctx, s, type(self).__name__)
+        ctx.count("mixer")
         h, d = self.num_attention_heads, self.head_dim
         qkv = self.act_fn(self.qkv_proj(hidden_states))
         mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
@@ -258,11 +233,12 @@ def recurrent_block_forward(forward: Callable) -> Callable:
     @functools.wraps(forward)
     def wrapped(self: Any, input_states: Tensor, *args: Any, **kwargs: Any) -> Any:
         ctx = kwargs.get("ring_context")
-        if not _needs_cp(ctx):
+        if not needs_cp(ctx):
             return forward(self, input_states, *args, **kwargs)
         position_ids = kwargs["position_ids"] if "position_ids" in kwargs else args[0]
         b, s, _ = input_states.shape
         _check_rows(ctx, s, type(self).__name__)
+        ctx.count("mixer")
         self.conv1d_state, self.rg_lru.recurrent_states = None, None  # no cache under context parallelism
         y = self.act_fn(self.linear_y(input_states))
         x = self.linear_x(input_states).transpose(1, 2)
@@ -270,11 +246,11 @@ def recurrent_block_forward(forward: Callable) -> Callable:
         width = weight.shape[-1] - 1
         plan = ctx.cached(("conv", b, width), lambda: conv_plan(ctx.layout, b, ctx.rank, width))
         x = causal_conv1d(x, weight, self.conv_1d.bias, None, plan, ctx.group)
-        token = _ACTIVE.set(ctx)
+        token = ACTIVE.set(ctx)
         try:
             x = self.rg_lru(x.transpose(1, 2), position_ids)
         finally:
-            _ACTIVE.reset(token)
+            ACTIVE.reset(token)
             self.rg_lru.recurrent_states = None
         return self.linear_out(x * y), None
 
@@ -288,8 +264,8 @@ def rnn_scan_method(scan: Callable) -> Callable:
     @functools.wraps(scan)
     def wrapped(self: Any, hidden_states: Tensor, recurrent_gate: Tensor, reset: Tensor,
                 recurrent_states: Tensor | None = None, acc_dtype: torch.dtype = torch.float32) -> Any:  # fmt: skip
-        ctx = _ACTIVE.get()
-        if not _needs_cp(ctx):
+        ctx = ACTIVE.get()
+        if not needs_cp(ctx):
             return scan(self, hidden_states, recurrent_gate, reset, recurrent_states, acc_dtype)
         _no_cache(scan, recurrent_states is not None)
         b = hidden_states.shape[0]
@@ -317,8 +293,16 @@ class Family:
 _GDN = {"causal_conv1d_fn": "conv", "torch_chunk_gated_delta_rule": "delta"}
 _KDA = {"causal_conv1d_fn": "conv", "chunk_kimi_delta_attention": "delta"}
 _CONV = {"causal_conv1d_fn": "conv"}
-_MAMBA = {"causal_conv1d_fn": "conv", "mamba_selective_scan": "selective"}
+_MAMBA = {"causal_conv1d_fn": "conv", "mamba_selective_scan": "selective", "mamba_inner_fn": "unfused"}
 _SSD = {"causal_conv1d_fn": "conv", "mamba2_chunk_scan": "ssd", "mamba2_split_conv1d_scan_combined": "unfused"}
+
+
+
+def _carried(*classes: str) -> dict[str, Callable]:
+    """``carry_context`` on the ``forward`` of ``classes`` (a causal LM that calls its model without
+    its keyword arguments, and the model, which calls its blocks without them)."""
+    return dict.fromkeys(classes, carry_context)
+
 
 # modeling module (under transformers.models.) -> its routes
 FAMILIES: dict[str, Family] = {
@@ -347,7 +331,14 @@ FAMILIES: dict[str, Family] = {
         {"RecurrentGemmaRecurrentBlock": recurrent_block_forward, "RecurrentGemmaRglru._rnn_scan": rnn_scan_method},
     ),
     "jamba.modeling_jamba": Family(
-        _MAMBA, ("JambaMambaMixer", "JambaMambaDecoderLayer"), {"JambaMambaDecoderLayer": carry_context}
+        _MAMBA, ("JambaMambaMixer", "JambaMambaDecoderLayer"), {"JambaModel": carry_context}
+    ),
+    "mamba.modeling_mamba": Family(_MAMBA, ("MambaMixer", "MambaBlock"), _carried("MambaForCausalLM", "MambaModel")),
+    "falcon_mamba.modeling_falcon_mamba": Family(
+        _MAMBA, ("FalconMambaMixer", "FalconMambaBlock"), _carried("FalconMambaForCausalLM", "FalconMambaModel")
+    ),
+    "mamba2.modeling_mamba2": Family(
+        _SSD, ("Mamba2Mixer", "Mamba2Block"), _carried("Mamba2ForCausalLM", "Mamba2Model")
     ),
     "zamba.modeling_zamba": Family(
         _MAMBA, ("ZambaMambaMixer", "ZambaMambaDecoderLayer"), {"ZambaMambaMixer": carry_context}
