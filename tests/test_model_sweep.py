@@ -22,7 +22,8 @@ import pytest
 
 from testkit.families import families, skipped, variants
 from testkit.mixers import hybrid
-from testkit.sweep import README_END, README_START, check_family, render_table
+from testkit.sweep import check_family
+from testkit.sweep_table import PATHS, README_END, README_START, path_record, render_table  # noqa: F401
 
 # family or "family:variant" -> why it is WRONG or BROKEN today (docs/models.json has the numbers)
 KNOWN: dict[str, str] = {}
