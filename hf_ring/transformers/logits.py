@@ -51,20 +51,29 @@ class _Output(BaseModelOutputWithPast):
 
 class _StandIn(nn.Module):
     """In place of ``real`` during the probe: returns ``make(*args)``; reads its other attributes
-    (``lm_head_multiplier``, ``config``, ...) from ``real``; counts its calls."""
+    (``lm_head_multiplier``, ``config``, ...) from ``real``, but its submodules are stand-ins too
+    (BART's causal LM calls ``self.model.decoder``: nothing of the real model runs); counts the
+    calls of itself and of its submodules' stand-ins."""
 
-    def __init__(self, real: nn.Module, make: Callable[..., Any]) -> None:
+    def __init__(self, real: nn.Module, make: Callable[..., Any], counter: list[int] | None = None) -> None:
         super().__init__()
         object.__setattr__(self, "_real", real)
         object.__setattr__(self, "_make", make)
-        object.__setattr__(self, "calls", 0)
+        object.__setattr__(self, "_counter", counter if counter is not None else [0])
+
+    @property
+    def calls(self) -> int:
+        return self._counter[0]
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        object.__setattr__(self, "calls", self.calls + 1)
+        self._counter[0] += 1
         return self._make(*args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(object.__getattribute__(self, "_real"), name)
+        value = getattr(object.__getattribute__(self, "_real"), name)
+        if isinstance(value, nn.Module):
+            return _StandIn(value, object.__getattribute__(self, "_make"), object.__getattribute__(self, "_counter"))
+        return value
 
 
 def _path(lm: nn.Module, target: nn.Module) -> tuple[nn.Module, str] | None:
