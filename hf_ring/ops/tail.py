@@ -43,7 +43,8 @@ class _Step:
 
 def _describe(step: _Step) -> str:
     """``name(constants)``: the call's name and the arguments it took besides recorded tensors."""
-    name = str(getattr(step.func, "__name__", step.func)).strip("_")
+    name = str(getattr(step.func, "__name__", step.func))
+    name = name[2:-2] if name.startswith("__") and name.endswith("__") else name
     shown = [
         f"tensor{list(v.shape)}" if isinstance(v, Tensor) else repr(v) for v in step.leaves if not isinstance(v, _Ref)
     ]
