@@ -161,3 +161,20 @@ def test_jamba_mamba_layers_stay_checkpointed() -> None:
     for h in handles:
         h.remove()
     assert forward > 0 and len(calls) == 2 * forward, (forward, len(calls))
+
+
+def test_fused_mamba_kernels_step_aside_under_the_context() -> None:
+    """mamba-ssm's fused ``mamba_inner_fn`` (the training path of Mamba and Falcon-Mamba on GPUs) would
+    scan the local shard alone: under a ``ring_context`` -- given, or carried by the model's forward --
+    its route returns ``None`` and the mixer takes the routed convolution and scan."""
+    from hf_ring.transformers import carry, mixers
+
+    fused = mixers.ROUTES["unfused"](lambda *args, **kwargs: "fused")
+    packed = {"input_ids": torch.zeros(1, 6, dtype=torch.long), "position_ids": torch.tensor([[0, 1, 2, 0, 1, 2]])}
+    ctx = hf_ring.shard_batch(packed)["ring_context"]  # one rank, packed documents: the CP form runs
+    assert fused(1) == "fused" and fused(1, ring_context=ctx) is None
+    token = carry.ACTIVE.set(ctx)
+    try:
+        assert fused(1) is None
+    finally:
+        carry.ACTIVE.reset(token)
