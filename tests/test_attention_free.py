@@ -92,18 +92,17 @@ def check(results: list[dict], tol: float = 1e-9) -> None:
         assert r["mixer_calls"] > 0 or r["world"] == 1, r
 
 
-@pytest.mark.parametrize(("world", "model_type"), [(2, "mamba"), (3, "mamba2"), (2, "falcon_mamba")])
-def test_mamba_families_are_exact(world: int, model_type: str) -> None:
-    check(run_ranks(world, step_errors, model_type))
+def test_mamba_is_exact() -> None:
+    """One sequence per row (the sweep runs the three families so at CP = 2 and 4 in float32)."""
+    check(run_ranks(2, step_errors, "mamba"))
 
 
-@pytest.mark.parametrize(("world", "model_type"), [(3, "mamba"), (2, "mamba2"), (4, "falcon_mamba"), (1, "mamba")])
+@pytest.mark.parametrize(("world", "model_type"), [(3, "mamba"), (2, "mamba2"), (4, "falcon_mamba"), (1, "mamba2")])
 def test_mamba_packed_documents_equal_each_document_alone(world: int, model_type: str) -> None:
     check(run_ranks(world, step_errors, model_type, packed=True))
 
 
-@pytest.mark.parametrize(("world", "model_type", "lora"), [(3, "mamba", True), (2, "falcon_mamba", False),
-                                                           (2, "jamba", False)])  # fmt: skip
+@pytest.mark.parametrize(("world", "model_type", "lora"), [(3, "mamba", True), (2, "jamba", False)])
 def test_activation_checkpointing_recomputes_under_the_context(world: int, model_type: str, lora: bool) -> None:
     """The recompute in backward runs the routed scans again, for models whose layers never see the
     batch's keyword arguments (their checkpoint function carries the context)."""
