@@ -19,7 +19,7 @@ import hf_ring
 from hf_ring.transformers.support import RingNotSupported
 from testkit.families import causal_lm_class, tiny_config
 from testkit.mixers import float64_kernels, widened_casts
-from testkit.models import cp_grad_error, documents_alone_loss, tiny_batch
+from testkit.models import cp_grad_error, documents_alone_loss, packed_batch, tiny_batch
 from testkit.oracle import rel_err
 from testkit.spawn import run_ranks
 
@@ -63,12 +63,8 @@ def step_errors(model_type: str, packed: bool = False, lora: bool = False, ckpt:
     with float64_kernels(), widened_casts() if not ckpt else contextlib.nullcontext():
         ring, ref = build(model_type, "ring", lora, ckpt, **fields), build(model_type, "sdpa", lora, ckpt, **fields)
         if packed:
-            ids = torch.randint(0, vocab, (1, sum(DOCS)), generator=torch.Generator().manual_seed(3))
-            labels = ids.clone()
-            labels[0, 20:23] = -100
-            positions = torch.cat([torch.arange(n) for n in DOCS])[None]
-            batch = {"input_ids": ids, "labels": labels, "position_ids": positions}
-            want = documents_alone_loss(ref, ids, labels, DOCS)
+            batch = packed_batch(DOCS, vocab)
+            want = documents_alone_loss(ref, batch["input_ids"], batch["labels"], DOCS)
         else:
             batch = tiny_batch(2, 45, vocab=vocab)
             want = ref(**batch, use_cache=False).loss

@@ -47,10 +47,6 @@ def _autocast_dtype(x: Tensor) -> torch.dtype | None:
     return torch.get_autocast_dtype(device)
 
 
-def _cast(tensors: tuple[Tensor | None, ...], dtype: torch.dtype | None) -> tuple[Tensor | None, ...]:
-    return tensors if dtype is None else tuple(t if t is None else t.to(dtype) for t in tensors)
-
-
 Transform = Callable[[Tensor], Tensor]  # the head's output [T, V] -> the model's logits [T, V']
 
 
@@ -60,6 +56,10 @@ def _logits(z: Tensor, transform: Transform | None, dtype: torch.dtype | None) -
         return z.float()
     with torch.autocast(z.device.type, dtype=dtype, enabled=dtype is not None):
         return transform(z).float()
+
+
+def _cast(tensors: tuple[Tensor | None, ...], dtype: torch.dtype | None) -> tuple[Tensor | None, ...]:
+    return tensors if dtype is None else tuple(t if t is None else t.to(dtype) for t in tensors)
 
 
 class _ChunkedLinearCE(torch.autograd.Function):

@@ -39,7 +39,10 @@ from ..ops.mixers.diagonal import diagonal_plan, diagonal_recurrence
 from ..ops.mixers.lightning import lightning_attention
 from ..ops.mixers.selective import selective_plan, selective_scan
 from ..ops.mixers.ssd import ssd_plan, ssd_scan
-from .carry import ACTIVE, carry_context, context_of, needs_cp
+from .carry import ACTIVE as _ACTIVE
+from .carry import carry_context
+from .carry import context_of as _context
+from .carry import needs_cp as _needs_cp
 from .context import RingContext
 from .support import RingNotSupported
 
@@ -50,6 +53,8 @@ _MODELS = "transformers.models."
 
 
 def _check_rows(ctx: RingContext, rows: int, what: str) -> None:
+    """Refuse a call that does not see the whole local shard; count the call (the guard's)."""
+    ctx.count("mixer")
     if rows != ctx.layout.local:
         raise RingNotSupported(
             f"{what}: got {rows} tokens per row under a ring_context whose shard holds {ctx.layout.local}; "
@@ -72,11 +77,10 @@ def conv_route(fn: Callable) -> Callable:
     @functools.wraps(fn)
     def causal_conv1d_fn(hidden_states: Tensor, weight: Tensor, bias: Tensor | None = None,
                          activation: str | None = None, **kwargs: Any) -> Tensor:  # fmt: skip
-        ctx = context_of(kwargs)
-        if not needs_cp(ctx):
+        ctx = _context(kwargs)
+        if not _needs_cp(ctx):
             return fn(hidden_states, weight, bias, activation=activation, **kwargs)
         _check_rows(ctx, hidden_states.shape[-1], "causal_conv1d_fn")
-        ctx.count("mixer")
         b, width = hidden_states.shape[0], weight.shape[-1] - 1
         plan = ctx.cached(("conv", b, width), lambda: conv_plan(ctx.layout, b, ctx.rank, width))
 
@@ -97,14 +101,13 @@ def delta_route(fn: Callable) -> Callable:
     def rule(query: Tensor, key: Tensor, value: Tensor, g: Tensor, beta: Tensor, chunk_size: int = 64,
              initial_state: Tensor | None = None, output_final_state: bool = False,
              use_qk_l2norm_in_kernel: bool = False, **kwargs: Any) -> tuple[Tensor, Tensor | None]:  # fmt: skip
-        ctx = context_of(kwargs)
-        if not needs_cp(ctx):
+        ctx = _context(kwargs)
+        if not _needs_cp(ctx):
             return fn(query, key, value, g=g, beta=beta, chunk_size=chunk_size, initial_state=initial_state,
                       output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
                       **kwargs)  # fmt: skip
         _no_cache(fn, initial_state is not None or output_final_state)
         _check_rows(ctx, query.shape[1], fn.__name__)
-        ctx.count("mixer")
         b = query.shape[0]
         plan = ctx.cached(("delta", b), lambda: delta_plan(ctx.layout, b, ctx.rank))
 
@@ -128,8 +131,8 @@ def ssd_route(fn: Callable) -> Callable:
              D: Tensor | None = None, dt_bias: Tensor | None = None, initial_states: Tensor | None = None,
              dt_softplus: bool = False, dt_limit: tuple[float, float] = (0.0, math.inf),
              return_final_states: bool = False, **kwargs: Any) -> Any:  # fmt: skip
-        ctx = context_of(kwargs)
-        if not needs_cp(ctx):
+        ctx = _context(kwargs)
+        if not _needs_cp(ctx):
             return fn(hidden_states, dt, A, B, C, chunk_size=chunk_size, D=D, dt_bias=dt_bias,
                       initial_states=initial_states, dt_softplus=dt_softplus, dt_limit=dt_limit,
                       return_final_states=return_final_states, **kwargs)  # fmt: skip
@@ -140,7 +143,6 @@ def ssd_route(fn: Callable) -> Callable:
                 "(the transformers mixers gate in their norm); run this model without context parallelism."
             )
         _check_rows(ctx, hidden_states.shape[1], fn.__name__)
-        ctx.count("mixer")
         b = hidden_states.shape[0]
         plan = ctx.cached(("ssd", b), lambda: ssd_plan(ctx.layout, b, ctx.rank))
 
@@ -162,13 +164,12 @@ def selective_route(fn: Callable) -> Callable:
     def scan(hidden_states: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor | None = None,
              z: Tensor | None = None, delta_bias: Tensor | None = None, delta_softplus: bool = False,
              return_last_state: bool = False, **kwargs: Any) -> Any:  # fmt: skip
-        ctx = context_of(kwargs)
-        if not needs_cp(ctx):
+        ctx = _context(kwargs)
+        if not _needs_cp(ctx):
             return fn(hidden_states, dt, A, B, C, D=D, z=z, delta_bias=delta_bias, delta_softplus=delta_softplus,
                       return_last_state=return_last_state, **kwargs)  # fmt: skip
         _no_cache(fn, return_last_state)
         _check_rows(ctx, hidden_states.shape[-1], fn.__name__)
-        ctx.count("mixer")
         b = hidden_states.shape[0]
         plan = ctx.cached(("selective", b), lambda: selective_plan(ctx.layout, b, ctx.rank))
         options = {k: v for k, v in kwargs.items() if k in ("use_mambapy", "use_associative_scan")}
@@ -189,7 +190,7 @@ def unfused_route(fn: Callable) -> Callable:
 
     @functools.wraps(fn)
     def fused(*args: Any, **kwargs: Any) -> Any:
-        if needs_cp(context_of(kwargs)):
+        if _needs_cp(_context(kwargs)):
             return None
         return fn(*args, **kwargs)
 
@@ -204,12 +205,11 @@ def lightning_forward(forward: Callable) -> Callable:
     @functools.wraps(forward)
     def wrapped(self: Any, hidden_states: Tensor, *args: Any, **kwargs: Any) -> Any:
         ctx = kwargs.get("ring_context")
-        if not needs_cp(ctx):
+        if not _needs_cp(ctx):
             return forward(self, hidden_states, *args, **kwargs)
         _no_cache(forward, kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None)
         b, s, _ = hidden_states.shape
         _check_rows(ctx, s, type(self).__name__)
-        ctx.count("mixer")
         h, d = self.num_attention_heads, self.head_dim
         qkv = self.act_fn(self.qkv_proj(hidden_states))
         mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
@@ -233,12 +233,11 @@ def recurrent_block_forward(forward: Callable) -> Callable:
     @functools.wraps(forward)
     def wrapped(self: Any, input_states: Tensor, *args: Any, **kwargs: Any) -> Any:
         ctx = kwargs.get("ring_context")
-        if not needs_cp(ctx):
+        if not _needs_cp(ctx):
             return forward(self, input_states, *args, **kwargs)
         position_ids = kwargs["position_ids"] if "position_ids" in kwargs else args[0]
         b, s, _ = input_states.shape
         _check_rows(ctx, s, type(self).__name__)
-        ctx.count("mixer")
         self.conv1d_state, self.rg_lru.recurrent_states = None, None  # no cache under context parallelism
         y = self.act_fn(self.linear_y(input_states))
         x = self.linear_x(input_states).transpose(1, 2)
@@ -246,11 +245,11 @@ def recurrent_block_forward(forward: Callable) -> Callable:
         width = weight.shape[-1] - 1
         plan = ctx.cached(("conv", b, width), lambda: conv_plan(ctx.layout, b, ctx.rank, width))
         x = causal_conv1d(x, weight, self.conv_1d.bias, None, plan, ctx.group)
-        token = ACTIVE.set(ctx)
+        token = _ACTIVE.set(ctx)
         try:
             x = self.rg_lru(x.transpose(1, 2), position_ids)
         finally:
-            ACTIVE.reset(token)
+            _ACTIVE.reset(token)
             self.rg_lru.recurrent_states = None
         return self.linear_out(x * y), None
 
@@ -264,8 +263,8 @@ def rnn_scan_method(scan: Callable) -> Callable:
     @functools.wraps(scan)
     def wrapped(self: Any, hidden_states: Tensor, recurrent_gate: Tensor, reset: Tensor,
                 recurrent_states: Tensor | None = None, acc_dtype: torch.dtype = torch.float32) -> Any:  # fmt: skip
-        ctx = ACTIVE.get()
-        if not needs_cp(ctx):
+        ctx = _ACTIVE.get()
+        if not _needs_cp(ctx):
             return scan(self, hidden_states, recurrent_gate, reset, recurrent_states, acc_dtype)
         _no_cache(scan, recurrent_states is not None)
         b = hidden_states.shape[0]
