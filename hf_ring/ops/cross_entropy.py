@@ -211,7 +211,8 @@ def chunked_causal_lm_loss(
     vocab = getattr(head, "out_features", None) or getattr(getattr(head, "weight", None), "shape", [0])[0]
     chunk = int(chunk_size or default_chunk_size(int(vocab)))
     if _plain_linear(head):
-        return _ChunkedLinearCE.apply(h, head.weight, head.bias, y, scale, chunk, logits_transform)
+        extra = () if logits_transform is None else (logits_transform,)  # older Functions take 6 arguments
+        return _ChunkedLinearCE.apply(h, head.weight, head.bias, y, scale, chunk, *extra)
     if h.shape[0] == 0:  # no target here: a zero that keeps the head and the hidden states in the graph
         return head(h).float().sum() * 0.0
     total = hidden.new_zeros((), dtype=torch.float32)
