@@ -1,13 +1,15 @@
-"""Sweep every causal-LM family of the installed transformers: is ring attention at CP=2 exact?
+"""Sweep every causal-LM family of the installed transformers: is it exact at CP=2, on every path?
 
     python scripts/sweep_models.py                      # all families x variants -> docs/models.json
     python scripts/sweep_models.py --families llama,qwen3_next --json /tmp/some.json
     python scripts/sweep_models.py --from-json --update-readme   # README table from docs/models.json
 
-Each family (and each of its variants: router_aux, sliding, mla) runs one training step on CP=2
-gloo ranks against one process with sdpa (``testkit.sweep.check_family``). The records go to
-``docs/models.json``; a markdown table grouped by status goes to stdout, to ``--markdown PATH``,
-and with ``--update-readme`` between ``<!-- models:start -->`` and ``<!-- models:end -->`` in README.md.
+Each family (and each of its variants: router_aux, sliding, mla, temperature) runs on CP=2 gloo
+ranks against one process with sdpa (``testkit.sweep.check_family``), on three paths: a training
+step with labels, a prefill without labels (the logits), and the training step with the chunked
+loss. The records go to ``docs/models.json``; a markdown table goes to stdout, to ``--markdown
+PATH``, and with ``--update-readme`` between ``<!-- models:start -->`` and ``<!-- models:end -->``
+in README.md.
 """
 
 from __future__ import annotations
@@ -24,9 +26,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from testkit.families import skipped, variants  # noqa: E402
-from testkit.sweep import README_END as END  # noqa: E402
-from testkit.sweep import README_START as START  # noqa: E402
-from testkit.sweep import STATUSES, check_family, render_table  # noqa: E402
+from testkit.sweep import STATUSES, check_family  # noqa: E402
+from testkit.sweep_table import PATHS, path_record, render_table  # noqa: E402
+from testkit.sweep_table import README_END as END  # noqa: E402
+from testkit.sweep_table import README_START as START  # noqa: E402
 
 
 def run_sweep(names: list[str], n: int, cp: int, timeout: float, log=print) -> list[dict]:
@@ -49,10 +52,9 @@ def run_sweep(names: list[str], n: int, cp: int, timeout: float, log=print) -> l
         for variant in (None, *variants(name)):
             r = check_family(name, variant, n=n, cp=cp, timeout=timeout)
             records.append(r)
-            log(
-                f"{r['seconds']:6.1f}s  {r['status']:8s} {name}{f' ({variant})' if variant else ''}  "
-                f"{r.get('detail', '')[:110]}"
-            )
+            statuses = "/".join(path_record(r, p)["status"] for p in PATHS)
+            label = name + (f" ({variant})" if variant else "")
+            log(f"{r['seconds']:6.1f}s  {statuses:24s} {label}  {r.get('detail', '')[:90]}")
     return records
 
 
@@ -66,8 +68,11 @@ def update_readme(table: str, readme: Path) -> None:
 
 
 def summary(records: list[dict], wall: float | None) -> str:
-    counts = Counter(r["status"] for r in records)
-    lines = ["", "counts: " + ", ".join(f"{s} {counts.get(s, 0)}" for s in STATUSES) + f" (records {len(records)})"]
+    lines = [""]
+    for path in PATHS:
+        counts = Counter(path_record(r, path)["status"] for r in records)
+        shown = ", ".join(f"{s} {counts.get(s, 0)}" for s in STATUSES)
+        lines.append(f"{path}: {shown} (records {len(records)})")
     timed = sorted((r for r in records if r.get("seconds")), key=lambda r: -r["seconds"])
     if timed:
         total = sum(r["seconds"] for r in timed)

@@ -316,6 +316,9 @@ def routed_kernels(modeling_module: ModuleType, kernels: str) -> Iterator[None]:
     family = mixers.FAMILIES[modeling_module.__name__.removeprefix("transformers.models.")]
     saved = []
     for name, route in family.functions.items():
+        if mixers.original(modeling_module, name) is None or name not in TRANSFORMERS_KERNELS:
+            continue  # a kernel this transformers leaves unset, or mamba-ssm's mamba_inner_fn (no stand-in;
+            # tests/test_attention_free.py covers its route)
         torch_fn = inspect.unwrap(mixers.original(modeling_module, name))  # transformers' torch fallback
         kernel = torch_fn if kernels == "torch" else kernel_like_transformers(torch_fn, *TRANSFORMERS_KERNELS[name])
         dispatcher = mixers.ROUTES[route](kernel)

@@ -114,6 +114,16 @@ def train_step(family: str, attn: str, dtype: torch.dtype, batch: dict, *, lora:
     return out.loss.double(), grads
 
 
+def packed_batch(lengths: list[int], vocab: int, seed: int = 3) -> dict[str, torch.Tensor]:
+    """One packed row of documents of ``lengths`` tokens: ``input_ids``, ``labels`` (three targets
+    left out at positions 20-22) and ``position_ids`` restarting at 0 for every document, ``[1, N]``."""
+    ids = torch.randint(0, vocab, (1, sum(lengths)), generator=torch.Generator().manual_seed(seed))
+    labels = ids.clone()
+    labels[0, 20:23] = -100
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    return {"input_ids": ids, "labels": labels, "position_ids": positions}
+
+
 def documents_alone_loss(model, ids: torch.Tensor, labels: torch.Tensor, lengths: list[int]) -> torch.Tensor:
     """What a packed step must equal: each document of the packed row ``ids, labels [1, N]`` (of
     ``lengths`` tokens) run alone through ``model``, the sum over all targets over all targets."""

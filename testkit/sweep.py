@@ -1,14 +1,23 @@
-"""Is ring attention exact for a causal-LM family? One training step at CP = ``cp`` against one process.
+"""Is a causal-LM family exact under context parallelism? Three paths at CP = ``cp`` against one process.
 
 ``check_family(model_type, variant)`` runs ``rank_check`` on ``cp`` gloo ranks (``testkit.spawn``):
 rank 0 builds the family's tiny model (``testkit.families.tiny_config``) with sdpa attention (eager
-where the model has no sdpa), runs the whole batch and keeps the loss and every parameter gradient;
-every rank then builds the same model with ``attn_implementation="ring"`` (the weights copied from
-rank 0's reference), runs its ``hf_ring.shard_batch`` shard, and the gradients are summed over the
-ranks and divided by ``cp`` (what DDP/FSDP averaging does). The result is one record:
+where the model has no sdpa), runs the whole batch and keeps the loss, every parameter gradient and
+the logits of a prefill without labels; every rank then builds the same model with
+``attn_implementation="ring"`` (the weights copied from rank 0's reference) and runs its
+``hf_ring.shard_batch`` shard on three paths:
 
-- ``exact``: the loss on every rank and every gradient within ``TOL`` (relative, float32; a tensor
-  whose true gradient is ~0 is judged against ``FLOOR`` x the largest gradient norm; a float32
+- ``labelled``: one training step; the gradients are summed over the ranks and divided by ``cp``
+  (what DDP/FSDP averaging does);
+- ``unlabelled``: a prefill without labels (evaluation mode, no gradients), its logits gathered
+  from the CP group (``RingContext.unshard``);
+- ``chunked``: the training step again with ``hf_ring.enable_chunked_loss`` (the default of
+  ``RingTrainingArguments``).
+
+Each path gets a status:
+
+- ``exact``: the loss on every rank and every gradient (or the logits) within ``TOL`` (relative; a
+  tensor whose true gradient is ~0 is judged against ``FLOOR`` x the largest gradient norm; a float32
   miss below ``BORDERLINE`` is decided by the same check in float64, where rounding is out of the way);
 - ``refused``: hf_ring raised its own error (``RingNotSupported``, a ValueError/TypeError/
   RuntimeError that names ``attn_implementation="ring"`` or hf_ring, or a ValueError raised by an
@@ -17,9 +26,14 @@ ranks and divided by ``cp`` (what DDP/FSDP averaging does). The result is one re
 - ``broken``: any other exception (from inside transformers, say), or the ranks hung;
 - ``skipped``: the single-process reference itself fails from ``input_ids`` alone.
 
+The record's own fields are the labelled path's; ``record["unlabelled"]`` and ``record["chunked"]``
+hold the others. Families whose transformers kernels compute in float32 whatever the input (the
+Gated DeltaNet ones: ``testkit.mixers.judged_in_float64``) are judged in float64, those float32
+casts widened (``testkit.mixers.float64_kernels``, ``widened_casts``), in the reference and the ring.
+
 No tensor crosses processes: each rank returns plain values, and also writes its record to a file
-so that a rank that raised is still heard when another one hangs in a collective (the pool is then
-killed by ``run_ranks``' timeout and restarted by the next call).
+after every path, so that a rank that raised is still heard when another one hangs in a collective
+(the pool is then killed by ``run_ranks``' timeout and restarted by the next call).
 """
 
 from __future__ import annotations
@@ -33,19 +47,9 @@ import traceback
 from typing import Any
 
 from .families import causal_lm_class, tiny_config
+from .sweep_table import _DIAGNOSTICS, NO_EFFECT, PATHS, explain, path_record
 
-__all__ = [
-    "FLOOR",
-    "README_END",
-    "README_START",
-    "TOL",
-    "check_family",
-    "classify",
-    "explain",
-    "rank_check",
-    "render_table",
-    "variant_kwargs",
-]
+__all__ = ["FLOOR", "PATHS", "STATUSES", "TOL", "check_family", "classify", "rank_check", "variant_kwargs"]
 
 TOL = 1e-5
 BORDERLINE = 1e-3  # a float32 "wrong" below this is checked again in float64
@@ -179,7 +183,10 @@ class _CountRingCalls:
 
 
 def _reference(model_type: str, variant: str | None, n: int, seed: int, dtype: Any) -> dict:
-    """Rank 0: loss, gradients and weights of one step on the whole batch in one process."""
+    """Rank 0: loss, gradients and weights of one step on the whole batch in one process, and the
+    logits of a prefill of its input ids (evaluation mode)."""
+    import torch
+
     config = tiny_config(model_type, **variant_kwargs(variant, n))
     batch = _batch(config, 2, n)
     reference = "sdpa"
@@ -194,6 +201,9 @@ def _reference(model_type: str, variant: str | None, n: int, seed: int, dtype: A
     loss = model(**batch, use_cache=False).loss
     loss.backward()
     out = {"reference": reference, "loss": float(loss), "grads": _grads(model), "state": model.state_dict()}
+    model.eval()
+    with torch.no_grad():
+        out["logits"] = model(input_ids=batch["input_ids"], use_cache=False).logits.double()
     if variant is not None:  # does the variant change the model at all?
         out["variant_effect"] = _variant_effect(model_type, out, batch, reference, seed, dtype)
     return out
@@ -216,13 +226,90 @@ def rank_check(
 ) -> dict:
     """One rank's part of ``check_family`` (run by ``testkit.spawn.run_ranks``). In float64, the
     mixer kernels that compute in float32 whatever their inputs (transformers' gated delta rules)
-    are float64 too, in the reference and in the ring run (``testkit.mixers.float64_kernels``)."""
-    from contextlib import nullcontext
+    are float64 too, and every float32 cast of a float64 tensor is left out (``widened_casts``), in
+    the reference and in the ring run."""
+    from contextlib import ExitStack
 
-    from .mixers import float64_kernels
+    from .mixers import float64_kernels, widened_casts
 
-    with float64_kernels() if dtype == "float64" else nullcontext():
+    with ExitStack() as stack:
+        if dtype == "float64":
+            stack.enter_context(float64_kernels())
+            stack.enter_context(widened_casts())
         return _rank_check(model_type, variant, n, seed, report, dtype)
+
+
+def _step(model: Any, batch: dict, counter: _CountRingCalls) -> tuple[float, list, bool]:
+    """One ring training step on this rank's shard: (loss, gradients, whether the model computed
+    its loss itself -- calls left on the context after hf_ring's loss took them)."""
+    import hf_ring
+
+    model.zero_grad(set_to_none=True)
+    kwargs = hf_ring.shard_batch(batch)
+    context = kwargs["ring_context"]
+    with counter:
+        loss = model(**kwargs).loss
+    own_loss = context.attention_calls + context.mixer_calls > 0
+    loss.backward()
+    return float(loss), _grads(model), own_loss
+
+
+def _prefill(model: Any, ids: Any, n: int) -> Any:
+    """The logits ``[B, n, V]`` of a ring prefill of ``ids``, gathered from the CP group."""
+    import torch
+
+    import hf_ring
+
+    model.eval()
+    try:
+        kwargs = hf_ring.shard_batch({"input_ids": ids})
+        with torch.no_grad():
+            logits = model(**kwargs).logits
+        return kwargs["ring_context"].unshard(logits)[:, :n].double()
+    finally:
+        model.train()
+
+
+def _compare_step(ref: dict, names: list[str], loss: float, grads: list) -> dict | None:
+    """The CP-averaged gradients and every rank's loss against the reference (collectives on every
+    rank; the record on rank 0, ``None`` elsewhere)."""
+    import torch
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    sizes = [g.numel() for g in grads]
+    flat = torch.cat(grads) if grads else torch.zeros(0, dtype=torch.float64)
+    dist.all_reduce(flat)
+    flat /= world
+    losses = torch.zeros(world, dtype=torch.float64)
+    losses[rank] = loss
+    dist.all_reduce(losses)
+    if rank != 0:
+        return None
+    norms = [float(r.norm()) for r in ref["grads"]]
+    floor = FLOOR * max(norms, default=0.0)
+    worst, worst_name = 0.0, ""
+    for name, g, r, norm in zip(names, flat.split(sizes), ref["grads"], norms):
+        err = float((g - r).norm()) / max(norm, floor, 1e-30)
+        if not math.isfinite(err) or err > worst:
+            worst, worst_name = (err if math.isfinite(err) else math.inf), name
+    ref_loss = ref["loss"]
+    loss_err = max(abs(float(x) - ref_loss) / max(abs(ref_loss), 1e-30) for x in losses)
+    detail = f"loss rel err {loss_err:.1e} (ranks {', '.join(f'{float(x):.6f}' for x in losses)} vs {ref_loss:.6f})"
+    detail += f"; worst grad rel err {worst:.1e} ({worst_name})" if worst_name else ""
+    return {
+        "status": "exact" if loss_err <= TOL and worst <= TOL else "wrong",
+        "detail": detail,
+        "loss_rel_err": loss_err,
+        "grad_rel_err": worst,
+        "worst_tensor": worst_name,
+    }
+
+
+def _compare_logits(ref: dict, logits: Any) -> dict:
+    err = float((logits - ref["logits"]).norm() / max(float(ref["logits"].norm()), 1e-30))
+    status = "exact" if err <= TOL else "wrong"
+    return {"status": status, "detail": f"logits rel err {err:.1e}", "logits_rel_err": err}
 
 
 def _rank_check(model_type: str, variant: str | None, n: int, seed: int, report: str | None, dtype: str) -> dict:
@@ -238,8 +325,8 @@ def _rank_check(model_type: str, variant: str | None, n: int, seed: int, report:
 
     logging.set_verbosity_error()
     torch_dtype = getattr(torch, dtype)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    out: dict[str, Any] = {"rank": rank}
+    rank = dist.get_rank()
+    out: dict[str, Any] = {"rank": rank, "dtype": dtype}
 
     # 1. the reference: rank 0, the whole batch, one process
     ref: dict[str, Any] = {}
@@ -249,13 +336,14 @@ def _rank_check(model_type: str, variant: str | None, n: int, seed: int, report:
             ref = _reference(model_type, variant, n, seed, torch_dtype)
             out.update({k: ref[k] for k in ("reference", "variant_effect") if k in ref})
         except Exception as e:  # noqa: BLE001 - the family cannot run from input_ids here
-            out.update(status="skipped", detail=f"the single-process reference fails: {classify(e)[1]}")
+            skip = {"status": "skipped", "detail": f"the single-process reference fails: {classify(e)[1]}"}
+            out.update({path: skip for path in PATHS})
             failed += 1
     dist.broadcast(failed, 0)
     if failed.item():
-        return _report(report, rank, out if rank == 0 else out | {"status": "skipped"})
+        return _report(report, rank, out if rank == 0 else out | {p: {"status": "skipped"} for p in PATHS})
 
-    # 2. ring attention on every rank, its own zigzag shard
+    # 2. the same model with ring attention on every rank, its own zigzag shard, on each path
     counter = _CountRingCalls()
     try:
         config = tiny_config(model_type, **variant_kwargs(variant, n))
@@ -267,65 +355,34 @@ def _rank_check(model_type: str, variant: str | None, n: int, seed: int, report:
         dist.broadcast(flat, 0)  # the same weights on every rank, whatever the init does
         torch.nn.utils.vector_to_parameters(flat, model.parameters())
         model.train()
-        kwargs = hf_ring.shard_batch(batch)
-        context = kwargs["ring_context"]
-        with counter:
-            loss = model(**kwargs).loss
-        # hf_ring's loss resets the context's count: calls left over mean the model computed its own loss
-        out["own_loss"] = context.attention_calls > 0
-        loss.backward()
-        grads = _grads(model)
-    except Exception as e:  # noqa: BLE001 - refused or broken
+        names = [name for name, _ in model.named_parameters()]
+    except Exception as e:  # noqa: BLE001 - refused or broken at build
         status, detail = classify(e)
-        return _report(
-            report,
-            rank,
-            out
-            | {
-                "status": status,
-                "detail": detail,
-                "ring_calls": counter.calls,
-                "ring_calls_with_context": counter.with_context,
-            },
-        )
-    out.update(ring_calls=counter.calls, ring_calls_with_context=counter.with_context)
+        return _report(report, rank, out | {path: {"status": status, "detail": detail} for path in PATHS})
 
-    # 3. compare: the loss on every rank, the CP-averaged gradients on rank 0
-    sizes = [g.numel() for g in grads]
-    flat = torch.cat(grads) if grads else torch.zeros(0, dtype=torch.float64)
-    dist.all_reduce(flat)
-    flat /= world
-    losses = torch.zeros(world, dtype=torch.float64)
-    losses[rank] = float(loss)
-    dist.all_reduce(losses)
-    if rank != 0:
-        return _report(report, rank, out | {"status": "ran"})
-    names = [name for name, _ in model.named_parameters()]
-    ring_grads = flat.split(sizes)
-    norms = [float(r.norm()) for r in ref["grads"]]
-    floor = FLOOR * max(norms, default=0.0)
-    worst, worst_name = 0.0, ""
-    for name, g, r, norm in zip(names, ring_grads, ref["grads"], norms):
-        err = float((g - r).norm()) / max(norm, floor, 1e-30)
-        if not math.isfinite(err) or err > worst:
-            worst, worst_name = (err if math.isfinite(err) else math.inf), name
-    ref_loss = ref["loss"]
-    loss_err = max(abs(float(x) - ref_loss) / max(abs(ref_loss), 1e-30) for x in losses)
-    exact = loss_err <= TOL and worst <= TOL
-    detail = f"loss rel err {loss_err:.1e} (ranks {', '.join(f'{float(x):.6f}' for x in losses)} vs {ref_loss:.6f})"
-    detail += f"; worst grad rel err {worst:.1e} ({worst_name})" if worst_name else ""
-    return _report(
-        report,
-        rank,
-        out
-        | {
-            "status": "exact" if exact else "wrong",
-            "detail": detail,
-            "loss_rel_err": loss_err,
-            "grad_rel_err": worst,
-            "worst_tensor": worst_name,
-        },
-    )
+    def run(path: str, compute: Any, compare: Any) -> None:
+        try:
+            out[path] = compare(compute()) or {"status": "ran"}  # the comparison: on rank 0
+        except Exception as e:  # noqa: BLE001 - refused or broken
+            status, detail = classify(e)
+            out[path] = {"status": status, "detail": detail}
+        _report(report, rank, out)
+
+    def labelled() -> tuple:
+        loss, grads, own = _step(model, batch, counter)
+        out["own_loss"] = own
+        return loss, grads
+
+    def chunked() -> tuple:
+        hf_ring.enable_chunked_loss(model)
+        return _step(model, batch, _CountRingCalls())[:2]
+
+    run("labelled", labelled, lambda r: _compare_step(ref, names, *r))
+    out.update(ring_calls=counter.calls, ring_calls_with_context=counter.with_context)
+    ids = batch["input_ids"]
+    run("unlabelled", lambda: _prefill(model, ids, n), lambda logits: _compare_logits(ref, logits) if ref else None)
+    run("chunked", chunked, lambda r: _compare_step(ref, names, *r))
+    return _report(report, rank, out)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -338,36 +395,47 @@ def check_family(
     n: int = 61,
     cp: int = 2,
     timeout: float = 120.0,
-    dtype: str = "float32",
+    dtype: str | None = None,
 ) -> dict:
-    """One record: ``{"family", "variant", "status", "detail", "seconds", ...}`` (see the module)."""
+    """One record: ``{"family", "variant", "status", "detail", "seconds", "unlabelled", "chunked", ...}``
+    (see the module). ``dtype``: float32, or float64 for the families ``judged_in_float64`` (default)."""
+    from .mixers import judged_in_float64
     from .spawn import run_ranks
 
+    if dtype is None:
+        dtype = "float64" if judged_in_float64(model_type) else "float32"
     t0 = time.perf_counter()
     record: dict[str, Any] = {"family": model_type, "variant": variant}
     with tempfile.TemporaryDirectory(prefix="hf_ring_sweep_") as tmp:
         report = os.path.join(tmp, "rank")
+        hung = ""
         try:
             per_rank = run_ranks(cp, rank_check, model_type, variant, n, report=report, dtype=dtype, timeout=timeout)
         except TimeoutError as e:
-            per_rank = _read_reports(report, cp)
-            heard = [r for r in per_rank if r and r.get("status") in ("refused", "broken")]
-            if heard:  # a rank raised; the others hung in a collective waiting for it
-                per_rank = [
-                    r | {"detail": f"{r.get('detail', '')} (rank {r.get('rank')}; the others hung)"} for r in heard
-                ]
-            else:
-                per_rank = [{"status": "broken", "detail": f"hung: {str(e).splitlines()[0]}"}]
+            per_rank, hung = _read_reports(report, cp), f"hung: {str(e).splitlines()[0]}"
         except RuntimeError as e:  # a rank died outside rank_check's own handling
-            per_rank = [{"status": "broken", "detail": str(e).strip().splitlines()[-1][:300]}]
-    record.update(_merge(per_rank, variant))
-    errors = (record.get("loss_rel_err", 1.0), record.get("grad_rel_err", 1.0))
-    if record["status"] == "wrong" and dtype == "float32" and max(errors) < BORDERLINE:
-        # float32 rounding can reach TOL where gradients cancel (q/k norms, say): ask float64
-        again = check_family(model_type, variant, n=n, cp=cp, timeout=timeout, dtype="float64")
-        if again["status"] == "exact":
-            record.update(status="exact", detail=f"float32: {record['detail']}; float64: {again['detail']}")
+            failure = {"status": "broken", "detail": str(e).strip().splitlines()[-1][:300]}
+            per_rank = [{p: failure for p in PATHS}]
+    rank0 = next((r for r in per_rank if r and r.get("rank") == 0), {})
+    record.update({k: rank0[k] for k in _DIAGNOSTICS if k in rank0})
+    paths = {p: _merge([r.get(p) if r else None for r in per_rank], variant, record, hung) for p in PATHS}
+    if dtype == "float32":
+        again = None
+        for path, result in paths.items():
+            errors = [result.get(k, 1.0) for k in ("loss_rel_err", "grad_rel_err", "logits_rel_err") if k in result]
+            if result["status"] == "wrong" and errors and max(errors) < BORDERLINE:
+                # float32 rounding can reach TOL where gradients cancel (q/k norms, say): ask float64
+                again = again or check_family(model_type, variant, n=n, cp=cp, timeout=timeout, dtype="float64")
+                redo = path_record(again, path)
+                if redo["status"] == "exact":
+                    detail = f"float32: {result['detail']}; float64: {redo['detail']}"
+                    paths[path] = {"status": "exact", "detail": detail}
+    record.update(paths["labelled"])
+    for path in PATHS[1:]:
+        record[path] = paths[path]
     record["why"] = explain(record)
+    for path in PATHS[1:]:
+        record[path]["why"] = explain(path_record(record, path))
     record["seconds"] = round(time.perf_counter() - t0, 2)
     return record
 
@@ -383,203 +451,32 @@ def _read_reports(report: str, cp: int) -> list[dict | None]:
     return out
 
 
-_DIAGNOSTICS = ("reference", "variant_effect", "own_loss", "ring_calls", "ring_calls_with_context")
-NO_EFFECT = 1e-6  # a variant whose reference loss moves less than this (relative) changes nothing
-
-
-def _merge(per_rank: list[dict | None], variant: str | None) -> dict:
-    records = [r for r in per_rank if r]
-    rank0 = next((r for r in records if r.get("rank") == 0), {})
-    diagnostics = {k: rank0[k] for k in _DIAGNOSTICS if k in rank0}
+def _merge(per_rank: list[dict | None], variant: str | None, record: dict, hung: str) -> dict:
+    """One path's status over the ranks: broken, refused or skipped when any rank says so, else rank
+    0's comparison; with ``hung``, what the ranks that were heard said, else broken."""
+    ranks = len(per_rank)
+    out: dict[str, Any] | None = None
     for status in ("broken", "refused", "skipped"):
-        same = [r for r in records if r.get("status") == status]
+        same = [(i, r) for i, r in enumerate(per_rank) if r and r.get("status") == status]
         if same:
-            first = next((r for r in same if r.get("detail")), same[0])
+            first = next((r for _, r in same if r.get("detail")), same[0][1])
             out = {"status": status, "detail": first.get("detail", "")}
-            ranks = sorted(r["rank"] for r in same if "rank" in r)
-            if status != "skipped" and ranks and len(ranks) < len(per_rank):
-                out["detail"] += f" (rank {', '.join(map(str, ranks))} only)"
+            if status != "skipped" and len(same) < ranks:
+                which = ", ".join(str(i) for i, _ in same)
+                out["detail"] += f" (rank {which} only" + ("; the others hung)" if hung else ")")
             break
-    else:
-        out = {k: v for k, v in rank0.items() if k != "rank"}
-    out = diagnostics | out
-    effect = out.get("variant_effect")
+    if out is None:
+        rank0 = per_rank[0] if per_rank and per_rank[0] else {}
+        if hung or rank0.get("status") not in ("exact", "wrong"):
+            return {"status": "broken", "detail": hung or "no result"}
+        out = dict(rank0)
+    effect = record.get("variant_effect")
     if variant is not None and effect is not None and effect < NO_EFFECT:
         if out["status"] == "exact":
-            out = diagnostics | {
+            out = {
                 "status": "skipped",
                 "detail": f"the {variant} variant changes nothing in this family (same reference loss as without it)",
             }
         else:
             out["detail"] += f" (the {variant} variant does not change the single-process reference)"
     return out
-
-
-# ------------------------------------------------------------------------------------------------
-# what a record means: the README's "why / what it would need"
-
-_ATTENTION_KINDS = {
-    "full_attention",
-    "sliding_attention",
-    "chunked_attention",
-    "indexed_attention",
-    "attention",
-    "global",
-    "local",
-    "moe",
-    "mlp",
-    "dense",
-    "sparse",
-    "compressed_sparse_attention",
-    "heavily_compressed_attention",
-    "minimax_m3_sparse",
-    "window_attention",
-}
-_RECURRENT_NAMES = ("linear_attn", "mamba", "conv", "ssm", "recurrent", "rg_lru", "mixer", "rwkv", "lstm")
-
-
-def _recurrent_kinds(model_type: str) -> list[str]:
-    """Layer kinds of the family's tiny config that mix tokens without attention (SSM, linear
-    attention, convolutions, recurrent blocks)."""
-    try:
-        config = tiny_config(model_type).get_text_config()
-    except Exception:  # noqa: BLE001
-        return []
-    kinds: set[str] = set()
-    for name in ("layer_types", "layers_block_type", "block_types", "attention_layers"):
-        v = getattr(config, name, None)
-        if isinstance(v, (list, tuple)):
-            kinds.update(str(x) for x in v)
-    return sorted(k for k in kinds if k not in _ATTENTION_KINDS)
-
-
-def explain(record: dict) -> str:
-    """One line for the README: why the family has its status, and what exactness would need."""
-    status, detail, variant = record["status"], record.get("detail", ""), record.get("variant")
-    if variant is not None and record.get("variant_effect", math.inf) < NO_EFFECT:
-        variant = None  # the variant changes nothing: the plain family's reason holds
-    if status == "exact":
-        return ""
-    if status == "skipped":
-        return detail
-    if status == "refused":
-        msg = detail.split(": ", 1)[-1]
-        if "never called ring attention" in msg:
-            if record.get("ring_calls"):
-                return (
-                    "its decoder layers do not pass keyword arguments on to attention, so the batch's "
-                    "ring_context never reaches it and hf_ring's guard refuses; would need the layers to pass "
-                    "**kwargs"
-                )
-            if _recurrent_kinds(record["family"]) or not _has_attention(record["family"]):
-                return (
-                    "no layer calls transformers' attention registry (a recurrent / state-space model); "
-                    "would need a sequence-parallel scan of its own"
-                )
-            return (
-                "computes attention itself, outside transformers' attention registry, so the ring never runs; "
-                "would need the model to call the registry"
-            )
-        if "computes attention itself" in msg:
-            return (
-                "computes attention outside transformers' attention registry (it used the mask itself); "
-                "would need the model to call the registry"
-            )
-        if "must have the same shape" in msg:
-            return (
-                "value head dim != qk head dim (MLA); would need V padded to the qk head dim around the ring, "
-                "or block kernels with separate qk and v head dims"
-            )
-        msg = msg.removeprefix('attn_implementation="ring": ').removeprefix('attn_implementation="ring" ')
-        return msg.split(". ")[0].rstrip(".")  # hf_ring's own reason, first sentence
-    if status == "wrong":
-        grad = record.get("grad_rel_err", 0.0)
-        loss = record.get("loss_rel_err", 0.0)
-        tensor = record.get("worst_tensor", "")
-        off = f"loss off by {loss:.0e}, gradients by {grad:.0e}" + (f" ({tensor})" if tensor else "")
-        if record.get("ring_calls") == 0:
-            return (
-                f"{off}: neither its attention nor its loss goes through transformers' registries, so each rank "
-                "silently trains on its own shard and no guard fires; would need a refusal (a model that never "
-                "calls the ring attention function)"
-            )
-        if record.get("own_loss"):
-            return (
-                f"{off}: the model computes its own loss instead of transformers' ForCausalLM loss, so hf_ring "
-                "cannot sum it over the CP group (each rank reports its shard's loss); would need the loss "
-                "through the registry, or a refusal when a ring batch's loss bypasses it"
-            )
-        kinds = _recurrent_kinds(record["family"])
-        also = f" (and its {', '.join(kinds)} layers see only their shard)" if kinds else ""
-        if variant == "router_aux":
-            return (
-                f"{off}: the router load-balancing loss sees only this rank's tokens{also}; would need router "
-                "statistics summed over the CP group"
-            )
-        if variant == "sliding":
-            return (
-                f"{off}: the window never reaches the attention function, so the ring attends the whole past{also}; "
-                "would need the window passed on (then refused, or a windowed ring schedule)"
-            )
-        if kinds or any(k in tensor for k in _RECURRENT_NAMES):
-            what = ", ".join(kinds) if kinds else "recurrent"
-            return (
-                f"{off}: its {what} layers mix tokens without attention and see only this rank's shard; "
-                "would need their state carried across ranks (a sequence-parallel scan)"
-            )
-        if "position" in tensor:
-            return (
-                f"{off}: learned absolute positions that the model numbers its own way (RoBERTa-style from "
-                "padding_idx + 1, or from the cache length) instead of the global position_ids shard_batch "
-                "passes; would need shard_batch to number them as the model does"
-            )
-        return off
-    return (
-        f"{detail}; would need hf_ring to refuse it with RingNotSupported, or support it"
-        if status == "broken"
-        else detail
-    )
-
-
-def _has_attention(model_type: str) -> bool:
-    try:
-        config = tiny_config(model_type).get_text_config()
-    except Exception:  # noqa: BLE001
-        return True
-    return any(getattr(config, k, None) for k in ("num_attention_heads", "n_head", "n_heads", "num_heads"))
-
-
-README_START, README_END = "<!-- models:start -->", "<!-- models:end -->"
-_ORDER = {s: i for i, s in enumerate(("wrong", "broken", "refused", "exact", "skipped"))}
-
-
-def render_table(records: list[dict]) -> str:
-    """The README's supported-models section: counts, the exact families in one list, a table of
-    the refused (and any wrong or broken) ones with the reason, the skipped ones in one list."""
-    from collections import Counter
-
-    def name(r: dict) -> str:
-        return r["family"] + (f" ({r['variant']})" if r.get("variant") else "")
-
-    def why(r: dict) -> str:
-        text = r.get("why") if r.get("why") is not None else explain(r)
-        return text.replace("|", "\\|").replace("\n", " ")
-
-    rows = sorted(records, key=lambda r: (_ORDER.get(r["status"], 9), r["family"], r.get("variant") or ""))
-    counts = Counter(r["status"] for r in records)
-    lines = [
-        "Counts over " + f"{len(records)} family/variant records: "
-        + ", ".join(f"{counts[s]} {s}" for s in ("exact", "refused", "wrong", "broken", "skipped") if counts[s]) + ".",
-        "",
-        "**Exact** (loss and every gradient equal to one process within 1e-5, fp32, CP = 2): "
-        + ", ".join(name(r) for r in rows if r["status"] == "exact") + ".",
-        "",
-        "| refused: family (variant) | why (hf_ring's error) |",
-        "|---|---|",
-    ]
-    for r in rows:
-        if r["status"] in ("refused", "wrong", "broken"):
-            flag = "" if r["status"] == "refused" else f"**{r['status'].upper()}** "
-            lines.append(f"| {name(r)} | {flag}{why(r)} |")
-    lines += ["", "Not swept: " + "; ".join(f"{name(r)} ({why(r)})" for r in rows if r["status"] == "skipped") + "."]
-    return "\n".join(lines) + "\n"

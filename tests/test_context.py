@@ -1,8 +1,9 @@
 """The per-batch RingContext: made by shard_batch, read by the attention function and the loss.
 
-The "a sharded batch never reached ring attention" guard is per batch: it holds after a forward
-without labels, under activation-checkpoint recompute, and when a context is reused; the hidden
-states the chunked loss sets aside live on the batch's context and are freed by the loss.
+The "a sharded batch never reached ring attention (or a context-parallel mixer)" guard is per
+batch: it holds after a forward without labels, under activation-checkpoint recompute, and when a
+context is reused; the hidden states the chunked loss sets aside live on the batch's context and
+are freed by the loss.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from hf_ring.transformers.context import KEY, RingContext
 from testkit.models import tiny_batch, tiny_model
 from testkit.spawn import run_ranks
 
-NEVER_RAN = "never called ring attention"
+NEVER_RAN = "never ran ring attention"
 
 
 def test_shard_batch_makes_one_context_per_batch() -> None:

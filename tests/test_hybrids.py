@@ -15,7 +15,7 @@ import torch.distributed as dist
 import hf_ring
 from testkit.families import causal_lm_class, tiny_config
 from testkit.mixers import float64_kernels
-from testkit.models import cp_grad_error, documents_alone_loss, tiny_batch
+from testkit.models import cp_grad_error, documents_alone_loss, packed_batch, tiny_batch
 from testkit.oracle import rel_err
 from testkit.spawn import run_ranks
 
@@ -59,13 +59,8 @@ def step_errors(model_type: str, lora: bool = False, ckpt: bool = False, packed:
         if chunked:
             hf_ring.enable_chunked_loss(ring)
         if packed:
-            g = torch.Generator().manual_seed(3)
-            ids = torch.randint(0, vocab, (1, sum(DOCS)), generator=g)
-            labels = ids.clone()
-            labels[0, 20:23] = -100
-            positions = torch.cat([torch.arange(n) for n in DOCS])[None]
-            batch = {"input_ids": ids, "labels": labels, "position_ids": positions}
-            want = documents_alone_loss(ref, ids, labels, DOCS)
+            batch = packed_batch(DOCS, vocab)
+            want = documents_alone_loss(ref, batch["input_ids"], batch["labels"], DOCS)
         else:
             batch = tiny_batch(2, 45, vocab=vocab)
             want = ref(**batch).loss

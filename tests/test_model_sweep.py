@@ -1,11 +1,12 @@
-"""Every causal-LM family of the installed transformers at CP=2: ring attention is exact or refused;
+"""Every causal-LM family of the installed transformers at CP=2: exact or refused on every path (a
+training step with labels, a prefill without labels, the training step with the chunked loss);
 hybrid families (routed token mixers), sliding-window / chunked families, and families with attention
 sinks or soft-capping also exact at CP=4, and every MoE family with its router load-balancing loss on
 exact at CP=4 (or refused for another reason).
 
-One test per family and variant (``testkit.families``): one training step on 2 gloo ranks against
+One test per family and variant (``testkit.families``): the three paths on 2 gloo ranks against
 one process (``testkit.sweep.check_family``). WRONG (runs, differs) and BROKEN (another exception)
-are failures; the ones known today are strict xfails in ``KNOWN`` below: delete an entry when its
+on any path are failures; the ones known today are strict xfails in ``KNOWN`` below: delete an entry when its
 fix lands (the test then passes, and a strict xfail that passes fails). ``skipped`` results (the
 single-process reference cannot run, or a variant changes nothing in that family) skip.
 
@@ -22,7 +23,8 @@ import pytest
 
 from testkit.families import families, skipped, variants
 from testkit.mixers import hybrid
-from testkit.sweep import README_END, README_START, check_family, render_table
+from testkit.sweep import check_family
+from testkit.sweep_table import PATHS, README_END, README_START, path_record, render_table
 
 # family or "family:variant" -> why it is WRONG or BROKEN today (docs/models.json has the numbers)
 KNOWN: dict[str, str] = {}
@@ -36,6 +38,25 @@ def _key(family: str, variant: str | None) -> str:
     return family if variant is None else f"{family}:{variant}"
 
 
+def _statuses(record: dict) -> dict[str, str]:
+    return {path: path_record(record, path)["status"] for path in PATHS}
+
+
+def _details(record: dict) -> str:
+    return "; ".join(f"{path}: {path_record(record, path).get('detail', '')}" for path in PATHS)
+
+
+def _exact_or_refused(record: dict) -> None:
+    """Every path that ran is exact or refused."""
+    statuses = _statuses(record)
+    assert set(statuses.values()) <= {"exact", "refused", "skipped"}, f"{statuses}: {_details(record)}"
+
+
+def _exact(record: dict) -> None:
+    statuses = _statuses(record)
+    assert set(statuses.values()) == {"exact"}, f"{statuses}: {_details(record)}"
+
+
 def _param(family: str, variant: str | None):
     key = _key(family, variant)
     marks = [pytest.mark.xfail(strict=True, reason=KNOWN[key])] if key in KNOWN else []
@@ -45,9 +66,9 @@ def _param(family: str, variant: str | None):
 @pytest.mark.parametrize(("family", "variant"), [_param(f, v) for f, v in CASES])
 def test_ring_is_exact_or_refused(family: str, variant: str | None) -> None:
     r = check_family(family, variant, n=N, cp=2)
-    if r["status"] == "skipped":
+    if all(s == "skipped" for s in _statuses(r).values()):
         pytest.skip(r["detail"])
-    assert r["status"] in ("exact", "refused"), f"{r['status'].upper()}: {r['detail']}"
+    _exact_or_refused(r)
     if variant == "router_aux":
         assert "load-balancing" not in r["detail"], r["detail"]  # summed over the CP group, never refused
 
@@ -60,9 +81,9 @@ def test_router_loss_is_exact_at_cp4(family: str) -> None:
     """Every MoE family with its router load-balancing loss on at CP = 4: exact, or refused for
     something else (sinks, a mask used outside attention, a mixer without a context-parallel form)."""
     r = check_family(family, "router_aux", n=N, cp=4)
-    if r["status"] == "skipped":
+    if all(s == "skipped" for s in _statuses(r).values()):
         pytest.skip(r["detail"])
-    assert r["status"] in ("exact", "refused"), f"{r['status'].upper()}: {r['detail']}"
+    _exact_or_refused(r)
     assert "load-balancing" not in r["detail"], r["detail"]
 
 
@@ -72,8 +93,7 @@ TEMPERATURE = [family for family in families() if "temperature" in variants(fami
 @pytest.mark.parametrize("family", TEMPERATURE)
 def test_temperature_is_exact_at_cp4(family: str) -> None:
     """Llama 4's NoPE query temperature (``floor_scale=4``) from global positions at CP = 4."""
-    r = check_family(family, "temperature", n=N, cp=4)
-    assert r["status"] == "exact", f"{r['status'].upper()}: {r['detail']}"
+    _exact(check_family(family, "temperature", n=N, cp=4))
 
 
 HYBRIDS = [family for family in families() if hybrid(family)]
@@ -81,10 +101,9 @@ HYBRIDS = [family for family in families() if hybrid(family)]
 
 @pytest.mark.parametrize("family", HYBRIDS)
 def test_hybrids_are_exact_at_cp4(family: str) -> None:
-    """Families with routed token mixers (Gated DeltaNet, KDA, short convolutions, ...) at CP = 4:
-    chunks of 8 tokens, shorter than nothing but the state and convolution halos cross them all."""
-    r = check_family(family, None, n=N, cp=4)
-    assert r["status"] == "exact", f"{r['status'].upper()}: {r['detail']}"
+    """Families with routed token mixers (Gated DeltaNet, KDA, Mamba, Mamba2, short convolutions, ...) at
+    CP = 4: chunks of 8 tokens, shorter than nothing but the state and convolution halos cross them all."""
+    _exact(check_family(family, None, n=N, cp=4))
 
 
 # Families whose `sliding` variant slides (or chunks, llama4_text) over fewer tokens than the sequence
@@ -97,8 +116,7 @@ WINDOWED = ["mistral", "ministral", "qwen2", "qwen2_moe", "gemma3_text", "gemma4
 def test_windows_are_exact_at_cp4(family: str) -> None:
     """A window of 15 tokens over 61 at CP = 4: zigzag chunks of 8, so the windowed layers take the
     ring (the window spans chunks); at CP = 2 (chunks of 16) the sweep above takes the border route."""
-    r = check_family(family, "sliding", n=N, cp=4)
-    assert r["status"] == "exact", f"{r['status'].upper()}: {r['detail']}"
+    _exact(check_family(family, "sliding", n=N, cp=4))
 
 
 # soft-capping (gemma2, vaultgemma) and attention sinks (the others): inside the ring at CP = 4 too
@@ -111,8 +129,7 @@ SINKS_SOFTCAP = [
 
 @pytest.mark.parametrize("family", SINKS_SOFTCAP)
 def test_sinks_and_softcap_are_exact_at_cp4(family: str) -> None:
-    r = check_family(family, None, n=N, cp=4)
-    assert r["status"] == "exact", f"{r['status'].upper()}: {r['detail']}"
+    _exact(check_family(family, None, n=N, cp=4))
 
 
 def test_known_entries_are_swept() -> None:
@@ -134,6 +151,10 @@ def test_models_json_covers_the_sweep() -> None:
     have = {_key(r["family"], r.get("variant")) for r in records}
     missing = {_key(f, v) for f, v in CASES} - have
     assert not missing, f"docs/models.json lacks {sorted(missing)}: run python scripts/sweep_models.py"
+    no_paths = [_key(r["family"], r.get("variant")) for r in records if r["status"] != "skipped" and "chunked" not in r]
+    assert not no_paths, f"records without the unlabelled and chunked paths: {no_paths[:5]} (rerun the sweep)"
+    bad = [_key(r["family"], r.get("variant")) for r in records if {"wrong", "broken"} & set(_statuses(r).values())]
+    assert not bad, f"WRONG or BROKEN records in docs/models.json: {bad}"
 
 
 def test_readme_table_is_render_table_of_models_json() -> None:

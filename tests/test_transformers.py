@@ -245,7 +245,7 @@ def model_without_ring(kind: str) -> str:
 
 
 @pytest.mark.parametrize(
-    ("kind", "message"), [("sdpa", "never called ring attention"), ("bloom", "computes attention itself")]
+    ("kind", "message"), [("sdpa", "never ran ring attention"), ("bloom", "computes attention itself")]
 )
 def test_sharded_batch_through_model_without_ring_attention_raises(kind: str, message: str) -> None:
     for msg in run_ranks(2, model_without_ring, kind):

@@ -2,15 +2,16 @@
 
 Each document of at least ``seq_len`` tokens is cut to its first ``seq_len`` and read once with
 context-parallel prefill. Every rank computes the negative log-likelihood of the next token at the
-positions it holds, from the decoder's last hidden states and the LM head *in chunks* (no
-``[tokens, vocab]`` logits: at 1M tokens and a 128K vocabulary they would take 512 GB in float32),
-and adds them into position buckets; a ``[2, buckets]`` tensor of sums and counts is summed over the
+positions it holds, from the LM head's input and the LM head *in chunks* (no ``[tokens, vocab]``
+logits: at 1M tokens and a 128K vocabulary they would take 512 GB in float32), with what the model
+does between its head and its logits (a soft-cap, a scale: ``hf_ring.transformers.logits``), and
+adds them into position buckets; a ``[2, buckets]`` tensor of sums and counts is summed over the
 CP group, then over the documents and the DP replicas (which split the documents).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -20,7 +21,9 @@ from torch import Tensor, nn
 from ..ops.cross_entropy import default_chunk_size
 from ..transformers.batch import shard_batch
 from ..transformers.context import KEY as CONTEXT_KEY
-from ..transformers.patches import causal_lm, decoder, logit_postprocessing
+from ..transformers.logits import logits_transform
+from ..transformers.patches import causal_lm, decoder
+from ..transformers.support import RingNotSupported
 from .runtime import EvalError, Runtime, check_ring, progress, read_jsonl
 
 __all__ = ["bucket_table", "documents", "evaluate_ppl", "position_nll"]
@@ -67,26 +70,29 @@ def documents(
     return it(), counts
 
 
-def check_head(model: nn.Module) -> None:
-    """Raise ``EvalError`` for a model whose logits are not ``lm_head(hidden)``."""
+def check_head(model: nn.Module) -> Callable[[Tensor], Tensor] | None:
+    """What ``model`` does between its LM head and its logits, as a function of a chunk of the head's
+    output (``None``: nothing); ``EvalError`` for a model whose logits cannot be computed in chunks."""
     lm = causal_lm(model, "hf-ring eval ppl")
-    post = logit_postprocessing(lm)
-    if post is not None:
-        raise EvalError(
-            f"{type(lm).__name__} post-processes its logits ({post}); eval ppl computes "
-            "lm_head(hidden) in chunks and would not reproduce that"
-        )
+    try:
+        return logits_transform(lm, decoder(lm, "hf-ring eval ppl"), "hf-ring eval ppl")
+    except RingNotSupported as e:
+        raise EvalError(f"{e} eval ppl computes the logits in chunks and cannot evaluate this model.") from None
 
 
-class _LastHidden:
-    """Decoder forward hook that keeps the last hidden states ``[B, S_local, H]``."""
+class _HeadInput:
+    """LM head forward pre-hook: keeps its input ``[B, S_local, H]`` and hands the head zero positions."""
 
-    def __init__(self, dec: nn.Module) -> None:
+    def __init__(self, head: nn.Module) -> None:
         self.hidden: Tensor | None = None
-        self.handle = dec.register_forward_hook(self)
+        self.handle = head.register_forward_pre_hook(self)
 
-    def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
-        self.hidden = output[0] if isinstance(output, tuple) else output.last_hidden_state
+    def __call__(self, module: nn.Module, args: tuple) -> tuple:
+        self.hidden = args[0]
+        return (args[0][..., :0, :], *args[1:])
+
+
+_PROBE: Any = object()  # position_nll probes the model itself
 
 
 def position_nll(
@@ -95,14 +101,18 @@ def position_nll(
     bucket_size: int,
     group: dist.ProcessGroup | None = None,
     chunk_size: int | None = None,
+    transform: Callable[[Tensor], Tensor] | None = _PROBE,
 ) -> Tensor:
     """Next-token NLL of the document ``ids [N]`` summed by position bucket, after one prefill.
 
     The target at position ``t`` (``1 <= t < N``) goes to bucket ``t // bucket_size``. Every rank of
     ``group`` (the CP group; ``None``: the default one) passes the same ``ids``; each computes the
-    NLL at the positions it holds, ``chunk_size`` rows of logits at a time. Returns on every rank
+    NLL at the positions it holds, ``chunk_size`` rows of logits at a time, with ``transform`` (the
+    model's logits from its head's output, ``check_head``; probed here when not given). Returns on every rank
     ``[2, ceil(N / bucket_size)]`` float64: the summed NLL and the number of targets per bucket."""
     lm = causal_lm(model, "hf-ring eval ppl")
+    if transform is _PROBE:
+        transform = check_head(model)
     head = lm.get_output_embeddings()
     n = ids.shape[0]
     device = next(model.parameters()).device
@@ -111,23 +121,24 @@ def position_nll(
     pos = kwargs["position_ids"][0]  # global positions [S_local]; padding rows are >= N
     keep = (pos + 1 < n).nonzero().squeeze(1)
     target = ids.to(device)[pos[keep] + 1]
-    hook = _LastHidden(decoder(lm, "hf-ring eval ppl"))
+    hook = _HeadInput(head)
     try:
         with torch.no_grad():
-            model(**kwargs, logits_to_keep=torch.empty(0, dtype=torch.long, device=device))
+            model(**kwargs)
     finally:
         hook.handle.remove()
-    if ctx.attention_calls == 0 or hook.hidden is None:
+    if ctx.calls == 0 or hook.hidden is None:
         raise EvalError(
-            "the model never called ring attention (it computes attention itself); load a model that "
-            "uses transformers' attention registry with attn_implementation='ring'"
+            "the model never ran ring attention or a context-parallel token mixer (it computes attention "
+            "itself); load a model that uses transformers' attention registry with attn_implementation='ring'"
         )
     hidden = hook.hidden[0].index_select(0, keep)  # [K, H]
     chunk = int(chunk_size or default_chunk_size(int(lm.config.vocab_size)))
     nll = torch.empty(len(keep), dtype=torch.float64, device=device)
     with torch.no_grad():
         for s in range(0, len(keep), chunk):
-            logits = head(hidden[s : s + chunk]).float()  # [chunk, V]
+            logits = head(hidden[s : s + chunk])  # [chunk, V]
+            logits = (transform(logits) if transform is not None else logits).float()
             picked = logits.gather(1, target[s : s + chunk, None]).squeeze(1)
             nll[s : s + chunk] = (logits.logsumexp(-1) - picked).double()
             del logits
@@ -152,7 +163,7 @@ def evaluate_ppl(
     """``{"bucket_size", "buckets": [{"start", "end", "tokens", "loss", "ppl"}], "loss", "ppl"}``
     over ``n_docs`` documents of ``seq_len`` tokens, split over the DP replicas; on every rank."""
     check_ring(model, "hf-ring eval ppl")
-    check_head(model)
+    transform = check_head(model)
     if not 1 <= buckets <= seq_len:
         raise EvalError(f"--buckets {buckets} must be between 1 and --seq-len {seq_len}")
     bucket_size = -(-seq_len // buckets)
@@ -160,7 +171,7 @@ def evaluate_ppl(
     mine = set(rt.mine(range(n_docs)))
     local = (d for i, d in enumerate(docs) if i in mine)
     for ids in progress(local, rt, "ppl", unit="doc", count=len(mine)):
-        total += position_nll(model, ids, bucket_size, rt.cp_group, chunk_size)
+        total += position_nll(model, ids, bucket_size, rt.cp_group, chunk_size, transform)
     total = rt.reduce_dp(total.to(rt.device)).cpu()
     return bucket_table(total, bucket_size, seq_len)
 

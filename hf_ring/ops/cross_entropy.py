@@ -6,7 +6,8 @@ target; each chunk's logits live only while that chunk is computed (forward) and
 (backward). Loss and gradients are those of the full path (``ForCausalLMLoss``): logits in the
 head's dtype (under autocast: the autocast dtype, in forward and in backward's recompute alike),
 upcast to float32, cross-entropy summed in float32 and divided by ``num_items_in_batch`` (or by the
-number of targets), ``ignore_index`` rows contributing nothing.
+number of targets), ``ignore_index`` rows contributing nothing. What a model does between its head
+and its logits (a soft-cap, a scale, a cast: ``logits_transform``) runs on every chunk.
 
 ``chunked_causal_lm_loss(hidden, head, shift_labels, ...)`` is the op;
 ``hf_ring.enable_chunked_loss(model)`` (``hf_ring.transformers.patches``) wires it into a
@@ -14,6 +15,8 @@ transformers causal LM. This module imports only torch.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -45,6 +48,17 @@ def _autocast_dtype(x: Tensor) -> torch.dtype | None:
     return torch.get_autocast_dtype(device)
 
 
+Transform = Callable[[Tensor], Tensor]  # the head's output [T, V] -> the model's logits [T, V']
+
+
+def _logits(z: Tensor, transform: Transform | None, dtype: torch.dtype | None) -> Tensor:
+    """The float32 logits of the head's output ``z``: ``transform(z)`` under the forward's autocast."""
+    if transform is None:
+        return z.float()
+    with torch.autocast(z.device.type, dtype=dtype, enabled=dtype is not None):
+        return transform(z).float()
+
+
 def _cast(tensors: tuple[Tensor | None, ...], dtype: torch.dtype | None) -> tuple[Tensor | None, ...]:
     return tensors if dtype is None else tuple(t if t is None else t.to(dtype) for t in tensors)
 
@@ -71,7 +85,8 @@ def _add_product(acc: Tensor, a: Tensor, b: Tensor, budget: int | None = None) -
 
 
 class _ChunkedLinearCE(torch.autograd.Function):
-    """``sum_t CE(h_t W^T + b, y_t) * scale`` over rows ``h [T, H]`` that all have a target.
+    """``sum_t CE(f(h_t W^T + b), y_t) * scale`` over rows ``h [T, H]`` that all have a target (``f``:
+    the model's logits transform, ``None`` for none).
 
     Saves ``h``, the float32 log-sum-exp of every row and nothing of size ``vocab``; backward
     recomputes each chunk's logits exactly as forward computed them. Under autocast, forward records
@@ -82,15 +97,15 @@ class _ChunkedLinearCE(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, h, weight, bias, target, scale, chunk):  # type: ignore[override]
-        ctx.dtype, ctx.scale, ctx.chunk = _autocast_dtype(h), scale, chunk
+    def forward(ctx, h, weight, bias, target, scale, chunk, transform=None):  # type: ignore[override]
+        ctx.dtype, ctx.scale, ctx.chunk, ctx.transform = _autocast_dtype(h), scale, chunk, transform
         lse = torch.empty(h.shape[0], dtype=torch.float32, device=h.device)
         total = torch.zeros((), dtype=torch.float32, device=h.device)
         with torch.autocast(h.device.type, enabled=False):  # cast here, the same way in backward
             wc, bc = _cast((weight, bias), ctx.dtype)
             for s in range(0, h.shape[0], chunk):
                 (x,) = _cast((h[s : s + chunk],), ctx.dtype)
-                logits = F.linear(x, wc, bc).float()
+                logits = _logits(F.linear(x, wc, bc), transform, ctx.dtype)
                 picked = logits.gather(1, target[s : s + chunk, None]).squeeze(1)
                 # log-sum-exp in place: one [chunk, vocab] buffer (torch.logsumexp would allocate a second)
                 top = logits.amax(dim=-1, keepdim=True)
@@ -117,11 +132,21 @@ class _ChunkedLinearCE(torch.autograd.Function):
                 n = x.shape[0]
                 # d/dlogits of (lse - logit[target]) = softmax - onehot, times the loss scale; the
                 # logits are those of forward (same inputs, dtype and op), so the softmax sums to 1
-                p = F.linear(x, wc, bc).float().sub_(lse[s : s + n, None]).exp_()
+                z = F.linear(x, wc, bc)
+                if ctx.transform is None:
+                    p = z.float().sub_(lse[s : s + n, None]).exp_()
+                else:
+                    z.requires_grad_()
+                    with torch.enable_grad():
+                        logits = _logits(z, ctx.transform, ctx.dtype)
+                    p = logits.detach().sub(lse[s : s + n, None]).exp_()
                 p[rows[:n], target[s : s + n]] -= 1.0
                 p.mul_(scale)
+                if ctx.transform is not None:  # through the transform: d logits / d z
+                    p = torch.autograd.grad(logits, z, p)[0]
+                    del logits
                 if need_b:
-                    db += p.sum(0)
+                    db += p.float().sum(0)
                 dlogits = p.to(x.dtype)
                 del p
                 if need_h:
@@ -136,6 +161,7 @@ class _ChunkedLinearCE(torch.autograd.Function):
             None,
             None,
             None,
+            None,
         )
 
 
@@ -145,8 +171,9 @@ def _plain_linear(head: nn.Module) -> bool:
     return isinstance(head, nn.Linear) and type(head).forward is nn.Linear.forward and "forward" not in vars(head)
 
 
-def _head_ce_sum(head: nn.Module, h: Tensor, target: Tensor) -> Tensor:
-    logits = head(h).float()
+def _head_ce_sum(head: nn.Module, h: Tensor, target: Tensor, transform: Transform | None = None) -> Tensor:
+    logits = head(h)
+    logits = (transform(logits) if transform is not None else logits).float()
     return F.cross_entropy(logits, target, reduction="sum")
 
 
@@ -158,8 +185,9 @@ def chunked_causal_lm_loss(
     num_items_in_batch: Tensor | int | None = None,
     ignore_index: int = IGNORE_INDEX,
     chunk_size: int | None = None,
+    logits_transform: Transform | None = None,
 ) -> Tensor:
-    """Cross-entropy of ``head(hidden)`` against ``shift_labels`` without the full logits.
+    """Cross-entropy of ``logits_transform(head(hidden))`` against ``shift_labels`` without the full logits.
 
     Args:
         hidden: ``[..., T, H]``, the last hidden states (after the final norm).
@@ -172,6 +200,10 @@ def chunked_causal_lm_loss(
         num_items_in_batch: the divisor of the summed loss (as in transformers); ``None``: the
             number of targets here (a mean).
         chunk_size: tokens per chunk (default: ``default_chunk_size(vocab)``).
+        logits_transform: what the model does between its head and its logits, as a function of a
+            chunk of the head's output ``[T, V]`` (elementwise per row: a soft-cap, a scale, a
+            cast; ``hf_ring.transformers.logits`` finds it); it runs on every chunk, in forward
+            and in backward's recompute, under the forward's autocast. ``None``: the head's output.
 
     Returns:
         a float32 scalar equal to ``ForCausalLMLoss`` on the full logits, with the same gradients
@@ -199,10 +231,12 @@ def chunked_causal_lm_loss(
     vocab = getattr(head, "out_features", None) or getattr(getattr(head, "weight", None), "shape", [0])[0]
     chunk = int(chunk_size or default_chunk_size(int(vocab)))
     if _plain_linear(head):
-        return _ChunkedLinearCE.apply(h, head.weight, head.bias, y, scale, chunk)
+        extra = () if logits_transform is None else (logits_transform,)  # older Functions take 6 arguments
+        return _ChunkedLinearCE.apply(h, head.weight, head.bias, y, scale, chunk, *extra)
     if h.shape[0] == 0:  # no target here: a zero that keeps the head and the hidden states in the graph
         return head(h).float().sum() * 0.0
     total = hidden.new_zeros((), dtype=torch.float32)
     for s in range(0, h.shape[0], chunk):
-        total = total + checkpoint(_head_ce_sum, head, h[s : s + chunk], y[s : s + chunk], use_reentrant=False)
+        rows, targets = h[s : s + chunk], y[s : s + chunk]
+        total = total + checkpoint(_head_ce_sum, head, rows, targets, logits_transform, use_reentrant=False)
     return total * scale

@@ -8,7 +8,9 @@
 - ``mixers``: the token mixers of hybrid models routed through their context-parallel forms;
 - ``router``: the MoE router load-balancing loss of a sharded batch, over the CP group;
 - ``temperature``: Llama 4's NoPE query temperature from global positions;
-- ``support``: what ring attention computes exactly, and ``RingNotSupported`` for the rest.
+- ``support``: what ring attention computes exactly, and ``RingNotSupported`` for the rest;
+- ``guard``: a forward of a sharded batch that never reached across the CP group is refused;
+- ``logits``: a model's logits as a function of its LM head's output (for chunked logits).
 """
 
 from __future__ import annotations
@@ -27,13 +29,16 @@ def register() -> None:
     over the CP group; every other call of that loss is unchanged. Routes the token mixers of hybrid
     models (``mixers.FAMILIES``) through their context-parallel forms, and the MoE router
     load-balancing loss (``router.install``) over the CP group, for calls that carry a
-    ``ring_context``. Runs at ``import hf_ring``.
+    ``ring_context``; and watches every model built with (or switched to) the ring for forwards of
+    sharded batches that never ran ring attention or a context-parallel mixer (``guard.install``).
+    Runs at ``import hf_ring``.
     """
     from transformers import AttentionInterface
     from transformers.loss.loss_utils import LOSS_MAPPING
     from transformers.masking_utils import AttentionMaskInterface
 
     from .attention import ring_attention_forward, ring_mask
+    from .guard import install as install_guard
     from .loss import wrap_causal_lm_loss
     from .mixers import install
     from .router import install as install_router
@@ -44,6 +49,7 @@ def register() -> None:
     refuse_at_build(NAME)
     install()
     install_router()
+    install_guard(NAME)
     _wrap_causal_lm_loss(LOSS_MAPPING, wrap_causal_lm_loss)
 
 

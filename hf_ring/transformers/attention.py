@@ -203,8 +203,8 @@ def ring_attention_forward(
     causal = module.is_causal if is_causal is None else is_causal
     plan = _mask_plan(mask, n_global, causal, ring_context, query.shape[0], query.shape[2], size)
     softcap, sinks = kwargs.get("softcap"), _sinks(kwargs, query.shape[1], query.shape[2])
-    if ring_context is not None and not _in_backward():
-        ring_context.attention_calls += 1  # forward calls only: a checkpoint recompute does not count
+    if ring_context is not None:
+        ring_context.count("attention")  # forward calls only: a checkpoint recompute does not count
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)  # (B, S, H, D)
     with torch.autocast(device, enabled=False):
         if ulysses is not None:
@@ -266,12 +266,6 @@ def _sinks(kwargs: dict[str, Any], heads: int, rows: int) -> Tensor | None:
         f'attn_implementation="ring" takes attention sinks of one logit per head [{heads}] or per token '
         f"[B, {heads}, {rows}, 1]; got {getattr(sinks, 'shape', type(sinks).__name__)}."
     )
-
-
-def _in_backward() -> bool:
-    """True while autograd runs a backward pass (where activation checkpointing recomputes)."""
-    task = getattr(torch._C, "_current_graph_task_id", None)
-    return task is not None and task() != -1
 
 
 def _refuse_packed_positions(position_ids: Tensor | None) -> None:

@@ -18,9 +18,9 @@ What travels in it:
 - the loss policy: this rank's share of the loss is summed over the CP group and multiplied by
   ``dp_size``; its backward is scaled by ``size * dp_size`` (``reduce_loss``);
 - ``full_logits``: the chunked loss (``enable_chunked_loss``) leaves this batch alone;
-- filled while the batch runs: how many times ring attention ran on it (the guard against a model
-  that never called the ring), and the last hidden states that the chunked-loss hook sets aside
-  for the loss (taken, and so freed, by the loss).
+- filled while the batch runs: how many times ring attention and the context-parallel token mixers
+  ran on it (the guard against a model that computed its tokens from its own shard only), and the
+  LM head's input that the chunked-loss hook sets aside for the loss (taken, and so freed, by the loss).
 
 This module imports only torch.
 """
@@ -31,6 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
@@ -47,9 +48,10 @@ KEY = "ring_context"  # the model keyword argument that carries it
 class ChunkedLossInput:
     """What the chunked-loss hook set aside for the loss of one batch."""
 
-    hidden: Tensor  # [B, S_local, H], the decoder's last hidden states
+    hidden: Tensor  # [B, S_local, H], the LM head's input (the last hidden states)
     head: nn.Module  # the LM head
     chunk_size: int | None
+    transform: Callable[[Tensor], Tensor] | None = None  # the model's logits from the head's output
 
 
 @dataclass(eq=False)
@@ -77,6 +79,8 @@ class RingContext:
             (the ring's own zigzag schedule).
         attention_calls: ring attention calls made with this context since its last loss (forward
             calls only; the recompute of activation checkpointing in backward does not count).
+        mixer_calls: the same for the context-parallel token mixers (``hf_ring.transformers.mixers``).
+        calls: ring attention and mixer calls made with this context, never reset (``count``).
     """
 
     group: dist.ProcessGroup | None
@@ -93,6 +97,8 @@ class RingContext:
     ulysses_group: dist.ProcessGroup | None = field(default=None, repr=False)
     ring_group: dist.ProcessGroup | None = field(default=None, repr=False)
     attention_calls: int = 0
+    mixer_calls: int = 0
+    calls: int = 0
     _chunked: ChunkedLossInput | None = field(default=None, repr=False)
     _cache: dict[Any, Any] = field(default_factory=dict, repr=False)
 
@@ -118,9 +124,30 @@ class RingContext:
             self._cache[key] = make()
         return self._cache[key]
 
-    def set_aside(self, hidden: Tensor, head: nn.Module, chunk_size: int | None) -> None:
-        """Keep the last hidden states for the chunked loss of this batch (the hook's side)."""
-        self._chunked = ChunkedLossInput(hidden, head, chunk_size)
+    def count(self, kind: str) -> None:
+        """Count a forward call of ring attention (``kind="attention"``) or of a context-parallel token
+        mixer (``"mixer"``) on this batch; the recompute of activation checkpointing in backward
+        does not count."""
+        if _in_backward():
+            return
+        self.calls += 1
+        if kind == "attention":
+            self.attention_calls += 1
+        else:
+            self.mixer_calls += 1
+
+    def take_calls(self) -> int:
+        """Ring attention and mixer calls since the last loss of this batch, and start counting anew
+        (the loss's side: one forward's calls)."""
+        calls = self.attention_calls + self.mixer_calls
+        self.attention_calls = self.mixer_calls = 0
+        return calls
+
+    def set_aside(
+        self, hidden: Tensor, head: nn.Module, chunk_size: int | None, transform: Callable | None = None
+    ) -> None:
+        """Keep the LM head's input for the chunked loss of this batch (the hook's side)."""
+        self._chunked = ChunkedLossInput(hidden, head, chunk_size, transform)
 
     def take_chunked(self) -> ChunkedLossInput | None:
         """The hidden states set aside for the loss, once (the loss's side); ``None`` when the model
@@ -152,3 +179,9 @@ class RingContext:
             idx = index[r].to(x.device).view(b, -1, *([1] * (x.dim() - 2))).expand_as(part)
             out.scatter_(1, idx, part)
         return out[:, :n]
+
+
+def _in_backward() -> bool:
+    """True while autograd runs a backward pass (where activation checkpointing recomputes)."""
+    task = getattr(torch._C, "_current_graph_task_id", None)
+    return task is not None and task() != -1

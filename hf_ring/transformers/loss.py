@@ -4,7 +4,8 @@
 ``RingContext`` (keyword ``ring_context``, from ``hf_ring.shard_batch``) compute this rank's share
 of the loss -- from the hidden states the chunked-loss hook set aside on the context, or from the
 logits as usual -- and sum it over the CP group (``RingContext.reduce_loss``, the one place of the
-loss policy); every other call of the loss is unchanged.
+loss policy), after checking that the forward ran ring attention or a context-parallel token mixer
+(``guard.check_ran``); every other call of the loss is unchanged.
 """
 
 from __future__ import annotations
@@ -16,17 +17,9 @@ from torch import Tensor
 
 from ..ops.cross_entropy import IGNORE_INDEX, chunked_causal_lm_loss
 from .context import ChunkedLossInput, RingContext
-from .support import RingNeverRan
+from .guard import check_ran
 
 __all__ = ["wrap_causal_lm_loss"]
-
-_NEVER_RAN = (
-    "a batch sharded by hf_ring.shard_batch went through a model that never called ring attention with "
-    "that batch, so its tokens may have attended only their own shard. Load the model with "
-    'attn_implementation="ring" (or call model.set_attn_implementation("ring")). Models that do not use '
-    "transformers' attention registry, or whose layers do not pass the batch's keyword arguments "
-    "(ring_context) on to attention, are not supported."
-)
 
 
 def _chunked_loss(
@@ -48,6 +41,7 @@ def _chunked_loss(
         num_items_in_batch=num_items_in_batch,
         ignore_index=ignore_index,
         chunk_size=chunked.chunk_size,
+        logits_transform=chunked.transform,
     )
 
 
@@ -59,9 +53,7 @@ def wrap_causal_lm_loss(original: Any) -> Any:
         local = original(*args, **kwargs) if chunked is None else _chunked_loss(chunked, **kwargs)
         if ring_context is None or not ring_context.labelled:
             return local
-        calls, ring_context.attention_calls = ring_context.attention_calls, 0  # per forward
-        if ring_context.size > 1 and calls == 0:
-            raise RingNeverRan(_NEVER_RAN)
+        check_ran(ring_context, ring_context.take_calls(), "the model")  # the calls of this forward
         return ring_context.reduce_loss(local)
 
     loss.hf_ring_original = original  # type: ignore[attr-defined]

@@ -27,7 +27,6 @@ import importlib
 import math
 import sys
 from collections.abc import Callable
-from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +39,10 @@ from ..ops.mixers.diagonal import diagonal_plan, diagonal_recurrence
 from ..ops.mixers.lightning import lightning_attention
 from ..ops.mixers.selective import selective_plan, selective_scan
 from ..ops.mixers.ssd import ssd_plan, ssd_scan
+from .carry import ACTIVE as _ACTIVE
+from .carry import carry_context
+from .carry import context_of as _context
+from .carry import needs_cp as _needs_cp
 from .context import RingContext
 from .support import RingNotSupported
 
@@ -49,37 +52,9 @@ Route = Callable[[Callable], Callable]  # the original function -> its dispatche
 _MODELS = "transformers.models."
 
 
-# The ring_context of the layer forward running now, for kernels called without the layer's **kwargs
-# (Jamba's decoder layer calls its mixer without them; Zamba's mixer calls its scan and convolution
-# without them): set by ``carry_context`` (a Family adapter).
-_ACTIVE: ContextVar[RingContext | None] = ContextVar("hf_ring_mixer_context", default=None)
-
-
-def _context(kwargs: dict[str, Any]) -> RingContext | None:
-    ctx = kwargs.get("ring_context")
-    return ctx if ctx is not None else _ACTIVE.get()
-
-
-def carry_context(forward: Callable) -> Callable:
-    """A mixer's ``forward`` that makes its ``ring_context`` keyword visible to the routed kernels it
-    calls without their ``**kwargs``, for the duration of the call (also when checkpointing reruns it)."""
-
-    @functools.wraps(forward)
-    def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
-        token = _ACTIVE.set(kwargs.get("ring_context"))
-        try:
-            return forward(self, *args, **kwargs)
-        finally:
-            _ACTIVE.reset(token)
-
-    return wrapped
-
-
-def _needs_cp(ctx: RingContext | None) -> bool:
-    return ctx is not None and (ctx.size > 1 or ctx.layout.packed)
-
-
 def _check_rows(ctx: RingContext, rows: int, what: str) -> None:
+    """Refuse a call that does not see the whole local shard; count the call (the guard's)."""
+    ctx.count("mixer")
     if rows != ctx.layout.local:
         raise RingNotSupported(
             f"{what}: got {rows} tokens per row under a ring_context whose shard holds {ctx.layout.local}; "
@@ -126,7 +101,7 @@ def delta_route(fn: Callable) -> Callable:
     def rule(query: Tensor, key: Tensor, value: Tensor, g: Tensor, beta: Tensor, chunk_size: int = 64,
              initial_state: Tensor | None = None, output_final_state: bool = False,
              use_qk_l2norm_in_kernel: bool = False, **kwargs: Any) -> tuple[Tensor, Tensor | None]:  # fmt: skip
-        ctx = kwargs.get("ring_context")
+        ctx = _context(kwargs)
         if not _needs_cp(ctx):
             return fn(query, key, value, g=g, beta=beta, chunk_size=chunk_size, initial_state=initial_state,
                       output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
@@ -156,7 +131,7 @@ def ssd_route(fn: Callable) -> Callable:
              D: Tensor | None = None, dt_bias: Tensor | None = None, initial_states: Tensor | None = None,
              dt_softplus: bool = False, dt_limit: tuple[float, float] = (0.0, math.inf),
              return_final_states: bool = False, **kwargs: Any) -> Any:  # fmt: skip
-        ctx = kwargs.get("ring_context")
+        ctx = _context(kwargs)
         if not _needs_cp(ctx):
             return fn(hidden_states, dt, A, B, C, chunk_size=chunk_size, D=D, dt_bias=dt_bias,
                       initial_states=initial_states, dt_softplus=dt_softplus, dt_limit=dt_limit,
@@ -209,13 +184,13 @@ def selective_route(fn: Callable) -> Callable:
 
 
 def unfused_route(fn: Callable) -> Callable:
-    """A fused kernel of a whole mixer (mamba-ssm's ``mamba_split_conv1d_scan_combined``): under a
-    ``ring_context`` it returns ``None``, which makes the mixer take its unfused path (convolution
-    and scan, each routed); every other call goes to the kernel."""
+    """A fused kernel of a whole mixer (mamba-ssm's ``mamba_split_conv1d_scan_combined`` and
+    ``mamba_inner_fn``): under a ``ring_context`` it returns ``None``, which makes the mixer take its
+    unfused path (convolution and scan, each routed); every other call goes to the kernel."""
 
     @functools.wraps(fn)
     def fused(*args: Any, **kwargs: Any) -> Any:
-        if _needs_cp(kwargs.get("ring_context")):
+        if _needs_cp(_context(kwargs)):
             return None
         return fn(*args, **kwargs)
 
@@ -318,8 +293,16 @@ class Family:
 _GDN = {"causal_conv1d_fn": "conv", "torch_chunk_gated_delta_rule": "delta"}
 _KDA = {"causal_conv1d_fn": "conv", "chunk_kimi_delta_attention": "delta"}
 _CONV = {"causal_conv1d_fn": "conv"}
-_MAMBA = {"causal_conv1d_fn": "conv", "mamba_selective_scan": "selective"}
+_MAMBA = {"causal_conv1d_fn": "conv", "mamba_selective_scan": "selective", "mamba_inner_fn": "unfused"}
 _SSD = {"causal_conv1d_fn": "conv", "mamba2_chunk_scan": "ssd", "mamba2_split_conv1d_scan_combined": "unfused"}
+
+
+
+def _carried(*classes: str) -> dict[str, Callable]:
+    """``carry_context`` on the ``forward`` of ``classes`` (a causal LM that calls its model without
+    its keyword arguments, and the model, which calls its blocks without them)."""
+    return dict.fromkeys(classes, carry_context)
+
 
 # modeling module (under transformers.models.) -> its routes
 FAMILIES: dict[str, Family] = {
@@ -348,7 +331,14 @@ FAMILIES: dict[str, Family] = {
         {"RecurrentGemmaRecurrentBlock": recurrent_block_forward, "RecurrentGemmaRglru._rnn_scan": rnn_scan_method},
     ),
     "jamba.modeling_jamba": Family(
-        _MAMBA, ("JambaMambaMixer", "JambaMambaDecoderLayer"), {"JambaMambaDecoderLayer": carry_context}
+        _MAMBA, ("JambaMambaMixer", "JambaMambaDecoderLayer"), {"JambaModel": carry_context}
+    ),
+    "mamba.modeling_mamba": Family(_MAMBA, ("MambaMixer", "MambaBlock"), _carried("MambaForCausalLM", "MambaModel")),
+    "falcon_mamba.modeling_falcon_mamba": Family(
+        _MAMBA, ("FalconMambaMixer", "FalconMambaBlock"), _carried("FalconMambaForCausalLM", "FalconMambaModel")
+    ),
+    "mamba2.modeling_mamba2": Family(
+        _SSD, ("Mamba2Mixer", "Mamba2Block"), _carried("Mamba2ForCausalLM", "Mamba2Model")
     ),
     "zamba.modeling_zamba": Family(
         _MAMBA, ("ZambaMambaMixer", "ZambaMambaDecoderLayer"), {"ZambaMambaMixer": carry_context}

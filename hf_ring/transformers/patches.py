@@ -7,14 +7,19 @@ is idempotent, and has an undo where one makes sense. The computations are the o
 from __future__ import annotations
 
 import types
+import weakref
 from typing import Any
 
 from torch import Tensor, nn
 from transformers import PreTrainedModel
 
+from ..ops.cross_entropy import Transform
 from ..ops.offload import OffloadActivations
 from ..ops.tiled_mlp import tiled_forward
-from .context import KEY, RingContext
+from .carry import context_of
+from .context import RingContext
+from .logits import logits_transform
+from .support import RingNotSupported
 
 __all__ = [
     "enable_chunked_loss",
@@ -34,7 +39,11 @@ def causal_lm(model: nn.Module, caller: str) -> PreTrainedModel:
 
 
 def decoder(lm: PreTrainedModel, caller: str) -> nn.Module:
-    """The decoder (``lm.model`` for Llama and most causal LMs): the module before the LM head."""
+    """The decoder (``lm.model`` for Llama and most causal LMs): the module before the LM head -- the
+    one transformers model that ``lm`` holds as a direct child, else ``get_decoder()``."""
+    inner = [m for m in lm.children() if isinstance(m, PreTrainedModel)]
+    if len(inner) == 1:
+        return inner[0]
     dec = lm.get_decoder() if hasattr(lm, "get_decoder") else None
     if not isinstance(dec, nn.Module):
         dec = getattr(lm, getattr(lm, "base_model_prefix", "model"), None)
@@ -45,45 +54,48 @@ def decoder(lm: PreTrainedModel, caller: str) -> nn.Module:
 
 # --- chunked loss --------------------------------------------------------------------------------
 
-# Config fields of models whose logits are not plain ``lm_head(hidden)``: the chunked path would
-# give a different loss, so enable_chunked_loss refuses them.
-_LOGIT_POSTPROCESSING = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
-
-
-def logit_postprocessing(lm: PreTrainedModel) -> str | None:
-    """``"name=value"`` of the config field by which ``lm``'s logits differ from ``lm_head(hidden)``,
-    or ``None`` when they do not (then computing the head in chunks reproduces them)."""
-    for name in _LOGIT_POSTPROCESSING:
-        value = getattr(lm.config, name, None)
-        if value not in (None, 1, 1.0):
-            return f"{name}={value}"
-    return None
-
 
 class _SetAsideHiddenStates:
-    """Decoder forward hook: for a labelled batch with a ``RingContext``, put the last hidden states
-    on the context (the loss takes them from there) and hand the LM head zero positions."""
+    """Hooks of the chunked loss: after the decoder ran with a labelled ``RingContext`` (and no
+    ``full_logits``), the LM head's input goes on the context (the loss takes it from there, with the
+    model's logits transform) and the head computes zero positions. The head is looked up at every
+    forward, so a head wrapped later (LoRA on ``lm_head``) is the one hooked."""
 
-    def __init__(self, lm: PreTrainedModel, chunk_size: int | None) -> None:
-        self.head = lm.get_output_embeddings()
-        self.chunk_size = chunk_size
-        self.handle = decoder(lm, "enable_chunked_loss").register_forward_hook(self, with_kwargs=True)
+    def __init__(self, lm: PreTrainedModel, chunk_size: int | None, transform: Transform | None) -> None:
+        self.lm = weakref.ref(lm)
+        self.chunk_size, self.transform = chunk_size, transform
+        self.pending: RingContext | None = None  # the batch whose head call comes next
+        self.head: nn.Module | None = None
+        self.head_handle: Any = None
+        self.handle = decoder(lm, "enable_chunked_loss").register_forward_hook(self.after_decoder, with_kwargs=True)
+        self._hook_head(lm)
 
-    def __call__(self, module: nn.Module, args: Any, kwargs: dict, output: Any) -> Any:
-        ctx: RingContext | None = kwargs.get(KEY)
-        if ctx is None or not ctx.labelled or ctx.full_logits:
+    def _hook_head(self, lm: PreTrainedModel) -> None:
+        head = lm.get_output_embeddings()
+        if head is not self.head:
+            if self.head_handle is not None:
+                self.head_handle.remove()
+            self.head, self.head_handle = head, head.register_forward_pre_hook(self.before_head)
+
+    def after_decoder(self, module: nn.Module, args: Any, kwargs: dict, output: Any) -> None:
+        ctx = context_of(kwargs)  # its own, or the one its causal LM carries (Mamba)
+        self.pending = ctx if ctx is not None and ctx.labelled and not ctx.full_logits else None
+        lm = self.lm()
+        if self.pending is not None and lm is not None:
+            self._hook_head(lm)
+
+    def before_head(self, module: nn.Module, args: tuple) -> tuple | None:
+        ctx, self.pending = self.pending, None
+        if ctx is None:
             return None
-        if isinstance(output, tuple):
-            hidden: Tensor = output[0]
-            ctx.set_aside(hidden, self.head, self.chunk_size)
-            return (hidden[..., :0, :], *output[1:])
-        hidden = output.last_hidden_state
-        ctx.set_aside(hidden, self.head, self.chunk_size)
-        output.last_hidden_state = hidden[..., :0, :]  # the model computes logits of zero positions
-        return output
+        hidden: Tensor = args[0]
+        ctx.set_aside(hidden, module, self.chunk_size, self.transform)
+        return (hidden[..., :0, :], *args[1:])  # the model computes logits of zero positions
 
     def remove(self) -> None:
         self.handle.remove()
+        if self.head_handle is not None:
+            self.head_handle.remove()
 
 
 def enable_chunked_loss(model: nn.Module, chunk_size: int | None = None) -> nn.Module:
@@ -91,22 +103,28 @@ def enable_chunked_loss(model: nn.Module, chunk_size: int | None = None) -> nn.M
 
     ``model``: a transformers causal LM, possibly wrapped by PEFT, DDP or FSDP (call it before or
     after wrapping). For every call that carries a labelled ``ring_context`` (a batch from
-    ``hf_ring.shard_batch`` with labels), the decoder's last hidden states ``[B, S_local, H]`` go
-    to the loss through the context, which computes it with ``chunked_causal_lm_loss``; the LM head
-    sees zero positions, so ``out.logits`` is ``[B, 0, V]``. Calls without labels, and batches from
+    ``hf_ring.shard_batch`` with labels), the LM head's input ``[B, S_local, H]`` goes to the loss
+    through the context, which computes it with ``chunked_causal_lm_loss``; the LM head sees zero
+    positions, so ``out.logits`` is ``[B, 0, V]``. Calls without labels, and batches from
     ``shard_batch(..., full_logits=True)``, return the full logits as before. Returns ``model``.
+
+    What the model does between its LM head and its logits (Gemma 2's and RecurrentGemma's
+    soft-caps, Falcon-H1's ``lm_head_multiplier``, Cohere's ``logit_scale``, Granite's
+    ``logits_scaling``, casts) is found here, once, by probing the model
+    (``hf_ring.transformers.logits``), and applied to every chunk; a model whose logits the probe
+    cannot reproduce chunk by chunk raises ``RingNotSupported`` (train it without the chunked loss:
+    ``RingTrainingArguments(chunked_loss=False)``). Call it again after changing such a setting.
     """
     lm = causal_lm(model, "enable_chunked_loss")
-    if not isinstance(lm.get_output_embeddings(), nn.Module):
-        raise TypeError(f"enable_chunked_loss: {type(lm).__name__} has no output embedding (lm_head)")
-    post = logit_postprocessing(lm)
-    if post is not None:
-        raise ValueError(
-            f"enable_chunked_loss: {type(lm).__name__} post-processes its logits ({post}), "
-            "which the chunked loss does not reproduce"
-        )
+    try:
+        transform = logits_transform(lm, decoder(lm, "enable_chunked_loss"), "enable_chunked_loss")
+    except RingNotSupported as e:
+        raise RingNotSupported(
+            f"{e} Train it with the full logits: RingTrainingArguments(chunked_loss=False) (a recipe's "
+            "chunked_loss: false), or do not call hf_ring.enable_chunked_loss."
+        ) from None
     disable_chunked_loss(model)
-    lm._hf_ring_chunked = _SetAsideHiddenStates(lm, chunk_size)
+    lm._hf_ring_chunked = _SetAsideHiddenStates(lm, chunk_size, transform)
     return model
 
 

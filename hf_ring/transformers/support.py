@@ -51,7 +51,8 @@ class RingMaskUsed(RingNotSupported, TypeError):
 
 
 class RingNeverRan(RingNotSupported, RuntimeError):
-    """Raised by the loss of a sharded batch whose model never called ring attention."""
+    """Raised for a forward of a sharded batch that ran neither ring attention nor a context-parallel
+    token mixer (``guard.check_ran``): every rank computed its tokens from its own shard."""
 
 
 def model_name(config: Any) -> str:
