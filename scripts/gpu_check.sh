@@ -7,6 +7,10 @@
 #   1. CUDA exactness: the tests skipped without CUDA (tests/test_errors.py; tests/test_kernels.py has none, and
 #      no test is parametrised over devices), then hf_ring's CUDA block kernels and its single-process ring against
 #      a float64 oracle (tests/oracle.py), and emulated ring ranks fed the right K/V blocks (out and dQ) on CUDA
+#   1b. sliding windows over packed documents with sinks and soft-capping through the real flash-attn (its varlen
+#      functions and dense calls) against float64, emulated ranks P = 2-4 (scripts/check_flash_windows.py; skipped
+#      when flash_attn does not import), and a head_dim 512 layer in bf16 with backend "auto" (Gemma 4's global
+#      layers: torch's memory-efficient op) against float64 (scripts/check_head_dim_512.py)
 #   2. python -m benchmarks.bench_gpu --out $OUT/gpu.jsonl (its own budget: --max-seconds 190): first the activation
 #      offload (step time of checkpointed blocks with the copies on a side stream, on the compute stream, and without
 #      offload; the side-stream step must equal the one without offload: rows gpu_offload_*, a FAIL otherwise), then
@@ -17,7 +21,8 @@
 # uses `python` from PATH (or $PYTHON) with PYTHONPATH=. instead of installing hf_ring. Every step has its own
 # timeout; a failing step does not stop the later ones (nor does a failing check inside a step); the end prints
 # every step as pass / FAIL / skipped; the exit status is the first failure's. Everything printed also goes to
-# $OUT/gpu_check.log. CHECK_DEVICE=cpu runs step 1's exactness part on CPU (to try it out).
+# $OUT/gpu_check.log. CHECK_DEVICE=cpu runs step 1's exactness part on CPU (to try it out; step 1b through the
+# flash-attn stand-in in float32).
 set -u
 cd "$(dirname "$0")/.."
 OUT="${OUT:-benchmarks/results}"
@@ -201,6 +206,14 @@ print(f"{len(passes)} passed, {len(failures)} failed in {time.perf_counter() - t
       + ("" if not failures else ": " + "; ".join(failures)))
 raise SystemExit(1 if failures else 0)
 EOF
+
+# ------------------------------------------------------------------------------------------- 1b. windows, head dims
+if [ "${CHECK_DEVICE:-cuda}" = cpu ] || "$PY" -c "import flash_attn" 2>/dev/null; then
+    step "packed windows, sinks, softcap through flash-attn vs oracle" 150 "$PY" scripts/check_flash_windows.py
+else
+    skipped "packed windows, sinks, softcap through flash-attn vs oracle" "flash_attn does not import"
+fi
+step "head_dim 512 layer, bf16, auto backend vs oracle" 90 "$PY" scripts/check_head_dim_512.py
 
 # ------------------------------------------------------------------------------------------- 2. benchmark
 step "bench_gpu" 240 "$PY" -m benchmarks.bench_gpu --out "$OUT/gpu.jsonl" --max-seconds 190
