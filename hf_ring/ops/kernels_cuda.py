@@ -53,6 +53,13 @@ def _sm(capability: tuple[int, int]) -> str:
     return f"sm_{capability[0]}{capability[1]}"
 
 
+def _beyond(op: str, head_dim: int | None, most: int, softcap: bool, window: bool) -> str:
+    """What a torch op (no cap, no band) cannot run of a layer: a head dim above ``most``, a cap, a band."""
+    if head_dim is not None and head_dim > most:
+        return f"{op} has no kernel for head_dim {head_dim} > {most}"
+    return f"{op} has no {'soft-capping' if softcap else 'sliding-window (band) mask'}" if softcap or window else ""
+
+
 def _pad8(t: Tensor) -> Tensor:
     """Zero-pad the head dim (last) to a multiple of 8; otherwise return ``t`` with a unit last stride."""
     d = t.shape[-1]
@@ -128,11 +135,7 @@ class TorchCUDAKernel:
             return f"torch's CUDA flash op needs sm_80 or newer, this GPU is {_sm(capability)}"
         if dtype not in _HALF:
             return f"torch's CUDA flash op takes float16/bfloat16 only, not {dtype}"
-        if head_dim is not None and head_dim > _MAX_FLASH_HEAD_DIM:
-            return f"torch's CUDA flash op has no kernel for head_dim {head_dim} > {_MAX_FLASH_HEAD_DIM}"
-        if softcap or window:
-            return f"torch's CUDA flash op has no {'soft-capping' if softcap else 'sliding-window (band) mask'}"
-        return ""
+        return _beyond("torch's CUDA flash op", head_dim, _MAX_FLASH_HEAD_DIM, softcap, window)
 
     def forward(
         self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float, window: tuple[int, int] | None = None
@@ -210,11 +213,7 @@ class TorchEfficientKernel:
             cc = capability[0] * 10 + capability[1]
             if not (80 if run == torch.bfloat16 else 50) <= cc <= 121:
                 return f"torch's memory-efficient op has no {run} kernel for {_sm(capability)}"
-        if head_dim is not None and head_dim > _MAX_EFFICIENT_HEAD_DIM:
-            return f"torch's memory-efficient op has no kernel for head_dim {head_dim} > {_MAX_EFFICIENT_HEAD_DIM}"
-        if softcap or window:
-            return f"torch's memory-efficient op has no {'soft-capping' if softcap else 'sliding-window (band) mask'}"
-        return ""
+        return _beyond("torch's memory-efficient op", head_dim, _MAX_EFFICIENT_HEAD_DIM, softcap, window)
 
     def _in(self, *ts: Tensor) -> tuple[Tensor, ...]:
         return ts if self.compute_dtype is None else tuple(t.to(self.compute_dtype) for t in ts)
