@@ -34,8 +34,8 @@ import numpy as np
 import torch
 
 from benchmarks import harness as H
-from hf_ring.ops.ring import _varlen_calls
 from hf_ring.ops.schedule import Layout, Segment, balanced_layout, layout_schedule, zigzag_layout
+from hf_ring.ops.varlen import varlen_calls
 
 N = 128 * 1024
 MIXES = ("lognormal-2K", "lognormal-16K", "64K+lognormal-1K")
@@ -82,7 +82,7 @@ def rank_work(layout: Layout) -> tuple[list[float], int, int, int]:
         for step, blocks in enumerate(layout_schedule(layout, r)):
             src = (r - step) % len(layout)
             skipped += sum(1 for q in layout[r] for k in layout[src] if q.doc != k.doc)
-            varlen += len(blocks) if len(blocks) < 2 else len(_varlen_calls(blocks, local, 1, torch.device("cpu")))
+            varlen += len(blocks) if len(blocks) < 2 else len(varlen_calls(blocks, local, 1, torch.device("cpu")))
             for b in blocks:
                 sq, sk = b.q[1] - b.q[0], b.kv[1] - b.kv[0]
                 total += sq * (sq + 1) / 2 if b.causal else sq * sk

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One-shot check for a lent GPU machine; run it in the repository root (< 9 minutes in all, ~3 expected):
+# One-shot check for a lent GPU machine; run it in the repository root (< 9 minutes in all: every step is cut to
+# what is left of a budget of BUDGET=520 s; ~4 expected):
 #
 #   OUT=/some/dir bash scripts/gpu_check.sh       # OUT: the device tool's output folder (default benchmarks/results)
 #
@@ -10,6 +11,10 @@
 #   1b. hybrid mixers: Jamba, Qwen3.5 and Nemotron-H tiny training steps at CP = 2 (two ranks on the one GPU)
 #      through the installed fla / causal-conv1d / mamba-ssm kernels against transformers' torch route
 #      (scripts/gpu_mixers.py, its own budget: --max-seconds 180; a family whose packages do not import is skipped)
+#   1c. sliding windows over packed documents with sinks and soft-capping through the real flash-attn (its varlen
+#      functions and dense calls) against float64, emulated ranks P = 2-4 (scripts/check_flash_windows.py; skipped
+#      when flash_attn does not import), and a head_dim 512 layer in bf16 with backend "auto" (Gemma 4's global
+#      layers: torch's memory-efficient op) against float64 (scripts/check_head_dim_512.py)
 #   2. python -m benchmarks.bench_gpu --out $OUT/gpu.jsonl (its own budget: --max-seconds 190): first the activation
 #      offload (step time of checkpointed blocks with the copies on a side stream, on the compute stream, and without
 #      offload; the side-stream step must equal the one without offload: rows gpu_offload_*, a FAIL otherwise), then
@@ -20,7 +25,8 @@
 # uses `python` from PATH (or $PYTHON) with PYTHONPATH=. instead of installing hf_ring. Every step has its own
 # timeout; a failing step does not stop the later ones (nor does a failing check inside a step); the end prints
 # every step as pass / FAIL / skipped; the exit status is the first failure's. Everything printed also goes to
-# $OUT/gpu_check.log. CHECK_DEVICE=cpu runs step 1's exactness part on CPU (to try it out).
+# $OUT/gpu_check.log. CHECK_DEVICE=cpu runs step 1's exactness part on CPU (to try it out; step 1b through the
+# flash-attn stand-in in float32).
 set -u
 cd "$(dirname "$0")/.."
 OUT="${OUT:-benchmarks/results}"
@@ -33,9 +39,16 @@ status=0
 T0=$SECONDS
 SUMMARY=()
 
+BUDGET=${BUDGET:-520}  # seconds for the whole script: every step's timeout is cut to what is left of it
 step() {  # step NAME TIMEOUT_SECONDS COMMAND...
-    local name=$1 limit=$2 rc t0=$SECONDS verdict
+    local name=$1 limit=$2 rc t0=$SECONDS verdict left
     shift 2
+    left=$((BUDGET - (SECONDS - T0)))
+    if [ "$left" -lt 20 ]; then
+        skipped "$name" "the script's ${BUDGET} s budget is spent"
+        return 0
+    fi
+    if [ "$limit" -gt "$left" ]; then limit=$left; fi
     echo "=== [$((SECONDS - T0)) s] $name (timeout ${limit} s)"
     timeout --kill-after=10 "$limit" "$@"
     rc=$?
@@ -208,6 +221,13 @@ EOF
 # ------------------------------------------------------------------------------------------- 1b. hybrid mixers
 step "hybrid mixers at CP=2 through fla / causal-conv1d / mamba-ssm vs the torch route" 210 \
     "$PY" scripts/gpu_mixers.py --max-seconds 180
+# ------------------------------------------------------------------------------------------- 1c. windows, head dims
+if [ "${CHECK_DEVICE:-cuda}" = cpu ] || "$PY" -c "import flash_attn" 2>/dev/null; then
+    step "packed windows, sinks, softcap through flash-attn vs oracle" 150 "$PY" scripts/check_flash_windows.py
+else
+    skipped "packed windows, sinks, softcap through flash-attn vs oracle" "flash_attn does not import"
+fi
+step "head_dim 512 layer, bf16, auto backend vs oracle" 90 "$PY" scripts/check_head_dim_512.py
 
 # ------------------------------------------------------------------------------------------- 2. benchmark
 step "bench_gpu" 240 "$PY" -m benchmarks.bench_gpu --out "$OUT/gpu.jsonl" --max-seconds 190

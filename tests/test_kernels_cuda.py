@@ -305,6 +305,7 @@ def fresh_kernel_caches():
     caches = (
         kernels_mod._flash_attn,
         kernels_mod._kernel,
+        kernels_mod._choose,
         kernels_mod._capability,
         kernels_mod._warn_pre_ampere,
         kernels_mod._warn_no_band,

@@ -1,6 +1,6 @@
-"""CUDA block kernels: torch's flash op, torch's memory-efficient op, and flash-attn 2.
+"""CUDA block kernels: torch's flash op and torch's memory-efficient op (flash-attn 2: ``kernels_flash``).
 
-All three follow ``BlockKernel`` (``hf_ring.ops.kernels``): ``[B, S, H, D]`` tensors, ``lse [B, S, H]``
+Both follow ``BlockKernel`` (``hf_ring.ops.kernels``): ``[B, S, H, D]`` tensors, ``lse [B, S, H]``
 float32, K/V with ``Hkv`` heads where ``Hq % Hkv == 0``. Each takes its op namespace or module as a
 constructor argument, so the call contract can be tested on CPU against stand-ins with the real
 signatures and checks (``tests/test_kernels.py``). This module imports only torch.
@@ -18,25 +18,46 @@ Facts the code relies on (torch 2.13 / flash-attn 2.6-2.8 sources):
   fp16/bf16, takes ``[B, M, H, K]`` memory directly, returns a natural-log LSE padded along the sequence
   to a multiple of 32 (pad value ``+inf``), and its backward checks the LSE's batch/head strides are
   multiples of 8 and reads ``out`` as dense ``[B, M, H, Kv]`` (``o_strideM`` is implied).
-* GPUs (``sdp_utils.cpp``): the flash ops run on sm_80 and newer only ("FlashAttention only supports
-  Ampere GPUs or newer", flash-attn too); the memory-efficient op from sm_50, in fp16/fp32 below sm_80
-  (its bf16 kernels are built for sm_80+).
+* GPUs: torch's flash op runs on sm_80 and newer ("FlashAttention only supports Ampere GPUs or newer");
+  flash-attn 2.6.3-2.7.2 on sm_8x and sm_90 only (sm_100 refused), 2.7.3+ on any sm_80+; the
+  memory-efficient op's cutlass kernels are built for sm_50-sm_121 in fp16/fp32 and sm_80-sm_121 in
+  bf16, up to a head dim of 65536.
+* flash kernels (torch's and flash-attn's) give a row that sees no key ``lse = +inf`` (and out 0); the
+  kernels here hand the ring ``-inf`` instead, the ``BlockKernel`` convention the merge relies on.
+
+Each kernel's ``refuses(capability, dtype, head_dim, softcap, window)`` says what it cannot run, from
+these facts; ``get_kernel``'s "auto" asks it. Sources, lines and versions: ``docs/standins.md``.
 """
 
 from __future__ import annotations
 
-import importlib
-import inspect
-from types import ModuleType
 from typing import Any
 
 import torch
 from torch import Tensor
 
-__all__ = ["FlashAttnKernel", "TorchCUDAKernel", "TorchEfficientKernel"]
+__all__ = ["TorchCUDAKernel", "TorchEfficientKernel"]
 
 _MAX_FLASH_HEAD_DIM = 256
+_MAX_EFFICIENT_HEAD_DIM = 65536  # kMaxK of the memory-efficient op's largest kernels
 _LSE_ALIGN = 32  # kAlignLSE of the memory-efficient forward
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def _no_key_rows(lse: Tensor) -> Tensor:
+    """A flash kernel's ``lse`` with ``+inf`` (its mark of a row that sees no key) as ``-inf``."""
+    return lse.masked_fill(torch.isposinf(lse), float("-inf"))
+
+
+def _sm(capability: tuple[int, int]) -> str:
+    return f"sm_{capability[0]}{capability[1]}"
+
+
+def _beyond(op: str, head_dim: int | None, most: int, softcap: bool, window: bool) -> str:
+    """What a torch op (no cap, no band) cannot run of a layer: a head dim above ``most``, a cap, a band."""
+    if head_dim is not None and head_dim > most:
+        return f"{op} has no kernel for head_dim {head_dim} > {most}"
+    return f"{op} has no {'soft-capping' if softcap else 'sliding-window (band) mask'}" if softcap or window else ""
 
 
 def _pad8(t: Tensor) -> Tensor:
@@ -107,6 +128,15 @@ class TorchCUDAKernel:
         self.ops = ops if ops is not None else torch.ops.aten
         self._rng: dict[torch.device, tuple[Tensor, Tensor]] = {}
 
+    def refuses(self, capability: tuple[int, int] | None, dtype: torch.dtype, head_dim: int | None,
+                softcap: bool, window: bool) -> str:  # fmt: skip
+        """Why this kernel cannot run a layer (``""``: it can)."""
+        if capability is not None and capability[0] < 8:
+            return f"torch's CUDA flash op needs sm_80 or newer, this GPU is {_sm(capability)}"
+        if dtype not in _HALF:
+            return f"torch's CUDA flash op takes float16/bfloat16 only, not {dtype}"
+        return _beyond("torch's CUDA flash op", head_dim, _MAX_FLASH_HEAD_DIM, softcap, window)
+
     def forward(
         self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float, window: tuple[int, int] | None = None
     ) -> tuple[Tensor, Tensor]:
@@ -117,7 +147,7 @@ class TorchCUDAKernel:
         qp, kp, vp = (_pad8(t).transpose(1, 2) for t in (q, k, v))
         res = self.ops._scaled_dot_product_flash_attention(qp, kp, vp, 0.0, causal, False, scale=scale)
         self._rng[q.device] = (res[6], res[7])
-        return res[0].transpose(1, 2)[..., :d], res[1].transpose(1, 2)
+        return res[0].transpose(1, 2)[..., :d], _no_key_rows(res[1]).transpose(1, 2)
 
     def backward(
         self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *, causal: bool, scale: float,
@@ -171,6 +201,20 @@ class TorchEfficientKernel:
         self.compute_dtype = compute_dtype
         self._rng: dict[torch.device, tuple[Tensor, Tensor]] = {}
 
+    def refuses(self, capability: tuple[int, int] | None, dtype: torch.dtype, head_dim: int | None,
+                softcap: bool, window: bool) -> str:  # fmt: skip
+        """Why this kernel cannot run a layer (``""``: it can): its cutlass kernels are built for fp16/fp32
+        on sm_50-sm_121 and bf16 on sm_80-sm_121 (``compute_dtype`` float32 runs bf16 below sm_80), up to a
+        head dim of 65536."""
+        run = self.compute_dtype or dtype
+        if run not in (*_HALF, torch.float32):
+            return f"torch's memory-efficient op takes float16/bfloat16/float32, not {dtype}"
+        if capability is not None:
+            cc = capability[0] * 10 + capability[1]
+            if not (80 if run == torch.bfloat16 else 50) <= cc <= 121:
+                return f"torch's memory-efficient op has no {run} kernel for {_sm(capability)}"
+        return _beyond("torch's memory-efficient op", head_dim, _MAX_EFFICIENT_HEAD_DIM, softcap, window)
+
     def _in(self, *ts: Tensor) -> tuple[Tensor, ...]:
         return ts if self.compute_dtype is None else tuple(t.to(self.compute_dtype) for t in ts)
 
@@ -216,137 +260,3 @@ class TorchEfficientKernel:
     def _no_rng(device: torch.device) -> tuple[Tensor, Tensor]:
         """What the forward returns without dropout (backward before any forward on this device)."""
         return torch.empty((), dtype=torch.int64, device=device), torch.empty((), dtype=torch.int64, device=device)
-
-
-class FlashAttnKernel:
-    """flash-attn 2 (CUDA, fp16/bf16), through its private forward/backward entry points.
-
-    Call contract of ``flash_attn.flash_attn_interface`` from 2.7.0 through 2.8.x (checked up to
-    2.8.4, where both names are ``torch.library`` custom ops; the public names
-    ``_wrapped_flash_attn_*`` are ``torch.ops`` handles to the same ops)::
-
-        _flash_attn_forward(q, k, v, dropout_p, softmax_scale, causal, window_size_left,
-                            window_size_right, softcap, alibi_slopes, return_softmax)
-            -> (out, softmax_lse [B, H, Sq] float32, S_dmask, rng_state)
-        _flash_attn_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p,
-                             softmax_scale, causal, window_size_left, window_size_right, softcap,
-                             alibi_slopes, deterministic, rng_state=None)
-            -> softmax_d                      (dq, dk, dv are filled in place)
-
-    2.6.x takes one ``window_size`` tuple instead of the left/right pair; its forward returns
-    ``(out, q, k, v, out_padded, softmax_lse, S_dmask, rng_state)`` and its backward
-    ``(dq, dk, dv, softmax_d)``. Both forms are handled; older releases (no ``softcap``) are not.
-
-    Packed documents (2.7+): ``_flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k,
-    max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_size_left, window_size_right,
-    softcap, alibi_slopes, return_softmax, ...) -> (out, softmax_lse [H, total_q], S_dmask, rng_state)``
-    on ``[total, H, D]`` tensors with int32 cumulative lengths, and ``_flash_attn_varlen_backward(dout,
-    q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-    dropout_p, softmax_scale, causal, window_size_left, window_size_right, softcap, alibi_slopes,
-    deterministic, rng_state) -> softmax_d``. The ring hands a step's document blocks to them in one call
-    per mask kind (``varlen = True``); with 2.6.x it calls the dense functions block by block.
-
-    Layout is ``[B, S, H, D]`` natively and fewer K/V heads are accepted. Since 2.7 the CUDA op
-    takes only head dims that are multiples of 8 (``flash_attn_func`` pads in Python), so other
-    head dims are zero-padded here (the scale is passed explicitly, so scores do not change); above 256
-    there is no kernel. Two differences from the ``BlockKernel`` wording, harmless for the ring, which
-    asks for ``causal`` only on square blocks where every row sees a key: flash-attn aligns the causal
-    mask bottom-right when ``Sq != Sk``, and it gives rows that see no key ``lse = +inf``.
-    """
-
-    name = "flash_attn"
-    softcap = True  # passed to flash-attn's own softcap argument
-    window = True  # passed as its window_size
-    heads_major = False  # flash-attn takes [B, S, H, D] memory
-
-    def __init__(self, module: ModuleType | Any = None) -> None:
-        self.fa = module if module is not None else importlib.import_module("flash_attn.flash_attn_interface")
-        try:  # 2.7+ custom ops show only (*args, **kwargs): that is the current form
-            params = set(inspect.signature(self.fa._flash_attn_forward).parameters)
-        except (TypeError, ValueError):
-            params = set()
-        self.legacy = "window_size" in params  # 2.6.x
-        self.varlen = not self.legacy and hasattr(self.fa, "_flash_attn_varlen_forward")
-        if "softmax_scale" in params and "softcap" not in params:
-            raise ImportError(
-                "flash-attn is too old for hf_ring (its _flash_attn_forward has no softcap "
-                "argument); install flash-attn >= 2.6 or use backend='torch'."
-            )
-
-    def forward(
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        *,
-        causal: bool,
-        scale: float,
-        softcap: float = 0.0,
-        window: tuple[int, int] | None = None,
-    ) -> tuple[Tensor, Tensor]:
-        """``q [B, Sq, Hq, D]``, ``k, v [B, Sk, Hkv, D]`` -> ``out [B, Sq, Hq, D]``, ``lse [B, Sq, Hq]`` float32.
-        ``window``: flash-attn's own ``(window_size_left, window_size_right)``."""
-        d = q.shape[-1]
-        _check_flash_head_dim(d, "flash-attn")
-        q, k, v = _pad8(q), _pad8(k), _pad8(v)
-        left, right = window if window is not None else (-1, -1)
-        if self.legacy:
-            res = self.fa._flash_attn_forward(q, k, v, 0.0, scale, causal, (left, right), softcap, None, False)
-            out, lse = res[0], res[5]
-        else:
-            out, lse, _, _ = self.fa._flash_attn_forward(q, k, v, 0.0, scale, causal, left, right, softcap, None, False)
-        return out[..., :d], lse.transpose(1, 2)
-
-    def backward(
-        self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *, causal: bool, scale: float,
-        softcap: float = 0.0, window: tuple[int, int] | None = None,
-    ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
-        """Gradients shaped like ``q, k, v``; ``out``/``lse`` may be those of the merged attention."""
-        d = q.shape[-1]
-        _check_flash_head_dim(d, "flash-attn")
-        dout, q, k, v, out = (_pad8(t) for t in (dout, q, k, v, out))
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        lse = lse.transpose(1, 2).to(torch.float32).contiguous()  # [B, H, Sq]
-        left, right = window if window is not None else (-1, -1)
-        if self.legacy:
-            self.fa._flash_attn_backward(
-                dout, q, k, v, out, lse, dq, dk, dv,
-                0.0, scale, causal, (left, right), softcap, None, False, None,
-            )  # fmt: skip
-        else:
-            self.fa._flash_attn_backward(
-                dout, q, k, v, out, lse, dq, dk, dv,
-                0.0, scale, causal, left, right, softcap, None, False, None,
-            )  # fmt: skip
-        return dq[..., :d], dk[..., :d], dv[..., :d]
-
-    def varlen_forward(
-        self, q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int, *, causal: bool,
-        scale: float, softcap: float = 0.0,
-    ) -> tuple[Tensor, Tensor]:  # fmt: skip
-        """Sequences packed along rows: ``q [Tq, Hq, D]``, ``k, v [Tk, Hkv, D]``, ``cu_q/cu_k`` int32
-        ``[n + 1]`` -> ``out [Tq, Hq, D]``, ``lse [Tq, Hq]`` float32 (causal: square sequences only)."""
-        d = q.shape[-1]
-        _check_flash_head_dim(d, "flash-attn")
-        q, k, v = _pad8(q), _pad8(k), _pad8(v)
-        out, lse, _, _ = self.fa._flash_attn_varlen_forward(
-            q, k, v, cu_q, cu_k, max_q, max_k, 0.0, scale, causal, -1, -1, softcap, None, False
-        )
-        return out[..., :d], lse.transpose(0, 1)
-
-    def varlen_backward(
-        self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, cu_q: Tensor, cu_k: Tensor,
-        max_q: int, max_k: int, *, causal: bool, scale: float, softcap: float = 0.0,
-    ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
-        """Gradients shaped like ``q, k, v`` (``[T, H, D]``) of ``varlen_forward``; ``out``/``lse``
-        (``[Tq, Hq]``) may be those of the merged attention."""
-        d = q.shape[-1]
-        _check_flash_head_dim(d, "flash-attn")
-        dout, q, k, v, out = (_pad8(t).contiguous() for t in (dout, q, k, v, out))
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        lse = lse.transpose(0, 1).to(torch.float32).contiguous()  # [H, Tq]
-        self.fa._flash_attn_varlen_backward(
-            dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_k, max_q, max_k,
-            0.0, scale, causal, -1, -1, softcap, None, False, None,
-        )  # fmt: skip
-        return dq[..., :d], dk[..., :d], dv[..., :d]

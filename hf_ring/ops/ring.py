@@ -8,9 +8,9 @@ the dK/dV accumulators (float32) travel with the blocks and arrive back at their
 single kernel call: no accumulators, no merge.
 
 Kernels with variable-length entry points (flash-attn's ``varlen`` functions: ``kernel.varlen``) get a
-step's many small blocks -- packed documents -- as at most two calls: one for the causal blocks on the
-diagonal and one for the unmasked ones (blocks with the same query rows share one key list). The rows
-are gathered into ``[total, H, D]`` and the results merged back row by row (``_VarlenCall``).
+step's many small blocks -- packed documents, sliding windows -- as a few calls, one per mask kind
+(causal on the diagonal, unmasked, each band: ``varlen.varlen_calls``). The rows are gathered into
+``[total, H, D]`` and the results merged back row by row (``varlen.VarlenCall``).
 
 Layer masks (sliding windows, chunked attention) are schedules too (``schedule.band_block``): blocks
 that cross a window's edge reach the kernel with their band (``window=(left, right)``), and a schedule
@@ -25,9 +25,7 @@ Defaults such as "the CP group of ``setup_context_parallel``" are resolved by th
 
 from __future__ import annotations
 
-import functools
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -36,6 +34,7 @@ from torch import Tensor
 from .comm import Ring, check_same_across_ranks
 from .kernels import BlockKernel, get_kernel
 from .schedule import Block, Schedule, make_schedule
+from .varlen import VarlenCall, step_calls
 
 __all__ = ["ring_attention"]
 
@@ -82,84 +81,8 @@ def _single_block(steps: list[tuple[Block, ...]]) -> bool:
     return b.unit == 2 and b.q == (0, 2) and b.kv == (0, 2) and b.batch is None and b.window is None
 
 
-@dataclass(frozen=True, eq=False)
-class _VarlenCall:
-    """Several blocks of one ring step as one variable-length kernel call.
-
-    Sequence ``i`` is query rows ``q_idx[cu_q[i]:cu_q[i+1]]`` against key rows
-    ``k_idx[cu_k[i]:cu_k[i+1]]``, both indices into the ``B * S_local`` rows of a flattened
-    ``[B, S_local, H, D]`` tensor; no query row belongs to two sequences.
-    """
-
-    causal: bool
-    q_idx: Tensor  # int64 [Tq]
-    k_idx: Tensor  # int64 [Tk]
-    cu_q: Tensor  # int32 [n + 1]
-    cu_k: Tensor  # int32 [n + 1]
-    max_q: int
-    max_k: int
-
-
-@functools.lru_cache(maxsize=32)  # a batch's P steps, for a few batches
-def _varlen_calls(
-    blocks: tuple[Block, ...], n: int, batch: int, device: torch.device
-) -> tuple[Block | _VarlenCall, ...]:
-    """A step's blocks as at most two ``_VarlenCall`` (causal, unmasked), or the blocks themselves
-    when they do not fit that form (query rows shared by two sequences of one call, or a causal
-    block that is not square). Cached: a batch's schedule is the same for every layer."""
-    seqs: dict[bool, dict[tuple[int, int, int], list[tuple[int, int]]]] = {True: {}, False: {}}
-    if any(b.window is not None for b in blocks):
-        return blocks  # banded blocks: one call each, with their own window
-    for b in blocks:
-        qs, ks = b.rows(b.q, n), b.rows(b.kv, n)
-        if qs.stop <= qs.start or ks.stop <= ks.start:
-            continue
-        if b.causal and qs.stop - qs.start != ks.stop - ks.start:
-            return blocks
-        for row in range(*b.batch) if b.batch else range(batch):
-            seqs[b.causal].setdefault((row, qs.start, qs.stop), []).append((ks.start, ks.stop))
-    calls: list[Block | _VarlenCall] = []
-    for causal, group in seqs.items():
-        if not group:
-            continue
-        spans = sorted(group)
-        if any(a[0] == b[0] and b[1] < a[2] for a, b in zip(spans, spans[1:])):
-            return blocks  # overlapping query rows would be merged twice in one call
-        if causal and any(len(kv) > 1 for kv in group.values()):
-            return blocks
-        q_idx, k_idx, cu_q, cu_k = [], [], [0], [0]
-        for (row, q0, q1), kv in group.items():
-            q_idx.append(torch.arange(row * n + q0, row * n + q1))
-            k_idx.extend(torch.arange(row * n + k0, row * n + k1) for k0, k1 in kv)
-            cu_q.append(cu_q[-1] + q1 - q0)
-            cu_k.append(cu_k[-1] + sum(k1 - k0 for k0, k1 in kv))
-        lens_q = [b - a for a, b in zip(cu_q, cu_q[1:])]
-        lens_k = [b - a for a, b in zip(cu_k, cu_k[1:])]
-        calls.append(
-            _VarlenCall(
-                causal,
-                torch.cat(q_idx).to(device),
-                torch.cat(k_idx).to(device),
-                torch.tensor(cu_q, dtype=torch.int32, device=device),
-                torch.tensor(cu_k, dtype=torch.int32, device=device),
-                max(lens_q),
-                max(lens_k),
-            )
-        )
-    return tuple(calls)
-
-
-def _step_calls(
-    blocks: tuple[Block, ...], kernel: BlockKernel, n: int, batch: int, device: torch.device
-) -> tuple[Block | _VarlenCall, ...]:
-    """The kernel calls of one step: its blocks, or ``_VarlenCall``s for a varlen kernel."""
-    if len(blocks) < 2 or not getattr(kernel, "varlen", False) or kernel.heads_major:
-        return blocks
-    return _varlen_calls(blocks, n, batch, device)
-
-
-def _band(b: Block) -> dict[str, tuple[int, int]]:
-    """The kernel keyword of a banded block (nothing for the others: kernels without bands still run them)."""
+def _band(b: Block | VarlenCall) -> dict[str, tuple[int, int]]:
+    """The kernel keyword of a banded call (nothing for the others: kernels without bands still run them)."""
     return {} if b.window is None else {"window": b.window}
 
 
@@ -234,11 +157,11 @@ class _RingAttention(torch.autograd.Function):
                 comm.send_recv(cur, bufs[(step + 1) % 2])
                 comm.commit()
             kvv = _kv_view(cur, hm)
-            for b in _step_calls(blocks, kernel, s_loc, q.shape[0], q.device):
-                if isinstance(b, _VarlenCall):
+            for b in step_calls(blocks, kernel, s_loc, q.shape[0], q.device):
+                if isinstance(b, VarlenCall):
                     o_b, l_b = kernel.varlen_forward(
                         _take(q, b.q_idx), _take(kvv[0], b.k_idx), _take(kvv[1], b.k_idx),
-                        b.cu_q, b.cu_k, b.max_q, b.max_k, causal=b.causal, scale=scale, **cap,
+                        b.cu_q, b.cu_k, b.max_q, b.max_k, causal=b.causal, scale=scale, **cap, **_band(b),
                     )  # fmt: skip
                     o_acc, l_acc = _rows(out)[b.q_idx], _rows(lse)[b.q_idx]
                     merge_(o_acc, l_acc, o_b, l_b)
@@ -293,12 +216,12 @@ class _RingAttention(torch.autograd.Function):
                 kv_comm.commit()
             grads = []
             kvv = _kv_view(cur, hm)
-            for b in _step_calls(blocks, kernel, s_loc, q.shape[0], q.device):
-                if isinstance(b, _VarlenCall):
+            for b in step_calls(blocks, kernel, s_loc, q.shape[0], q.device):
+                if isinstance(b, VarlenCall):
                     dq_b, dk_b, dv_b = kernel.varlen_backward(
                         *(_take(t, b.q_idx) for t in (dout, q)), _take(kvv[0], b.k_idx), _take(kvv[1], b.k_idx),
                         *(_take(t, b.q_idx) for t in (out, lse)), b.cu_q, b.cu_k, b.max_q, b.max_k,
-                        causal=b.causal, scale=ctx.scale, **cap,
+                        causal=b.causal, scale=ctx.scale, **cap, **_band(b),
                     )  # fmt: skip
                     _rows(dq).index_add_(0, b.q_idx, dq_b.to(acc_dtype))
                     grads.append((b.k_idx, None, dk_b, dv_b))
@@ -458,7 +381,11 @@ def ring_attention(
     try:
         _check_inputs(q, k, v, size, layout if schedule is None else "schedule", dropout_p, attn_mask)
         cap = _check_extras(q, softcap, sinks)
-        kernel = get_kernel(backend, q.device, q.dtype, softcap=bool(cap)) if isinstance(backend, str) else backend
+        kernel = (
+            get_kernel(backend, q.device, q.dtype, softcap=bool(cap), head_dim=q.shape[3])
+            if isinstance(backend, str)
+            else backend
+        )
         if cap and not getattr(kernel, "softcap", False):
             raise ValueError(
                 f"ring_attention: softcap={cap} but the block kernel {kernel.name!r} has no logit soft-capping; "

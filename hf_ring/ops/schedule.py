@@ -43,7 +43,8 @@ class Block:
     the zigzag schedules (``unit=2``); rows for document schedules (``unit=0`` means "in rows").
     ``batch``: the batch rows of the call (``None``: all). ``window``: a band mask ``(left, right)``
     in flash-attn's convention (aligned bottom-right: key ``j`` is visible to query ``i`` iff
-    ``-left <= j - i - (Sk - Sq) <= right``), with ``causal=False``; ``None``: no band.
+    ``-left <= j - i - (Sk - Sq) <= right``), with ``causal=False``; ``None``: no band. The schedules
+    make only ``flash_exact`` bands (flash-attn's window clamps leave them unchanged).
     """
 
     q: tuple[int, int]
@@ -198,6 +199,52 @@ def band_block(
     return Block(*rows, causal=False, unit=0, batch=batch, window=(w - 1 - right, right))
 
 
+def flash_exact(b: Block) -> bool:
+    """Whether flash-attn applies the band of block ``b`` (rows, ``unit=0``) as written.
+
+    flash-attn 2.6.3-2.8.3 rewrites a window before its kernel runs (``mha_fwd``/``mha_bwd``: a
+    ``window_size_right >= Sk`` becomes ``-1``, which ``set_params_fprop`` turns into ``Sk``; the varlen
+    functions do the same against ``max_seqlen_k``). A band keeps key ``j`` of row ``i`` below
+    ``i + 1 + Sk - Sq + right`` (bottom-right), so replacing ``right`` by ``Sk`` hides keys from the first
+    ``Sq - Sk - 1`` rows. The band is unchanged when ``right < Sk`` or ``Sq <= Sk + 1`` (then even
+    ``right = Sk`` reaches every key, and the left edge's clamp never binds): ``docs/standins.md``.
+    """
+    if b.window is None:
+        return True
+    sq, sk = b.q[1] - b.q[0], b.kv[1] - b.kv[0]
+    return b.window[1] < sk or sq <= sk + 1
+
+
+def _flash_exact_blocks(
+    q: tuple[int, int], k: tuple[int, int], q_local: int, k_local: int, window: int | None,
+    batch: tuple[int, int] | None,
+) -> list[Block]:  # fmt: skip
+    """``band_block``, cut where flash-attn would change its band (``flash_exact``): into the rows that
+    see a prefix of the keys, the rows that see all of them (unmasked) and the rows that see a suffix
+    (each exact), neighbours merged again where the merge stays exact."""
+    b = band_block(q, k, q_local, k_local, window, batch)
+    if b is None or flash_exact(b):
+        return [] if b is None else [b]
+    assert window is not None  # a banded block has a window
+    qa, qb = q[0] + b.q[0] - q_local, q[0] + b.q[1] - q_local
+    ka, kb = k[0] + b.kv[0] - k_local, k[0] + b.kv[1] - k_local
+    cuts = sorted({qa, qb, min(max(kb - 1, qa), qb), min(max(ka + window, qa), qb)})
+    parts: list[tuple[int, int]] = []
+    for a, z in zip(cuts, cuts[1:]):
+        if parts:  # merge with the previous part where the union is still exact
+            a0 = parts[-1][0]
+            merged = band_block((a0, z), k, q_local + a0 - q[0], k_local, window, batch)
+            if merged is not None and flash_exact(merged):
+                parts[-1] = (a0, z)
+                continue
+        parts.append((a, z))
+    out = [band_block(p, k, q_local + p[0] - q[0], k_local, window, batch) for p in parts]
+    blocks = [x for x in out if x is not None]
+    if not all(flash_exact(x) for x in blocks):  # pragma: no cover - each part is exact by construction
+        raise RuntimeError(f"band rows {q} x keys {k} (window {window}): no flash-exact split")
+    return blocks
+
+
 TILE = 256  # fewest query rows of a band tile
 
 
@@ -207,16 +254,14 @@ def band_blocks(
 ) -> list[Block]:  # fmt: skip
     """``band_block`` with long bands cut into tiles of ``max(W, TILE)`` query rows, each against the
     keys its rows see (at most ``2 max(W, TILE) - 1``): a windowed layer's kernel work stays
-    ``O(N W)`` rather than ``O(N * block)``, and its masks small."""
+    ``O(N W)`` rather than ``O(N * block)``, and its masks small. Every banded block is ``flash_exact``
+    (a block that flash-attn would mask differently is cut in two or three)."""
     tile = max(window or 0, TILE)
     if window is None or q[1] - q[0] <= tile:
-        b = band_block(q, k, q_local, k_local, window, batch)
-        return [b] if b is not None else []
+        return _flash_exact_blocks(q, k, q_local, k_local, window, batch)
     out = []
     for t0 in range(q[0], q[1], tile):
-        b = band_block((t0, min(q[1], t0 + tile)), k, q_local + t0 - q[0], k_local, window, batch)
-        if b is not None:
-            out.append(b)
+        out += _flash_exact_blocks((t0, min(q[1], t0 + tile)), k, q_local + t0 - q[0], k_local, window, batch)
     return out
 
 

@@ -9,9 +9,11 @@ layout (``ShardLayout``, ring level: the rows a ring position holds) by one of t
 
 - **border** (the mask reaches back ``R = W - 1`` or ``C - 1`` rows, at most a zigzag chunk): the
   ring does not turn. Each rank fetches the ``R`` rows of K/V that precede each run of its rows
-  (``exchange.halo_plan``: one all-to-all, its backward sends dK/dV of those rows home) and attends
-  locally, one band block per run and one per run's border. Communication is ``O(R)`` rows per run,
-  flat in the sequence length::
+  (``exchange.halo_plan``: one all-to-all, its backward sends dK/dV of those rows home), lays each
+  run's fetched rows right before its own (``MaskPlan.kv_rows``: one copy), and attends locally: one
+  band over each run and the rows before it, all with the window ``(W - 1, 0)`` (a flash-attn varlen
+  kernel takes a rank's whole layer in one call).
+  Communication is ``O(R)`` rows per run, flat in the sequence length::
 
       P = 2, chunks c0 c1 c2 c3, W - 1 <= |chunk|: rank 0 holds [c0 | c3], rank 1 [c1 | c2]
       rank 0 fetches the last W - 1 rows of c2 (for c3); rank 1 those of c0 (c1) and c1 (c2)
@@ -26,7 +28,7 @@ This module imports only torch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -49,8 +51,8 @@ class MaskPlan:
     """How one ring position computes a masked layer for one batch (``mask_plan``).
 
     ``route``: ``"ring"`` (``schedule``: the ring steps) or ``"border"`` (``halo``: the rows fetched
-    before each run; ``blocks``: the local calls, rows of the ``[B * S]`` local rows followed by the
-    fetched rows). ``window``/``chunk``: the mask it computes.
+    before each run; ``blocks``: the local calls, query rows of the ``[B * S]`` local rows, key rows of
+    the K/V laid out by ``kv_rows``). ``window``/``chunk``: the mask it computes.
     """
 
     window: int | None
@@ -59,6 +61,20 @@ class MaskPlan:
     schedule: Schedule | None = None
     halo: Halo | None = None
     blocks: tuple[Block, ...] = ()
+    kv_dst: Tensor | None = None  # border: where each of the [B * S] local then [M] fetched rows goes
+    _on_device: dict = field(default_factory=dict, repr=False)
+
+    def kv_rows(self, local: Tensor, fetched: Tensor) -> Tensor:
+        """The border route's key rows ``[B * S + M, *F]``: each run's fetched rows right before its own
+        (``local [B * S, *F]``, ``fetched [M, *F]``), rows of no run (padding) at the end; one copy,
+        differentiable in both."""
+        assert self.kv_dst is not None
+        dst = self._on_device.get(local.device)
+        if dst is None:  # once per batch (the plan is cached per batch) and device
+            dst = self._on_device[local.device] = self.kv_dst.to(local.device)
+        n = local.shape[0]
+        rows = local.new_empty(n + fetched.shape[0], *local.shape[1:])
+        return rows.index_copy_(0, dst[:n], local).index_copy_(0, dst[n:], fetched)
 
     @property
     def sent_rows(self) -> int:
@@ -137,15 +153,20 @@ def mask_plan(
     if reach is None:
         raise ValueError("mask_plan: the border route needs a window or a chunk")
     halo = halo_plan(lay, batch, ring_pos, reach)
-    base = batch * lay.local  # fetched rows follow the local ones
-    blocks = []
-    for i, run in enumerate(halo.runs):
-        q = (run.start, run.start + run.length)
+    n = batch * lay.local
+    dst = torch.full((n + halo.offsets[-1],), -1, dtype=torch.long)
+    blocks, pos = [], 0
+    for i, run in enumerate(halo.runs):  # run i's keys: its fetched rows, then its own, contiguous
         flat = run.row * lay.local + run.local
         fetched = halo.offsets[i + 1] - halo.offsets[i]
-        blocks += band_blocks(q, (run.start - fetched, run.start), flat, base + halo.offsets[i], window)
-        blocks += band_blocks(q, q, flat, flat, window)
-    return MaskPlan(window, chunk, "border", halo=halo, blocks=tuple(blocks))
+        dst[n + halo.offsets[i] : n + halo.offsets[i + 1]] = torch.arange(pos, pos + fetched)
+        dst[flat : flat + run.length] = torch.arange(pos + fetched, pos + fetched + run.length)
+        q, k = (run.start, run.start + run.length), (run.start - fetched, run.start + run.length)
+        blocks += band_blocks(q, k, flat, pos, window)
+        pos += fetched + run.length
+    rest = dst < 0  # rows of no run (padding): after every run's
+    dst[rest] = torch.arange(pos, pos + int(rest.sum()))
+    return MaskPlan(window, chunk, "border", halo=halo, blocks=tuple(blocks), kv_dst=dst)
 
 
 class _OneRank:
@@ -187,7 +208,7 @@ def masked_attention(
     if isinstance(backend, str):  # a kernel that takes the band when the plan has banded blocks
         blocks = plan.blocks if plan.route == "border" else [b for step in plan.schedule or () for b in step]
         band = any(b.window is not None for b in blocks)
-        backend = get_kernel(backend, q.device, q.dtype, softcap=bool(cap), window=band)
+        backend = get_kernel(backend, q.device, q.dtype, softcap=bool(cap), window=band, head_dim=q.shape[3])
     if plan.route == "ring":
         return ring_attention(
             q,
@@ -215,7 +236,7 @@ def masked_attention(
     scale = softmax_scale if softmax_scale is not None else 1.0 / d**0.5
     kv = torch.cat((k, v), dim=-1)  # [B, S, Hkv, 2D]: K and V rows travel together
     got = plan.halo.fetch(kv, ring.group)  # [M, Hkv, 2D]
-    rows = torch.cat((kv.reshape(b * s, *kv.shape[2:]), got))[None]  # [1, B * S + M, Hkv, 2D]
+    rows = plan.kv_rows(kv.reshape(b * s, *kv.shape[2:]), got)[None]  # [1, B * S + M, Hkv, 2D]
     out = _RingAttention.apply(
         q.reshape(1, b * s, hq, d), rows[..., :d], rows[..., d:], scale, [plan.blocks], kernel, _OneRank(), sinks, cap
     )
