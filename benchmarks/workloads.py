@@ -46,9 +46,9 @@ def full_inputs(n: int, dtype=torch.float32):
     return q, k, v, do
 
 
-def local_inputs(n: int, rank: int, size: int, layout: str = "zigzag"):
+def local_inputs(n: int, rank: int, size: int, order: str = "zigzag"):
     """This rank's shards of ``full_inputs(n)``: zigzag (chunks r and 2P-1-r of 2P) or contiguous."""
-    if layout == "zigzag":
+    if order == "zigzag":
         return tuple(zigzag(t, 1, size, rank).contiguous() for t in full_inputs(n))
     return tuple(t.chunk(size, dim=1)[rank].contiguous() for t in full_inputs(n))
 
@@ -74,14 +74,14 @@ class HfRing:
         the kernels' cost does not depend on values)."""
         return cls(NoCommRing(size, rank))
 
-    def fwd_bwd(self, q, k, v, do, layout: str = "zigzag") -> dict:
+    def fwd_bwd(self, q, k, v, do, order: str = "zigzag") -> dict:
         """One fwd+bwd; wall, main-thread CPU, wait and kernel seconds."""
         q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
         probe = self.probe
         probe.reset()
         c0, t0 = time.thread_time(), time.perf_counter()
         with torch.profiler.record_function("hf_ring.forward"):  # for benchmarks.profile_ring
-            out = ring_attention(q, k, v, ring=self.ring, backend=self.kernel, causal=True, layout=layout)
+            out = ring_attention(q, k, v, ring=self.ring, backend=self.kernel, causal=True, order=order)
         t1 = time.perf_counter()
         w_f, k_f = probe.wait, probe.kernel
         grads = torch.autograd.grad(out, (q, k, v), do)

@@ -74,30 +74,29 @@ def _requests(model_type: str, fields: dict[str, Any]) -> tuple[LayerRequest, ..
     import torch
 
     import hf_ring  # noqa: F401 - registers "ring"
-    from hf_ring.ops import ring, windows
+    from hf_ring.ops import ring
     from hf_ring.transformers.support import RingNotSupported
 
     from .sweep import _batch, _build
 
     seen: list[LayerRequest] = []
     sinks = [False]
-    originals = {(m, name): getattr(m, name) for m in (ring, windows) for name in ("get_kernel", "_check_extras")}
+    originals = {name: getattr(ring, name) for name in ("get_kernel", "check_extras")}
 
-    def extras(q, softcap, s):  # noqa: ANN001, ANN202
+    def extras(q, softcap, s, *who):  # noqa: ANN001, ANN202
         sinks[0] = s is not None
-        return originals[(ring, "_check_extras")](q, softcap, s)
+        return originals["check_extras"](q, softcap, s, *who)
 
     def pick(backend, device, dtype, softcap=False, window=False, head_dim=None):  # noqa: ANN001, ANN202
         seen.append(LayerRequest(int(head_dim), bool(softcap), bool(window), sinks[0]))
-        return originals[(ring, "get_kernel")](backend, device, dtype, softcap, window, head_dim)
+        return originals["get_kernel"](backend, device, dtype, softcap, window, head_dim)
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
             config = tiny_config(model_type, **fields)
             model = _build(model_type, config, "ring", 0, torch.float32)
-            for m in (ring, windows):
-                m.get_kernel, m._check_extras = pick, extras  # type: ignore[attr-defined]
+            ring.get_kernel, ring.check_extras = pick, extras  # type: ignore[attr-defined]
             with torch.no_grad():
                 model(**_batch(config, 1, N), use_cache=False)
         except RingNotSupported:
@@ -105,6 +104,6 @@ def _requests(model_type: str, fields: dict[str, Any]) -> tuple[LayerRequest, ..
         except Exception as e:  # noqa: BLE001 - the caller tries the plain tiny config
             raise _Broken(f"{model_type}: {type(e).__name__}: {e}") from e
         finally:
-            for (m, name), fn in originals.items():
-                setattr(m, name, fn)
+            for name, fn in originals.items():
+                setattr(ring, name, fn)
     return tuple(seen) or None

@@ -35,7 +35,7 @@ from transformers import Trainer, TrainingArguments
 
 from ..data.loader import count_targets, prepare_dataloader
 from ..parallel import ContextParallel, context_parallel_state, setup_context_parallel
-from ..planner.layouts import choose_ulysses_size
+from ..planner.grids import choose_ulysses_size
 from ..transformers.batch import next_token_targets, shard_batch
 from ..transformers.context import KEY
 from ..transformers.support import check_model
