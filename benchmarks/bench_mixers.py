@@ -18,7 +18,7 @@ and ``fwd_bwd_cpu`` (main-thread CPU seconds, robust to other processes on a sha
 ``efficiency`` = t_one_process / (P x t_hf_ring), paired per iteration, wall and CPU (1: P ranks
 split the work perfectly);
 ``comm_bytes``: bytes a rank sends per layer, forward and backward, counted from the collectives it
-actually calls (``harness.CommBytes`` wraps ``torch.distributed``'s collectives in the worker
+actually calls (``probes.CommBytes`` wraps ``torch.distributed``'s collectives in the worker
 process; hf_ring is not patched), the most of any rank, by direction; ``all_to_all`` rows give, for
 reading them against, what a head-parallel all-to-all form (Megatron-Core's) would send: the
 mixer's inputs and output, forward and backward, ``(P - 1) / P`` of each rank's rows.
@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import harness as H
+from benchmarks.probes import CommBytes
 
 FULL = {"Ns": [2048, 8192, 16384], "Ps": [2], "iters": {2048: 3, 8192: 3, 16384: 3}, "warmup": 1}
 QUICK = {"Ns": [512], "Ps": [2], "iters": {512: 1}, "warmup": 0}
@@ -368,7 +369,7 @@ def worker(rank: int, size: int, cfg: dict) -> dict:
 
     from hf_ring.ops.layout import sequence_layout
 
-    counter = H.CommBytes()
+    counter = CommBytes()
     meter = H.GroupLoad(None, rank, cfg["cores"])
     out: dict = {}
     for name in cfg["mixers"]:

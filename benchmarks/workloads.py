@@ -11,7 +11,7 @@ Providers
   torch_ring   torch's own ring engine (_templated_ring_attention[_backward]) on the same shards
   sdpa         F.scaled_dot_product_attention(enable_gqa=True) over the whole sequence
 
-Measurement probes: ``HfRing`` passes the op a ``harness.TimedRing`` and a ``harness.TimedKernel``
+Measurement probes: ``HfRing`` passes the op a ``probes.TimedRing`` and a ``probes.TimedKernel``
 (``ring=`` and ``backend=``), which sum the wall time spent in the channels' ``wait`` and in the
 block kernels per call (two ``perf_counter`` calls per kernel call / wait). hf_ring is not patched.
 """
@@ -24,7 +24,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from benchmarks.harness import Probe, TimedKernel, TimedRing
+from benchmarks.probes import Probe, TimedKernel, TimedRing
 from hf_ring.ops.comm import Ring
 from hf_ring.ops.kernels import get_kernel
 from hf_ring.ops.ring import ring_attention

@@ -15,7 +15,8 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
-from .families import _HEAD_DIM, _WIDTH, _config_class, _default, tiny_config, variants
+from .config_fields import HEAD_DIM, WIDTH
+from .families import _config_class, _default, tiny_config, variants
 
 __all__ = ["LayerRequest", "layer_requests"]
 
@@ -39,18 +40,18 @@ def _head_dims(model_type: str) -> dict[str, Any]:
     cls = _config_class(model_type)
     default = _default(cls).to_dict()
     tiny = tiny_config(model_type).to_dict()
-    out: dict[str, Any] = {f: default[f] for f in (*_HEAD_DIM, *_MLA) if isinstance(default.get(f), int) and f in tiny}
+    out: dict[str, Any] = {f: default[f] for f in (*HEAD_DIM, *_MLA) if isinstance(default.get(f), int) and f in tiny}
     plc, mine = default.get("per_layer_config"), tiny.get("per_layer_config") or {}
     n = tiny.get("num_hidden_layers")
     if isinstance(plc, dict) and isinstance(n, int):  # heterogeneous layers: {"05": {"head_dim": 512}, ...}
         out["per_layer_config"] = {
-            k: {**mine.get(k, {}), **{f: v[f] for f in (*_HEAD_DIM, *_MLA) if isinstance(v.get(f), int)}}
+            k: {**mine.get(k, {}), **{f: v[f] for f in (*HEAD_DIM, *_MLA) if isinstance(v.get(f), int)}}
             for k, v in plc.items()
             if isinstance(v, dict) and int(k) < n
         }
     if "head_dim" not in out and "num_attention_heads" in default and isinstance(default.get("hidden_size"), int):
         heads = default["num_attention_heads"]
-        if isinstance(heads, int) and heads and default["hidden_size"] % heads == 0 and "hidden_size" in _WIDTH:
+        if isinstance(heads, int) and heads and default["hidden_size"] % heads == 0 and "hidden_size" in WIDTH:
             out["hidden_size"] = tiny["num_attention_heads"] * (default["hidden_size"] // heads)
     return out
 
@@ -77,7 +78,7 @@ def _requests(model_type: str, fields: dict[str, Any]) -> tuple[LayerRequest, ..
     from hf_ring.ops import ring
     from hf_ring.transformers.support import RingNotSupported
 
-    from .sweep import _batch, _build
+    from .sweep_rank import build_model, sweep_batch
 
     seen: list[LayerRequest] = []
     sinks = [False]
@@ -95,10 +96,10 @@ def _requests(model_type: str, fields: dict[str, Any]) -> tuple[LayerRequest, ..
         warnings.simplefilter("ignore")
         try:
             config = tiny_config(model_type, **fields)
-            model = _build(model_type, config, "ring", 0, torch.float32)
+            model = build_model(model_type, config, "ring", 0, torch.float32)
             ring.get_kernel, ring.check_extras = pick, extras  # type: ignore[attr-defined]
             with torch.no_grad():
-                model(**_batch(config, 1, N), use_cache=False)
+                model(**sweep_batch(config, 1, N), use_cache=False)
         except RingNotSupported:
             return None
         except Exception as e:  # noqa: BLE001 - the caller tries the plain tiny config

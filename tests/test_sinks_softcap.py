@@ -222,7 +222,7 @@ def packed_model_errors(family: str, lengths: list[int]) -> dict[str, float]:
     import hf_ring
     from testkit.families import tiny_config
     from testkit.models import cp_grad_error, documents_alone_loss
-    from testkit.sweep import _build
+    from testkit.sweep_rank import build_model
 
     config = tiny_config(family)
     g = torch.Generator().manual_seed(3)
@@ -231,7 +231,7 @@ def packed_model_errors(family: str, lengths: list[int]) -> dict[str, float]:
     labels[0, 10:13] = -100
     positions = torch.cat([torch.arange(n) for n in lengths])[None]
     ring, ref = (  # a config each: building a model sets its attention implementation on the config
-        _build(family, tiny_config(family), attn, 0, torch.float64).train() for attn in ("ring", "eager")
+        build_model(family, tiny_config(family), attn, 0, torch.float64).train() for attn in ("ring", "eager")
     )
     out = ring(**hf_ring.shard_batch({"input_ids": ids, "labels": labels, "position_ids": positions}))
     out.loss.backward()
