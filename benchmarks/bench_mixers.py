@@ -2,7 +2,7 @@
 
     python -m benchmarks.bench_mixers --out benchmarks/results/mixers.jsonl --max-foreign 1   # ~2 min idle
     python -m benchmarks.bench_mixers --quick --out /tmp/mixers.jsonl           # smoke test, < 20 s
-    python -m benchmarks.bench_mixers --plot-only                               # redraw mixers.png
+    python -m benchmarks.plot benchmarks/results/mixers.jsonl                  # redraw mixers.png
     python -m benchmarks.bench_mixers --mixers rg_lru --keep                    # rerun one family, keep the rest
 
 Each mixer family that hf_ring runs under CP (``MIXERS``: one entry per family, one line each) runs
@@ -25,8 +25,8 @@ mixer's inputs and output, forward and backward, ``(P - 1) / P`` of each rank's 
 
 An iteration during which other processes used more than ``--max-foreign`` of the machine (default
 25%) is run again (at most once per kept iteration); on a machine that is never quiet, ``--max-foreign
-1`` keeps every iteration and the CPU-time rows are the ones to read. The figure (``plot``) goes
-next to the table, same name with ``.png``.
+1`` keeps every iteration and the CPU-time rows are the ones to read. The figure
+(``benchmarks.plot``) goes next to the table, same name with ``.png``.
 """
 
 from __future__ import annotations
@@ -442,53 +442,6 @@ def build_rows(results: dict[int, list[dict]], cfg: dict, meta: dict) -> list[di
     return table.rows
 
 
-# ============================================================================ plot
-def plot(rows: list[dict], path: Path) -> Path:
-    """``path``: per mixer, the efficiency against N (wall and CPU) and the bytes a rank sends per
-    layer against N (hf_ring counted, all-to-all computed), P = max."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    names = list(dict.fromkeys(r["x"] for r in rows))
-    p = max(r["P"] for r in rows)
-    fig, axes = plt.subplots(1, 2, figsize=(11, 6))
-    for j, name in enumerate(names):
-        color = f"C{j}"
-        for metric, style in (("t_one/(P*t_rank)", "-o"), ("t_one/(P*t_rank)(cpu)", "--s")):
-            sel = sorted((r for r in rows if r["name"] == "efficiency" and r["x"] == name and r["P"] == p
-                          and r["metric"] == metric), key=lambda r: r["N"])  # fmt: skip
-            if sel:
-                axes[0].errorbar([r["N"] for r in sel], [r["median"] for r in sel], fmt=style, color=color,
-                                 yerr=[[r["median"] - r["p20"] for r in sel], [r["p80"] - r["median"] for r in sel]],
-                                 label=f"{name} ({'CPU' if 'cpu' in metric else 'wall'})", capsize=3)  # fmt: skip
-        for prov, style in (("hf_ring", "-o"), ("all_to_all", ":x")):
-            sel = sorted((r for r in rows if r["name"] == "comm_bytes" and r["x"] == name and r["P"] == p
-                          and r["provider"] == prov and r["metric"].endswith("total")),
-                         key=lambda r: r["N"])  # fmt: skip
-            if sel:
-                label = f"{name}: {'state passing + halo (counted)' if prov == 'hf_ring' else 'all-to-all (computed)'}"
-                axes[1].plot([r["N"] for r in sel], [r["median"] / 2**20 for r in sel], style, color=color, label=label)
-    axes[0].axhline(1.0, color="gray", lw=0.8)
-    axes[0].set_title(f"efficiency t_one / (P x t_rank), P = {p}", fontsize=10)
-    axes[1].set_title("bytes sent per rank per layer, fwd + bwd (MiB)", fontsize=10)
-    axes[1].set_yscale("log")
-    for ax in axes:
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("N (tokens)")
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=6, ncol=2, loc="upper center", bbox_to_anchor=(0.5, -0.14))
-    m, v = rows[0]["machine"], rows[0]["versions"]
-    commits = ", ".join(dict.fromkeys(str(r["versions"].get("hf_ring_commit", "?")) for r in rows))
-    fig.suptitle(f"fp32, gloo, 1 thread per rank; {m['cpu']}, {m['cores']} cores; torch {v['torch']}, hf_ring "
-                 f"{commits}", fontsize=7, color="dimgray")  # fmt: skip
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="benchmarks/results/mixers.jsonl")
@@ -499,14 +452,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--iters", type=int, default=None)
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per spawned group")
     ap.add_argument("--max-foreign", type=float, default=0.25, help="redo an iteration above this foreign load")
-    ap.add_argument("--plot-only", action="store_true", help="only redraw the figure from --out")
     ap.add_argument("--keep", action="store_true", help="keep the rows of the other mixers already in --out")
     args = ap.parse_args(argv)
     out = Path(args.out)
-    if args.plot_only:
-        rows = [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
-        print(f"wrote {plot(rows, out.with_suffix('.png'))}")
-        return 0
     meta = {"machine": H.machine_info(), "versions": H.versions(transformers=True), "load": {}}
     cfg = dict(QUICK if args.quick else FULL)
     cfg["Ns"] = args.Ns or cfg["Ns"]
@@ -529,10 +477,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = [r for r in old if r["x"] not in cfg["mixers"]] + rows
     H.write_rows(out, rows)
     print(f"wrote {len(rows)} rows to {out}")
-    try:
-        print(f"wrote {plot(rows, out.with_suffix('.png'))}")
-    except ImportError:
-        print("matplotlib is not installed: no figure (pip install hf-ring[plots])")
+    H.draw(out)
     return 0
 
 

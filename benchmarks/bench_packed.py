@@ -135,30 +135,6 @@ def run(windows: int, sizes: tuple[int, ...]) -> list[dict]:
     return rows
 
 
-def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    bal = [r for r in rows if r["name"] == "packed_balance"]
-    sizes = sorted({r["P"] for r in bal})
-    fig, axes = plt.subplots(1, len(sizes), figsize=(5 * len(sizes), 3.6), sharey=True)
-    names = ("zigzag", "contiguous", "per_document")
-    for ax, p in zip(np.atleast_1d(axes), sizes):
-        for i, name in enumerate(names):
-            sel = [next(r for r in bal if r["P"] == p and r["x"] == m and r["provider"] == name) for m in MIXES]
-            x = np.arange(len(MIXES)) + (i - 1) * 0.27
-            ax.bar(x, [r["median"] for r in sel], 0.27, label=name,
-                   yerr=[[r["median"] - r["p20"] for r in sel], [r["p80"] - r["median"] for r in sel]])
-        ax.axhline(1.05, color="k", ls="--", lw=1)
-        ax.set_xticks(np.arange(len(MIXES)), MIXES, fontsize=8)
-        ax.set_title(f"P = {p}: max/mean attention work per rank")
-    np.atleast_1d(axes)[0].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-
-
 def _throughput_worker(rank: int, size: int, cfg: dict) -> dict:
     import time
 
@@ -235,8 +211,8 @@ def main() -> None:
         if r["name"] == "packed_balance" or (r["name"] == "packed_padding" and r["provider"] == "per_document"):
             print(f"{r['name']:15s} {r['provider']:13s} P={r['P']} {r['x']:18s} {r['median']:.4f} "
                   f"[{r['p20']:.4f}, {r['p80']:.4f}]")  # fmt: skip
-    plot(rows, out.with_suffix(".png"))
-    print(f"wrote {out} and {out.with_suffix('.png')}")
+    print(f"wrote {out}")
+    H.draw(out)
 
 
 if __name__ == "__main__":

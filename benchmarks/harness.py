@@ -7,7 +7,8 @@
   runs again an iteration during which that share was too high; ``wait_idle`` waits for a quiet
   machine.
 * **Statistics and rows**: ``stats`` (median, p20, p80), ``Table`` (the long format of STYLE.md
-  point 9: ``FIELDS``, with ``machine_info`` and ``versions``).
+  point 9: ``FIELDS``, with ``machine_info`` and ``versions``), ``write_rows``, and ``draw`` (the
+  table's figures, by ``benchmarks.plot``).
 * **Resident set**: ``status_kib``, ``reset_hwm``, ``allocations_to_os``.
 
 What a benchmark measures inside hf_ring's ops (time in kernel calls and ring waits, bytes sent by
@@ -108,6 +109,18 @@ class Table:
                           "P": p, "N": n, "median": med, "p20": p20, "p80": p80, "unit": unit,
                           "machine": self.meta["machine"], "versions": self.meta["versions"],
                           "threads": self.threads_of(p) if threads is None else threads, "note": note})  # fmt: skip
+
+
+def draw(table: str | Path) -> None:
+    """Draw ``table``'s figures next to it (``benchmarks.plot``) and say where; without matplotlib,
+    say how to get them."""
+    try:
+        from benchmarks.plot import plot_all
+    except ImportError:
+        print("matplotlib is not installed: no figure (pip install hf-ring[plots]; then python -m benchmarks.plot)")
+        return
+    for path in plot_all(table, Path(table).parent):
+        print(f"wrote {path}")
 
 
 def write_rows(path: str | Path, rows: list[dict]) -> None:

@@ -147,43 +147,6 @@ def measure(grid: dict, variant_at: tuple[int, int] | None) -> list[dict]:
     return rows
 
 
-def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    main = [r for r in rows if r["config"] == "ckpt+chunked"]
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    ax = axes[0]
-    for p, marker in zip(sorted({r["P"] for r in main}), "osD^"):
-        rs = sorted((r for r in main if r["P"] == p), key=lambda r: r["N"])
-        ax.plot([r["N"] for r in rs], [r["measured_mib"] for r in rs], marker=marker, label=f"P={p} measured")
-        ax.plot([r["N"] for r in rs], [r["planned_mib"] for r in rs], ls=":", color=ax.lines[-1].get_color(),
-                label=f"P={p} planned")  # fmt: skip
-    ax.set(xscale="log", yscale="log", xlabel="sequence length N (tokens)", ylabel="peak per rank (MiB)",
-           title="peak memory per rank vs N")  # fmt: skip
-    ax.legend(fontsize=7)
-    ax.grid(alpha=0.3, which="both")
-    ax = axes[1]
-    for p, marker in zip(sorted({r["P"] for r in main}), "osD^"):
-        rs = sorted((r for r in main if r["P"] == p), key=lambda r: r["N"])
-        ax.plot([r["tokens_per_rank"] for r in rs], [r["measured_mib"] for r in rs], marker=marker, ls="",
-                label=f"P={p}")  # fmt: skip
-    xs = sorted({r["tokens_per_rank"] for r in main})
-    by_t = {r["tokens_per_rank"]: r["planned_mib"] for r in main}
-    ax.plot(xs, [by_t[x] for x in xs], color="gray", ls=":", label="planner")
-    ax.set(xscale="log", yscale="log", xlabel="tokens per rank N/P", ylabel="peak per rank (MiB)",
-           title="the same points against N/P")  # fmt: skip
-    ax.legend(fontsize=7)
-    ax.grid(alpha=0.3, which="both")
-    fig.suptitle("one training step, 4-layer Llama (hidden 64), ring attention, checkpointing + chunked loss, fp32",
-                 fontsize=9)  # fmt: skip
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="benchmarks/results/memory.jsonl")
@@ -198,8 +161,8 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    plot(rows, out.with_suffix(".png"))
-    print(f"wrote {out} and {out.with_suffix('.png')}")
+    print(f"wrote {out}")
+    H.draw(out)
 
 
 # ============================================================================ planner tables (docs/memory.md)

@@ -45,7 +45,7 @@ _EXPORTS = {
     "ulysses_attention": "hf_ring.parallel",
     "unshard": "hf_ring.parallel",
 }
-_SUBPACKAGES = ("cli", "data", "errors", "evaluation", "ops", "parallel", "planner", "recipes", "trainer",
+_SUBPACKAGES = ("cli", "data", "errors", "evaluation", "ops", "parallel", "planner", "plots", "recipes", "trainer",
                 "training", "transformers")  # fmt: skip
 
 __all__ = [

@@ -236,14 +236,6 @@ def parse_depths(text: str) -> list[float]:
     return sorted(set(depths))
 
 
-def format_tokens(n: int) -> str:
-    """``1024`` -> ``1K``, ``1048576`` -> ``1M``, ``1500`` -> ``1500``."""
-    for unit, size in (("M", 2**20), ("K", 2**10)):
-        if n >= size and n % size == 0:
-            return f"{n // size}{unit}"
-    return str(n)
-
-
 def safe_name(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", text).strip("_") or "model"
 
