@@ -236,7 +236,7 @@ def test_windows_quick(tmp_path):
 def test_quick_mixer_benchmark(tmp_path):
     """Every mixer family at P = 2: times, efficiency, and the bytes counted from the collectives equal
     the state passing's and the halos' sizes (one (map, state) slot, K - 1 rows per border)."""
-    from benchmarks import bench_mixers as B
+    from benchmarks import mixer_cases as B
 
     out = tmp_path / "mixers.jsonl"
     rows = run_quick("bench_mixers", out, timeout=110)
