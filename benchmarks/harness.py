@@ -39,15 +39,32 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # ============================================================================ machine, versions, statistics
 def machine_info() -> dict:
-    """CPU model, usable cores, platform."""
-    model = platform.processor() or "unknown"
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return {"cpu": model, "cores": cores, "platform": platform.platform()}
+    """CPU model, usable cores, platform, the CUDA device when there is one
+    (``hf_ring.evaluation.runtime.machine_info``, what the evaluations and the demo record)."""
+    from hf_ring.evaluation.runtime import machine_info as info
+
+    return info()
+
+
+def machine_text(machine: dict | None) -> str:
+    """A row's ``machine`` (``machine_info``) in words, to follow "measured on": ``"Intel(R) Xeon(R)
+    Processor, 2 cores"`` (its GPU when it has one), ``"2 cores (CPU model not recorded)"``, or
+    ``"a machine not recorded"`` for a row without it."""
+    if not machine:
+        return "a machine not recorded"
+    gpu = str(machine.get("gpu", ""))
+    where = gpu if gpu and not gpu.startswith("none") else machine.get("cpu")
+    cores = f"{machine.get('cores', '?')} cores"
+    return f"{where}, {cores}" if where else f"{cores} (CPU model not recorded)"
+
+
+def versions_text(versions: dict | None) -> str:
+    """A row's ``versions`` in words: ``"torch 2.13.0+cpu, hf_ring 0.1.0 (254d6d4)"`` (what it recorded)."""
+    v = versions or {}
+    parts = [f"torch {v['torch']}"] if "torch" in v else []
+    if "hf_ring" in v:
+        parts.append(f"hf_ring {v['hf_ring']}" + (f" ({v['hf_ring_commit']})" if "hf_ring_commit" in v else ""))
+    return ", ".join(parts)
 
 
 def versions(transformers: bool = False) -> dict:

@@ -166,29 +166,45 @@ def main(argv: list[str] | None = None) -> None:
 
 
 # ============================================================================ planner tables (docs/memory.md)
-def planner_tables() -> str:
-    """Markdown: per-GPU peak of Llama-3.1-8B and Qwen2.5-7B at 128K/512K/1M on 8 and 16 x 80 GiB."""
-    from hf_ring.planner import GiB, PlanSettings, max_seq_len, model_shape, plan
+PLANNER_COLUMNS = {
+    "LoRA": dict(mode="lora"),
+    "LoRA + offload": dict(mode="lora", offload=True),
+    "LoRA + offload + tiled MLP": dict(mode="lora", offload=True, tiled_mlp=8192),
+    "full FT": dict(mode="full"),
+    "full FT + offload + tiled MLP": dict(mode="full", offload=True, tiled_mlp=8192),
+}
+_FLAGS = {"mode": lambda v: "--mode full" if v == "full" else "", "offload": lambda v: "--offload" if v else "",
+          "tiled_mlp": lambda v: f"--tiled-mlp {v // 1024}K"}  # fmt: skip
 
-    cols = {
-        "LoRA": dict(mode="lora"),
-        "LoRA + offload": dict(mode="lora", offload=True),
-        "LoRA + offload + tiled MLP": dict(mode="lora", offload=True, tiled_mlp=8192),
-        "full FT": dict(mode="full"),
-        "full FT + offload + tiled MLP": dict(mode="full", offload=True, tiled_mlp=8192),
-    }
-    lines = ["| model | N | GPUs (CP) | tokens/GPU | " + " | ".join(cols) + " |",
-             "|---|---|---|---|" + "---|" * len(cols)]  # fmt: skip
+
+def planner_grid() -> str:
+    """Markdown: per-GPU peak of Llama-3.1-8B and Qwen2.5-7B at 128K/512K/1M on 8 and 16 x 80 GiB, and
+    the ``hf-ring plan`` command that gives each cell."""
+    from hf_ring.planner import GiB, PlanSettings, model_shape, plan
+
+    lines = ["| model | N | GPUs (CP) | tokens/GPU | " + " | ".join(PLANNER_COLUMNS) + " |",
+             "|---|---|---|---|" + "---|" * len(PLANNER_COLUMNS)]  # fmt: skip
     for model in ("Llama-3.1-8B", "Qwen2.5-7B"):
         for n, label in ((2**17, "128K"), (2**19, "512K"), (2**20, "1M")):
             for g in (8, 16):
                 cells = []
-                for kw in cols.values():
+                for kw in PLANNER_COLUMNS.values():
                     p = plan(model_shape(model), PlanSettings(seq_len=n, gpus=g, cp=g, sharding="fsdp", **kw))
                     cells.append(f"{p.peak / GiB:.1f}{'' if p.fits else ' ✗'}")
                 lines.append(f"| {model} | {label} | {g} ({g}) | {n // g // 1024}K | " + " | ".join(cells) + " |")
-    out = "\n".join(lines)
-    longest = ["", "| setup | longest sequence that fits (planner) |", "|---|---|"]
+    flags = "; ".join(f"{col}: `{' '.join(f for k, v in kw.items() if (f := _FLAGS[k](v))) or '(none)'}`"
+                      for col, kw in PLANNER_COLUMNS.items())  # fmt: skip
+    return "\n".join(lines) + (
+        "\n\nEach cell is `hf-ring plan MODEL --seq-len N --gpus G --cp G --sharding fsdp` plus the column's "
+        f"flags ({flags}); LoRA rank 16, bf16, checkpointing and the chunked loss are `hf-ring plan`'s defaults."
+    )
+
+
+def planner_longest() -> str:
+    """Markdown: the longest sequence that fits, per setup (the planner's ``max_seq_len``)."""
+    from hf_ring.planner import PlanSettings, max_seq_len, model_shape
+
+    longest = ["| setup | longest sequence that fits (planner) |", "|---|---|"]
     for model, g, kw, what in (
         ("Llama-3.1-8B", 1, dict(mode="lora"), "LoRA, 1 GPU"),
         ("Llama-3.1-8B", 1, dict(mode="lora", offload=True, tiled_mlp=8192), "LoRA + offload + tiled MLP, 1 GPU"),
@@ -201,7 +217,12 @@ def planner_tables() -> str:
     ):
         n = max_seq_len(model_shape(model), PlanSettings(seq_len=0, gpus=g, sharding="fsdp", **kw))
         longest.append(f"| {model}, {what} | {n / 2**20:.2f}M ({n:,}) |")
-    return out + "\n" + "\n".join(longest)
+    return "\n".join(longest)
+
+
+def planner_tables() -> str:
+    """Markdown: ``planner_grid`` and ``planner_longest`` (``--table``)."""
+    return planner_grid() + "\n\n" + planner_longest()
 
 
 if __name__ == "__main__":

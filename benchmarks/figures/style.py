@@ -8,6 +8,8 @@ from pathlib import Path
 
 import matplotlib
 
+from ..harness import machine_text, versions_text
+
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
@@ -42,22 +44,15 @@ def p_values(rows) -> list[int]:
 def machine(rows) -> str:
     """The machine the rows were measured on, as its rows record it (``harness.machine_info``)."""
     m = rows[0].get("machine") if rows else None
-    if not m:
-        return "machine not recorded"
-    gpu = str(m.get("gpu", ""))
-    where = gpu if gpu and not gpu.startswith("none") else m.get("cpu", "CPU not recorded")
-    return f"{where}, {m.get('cores', '?')} cores"
+    return machine_text(m) if m else "machine not recorded"
 
 
 def subtitle(rows) -> str:
     """``machine(rows)``, with the torch and hf_ring versions of the first row."""
     if not rows:
         return ""
-    v = rows[0].get("versions", {})
-    parts = [f"torch {v['torch']}"] if "torch" in v else []
-    if "hf_ring" in v:
-        parts.append(f"hf_ring {v['hf_ring']}" + (f" ({v['hf_ring_commit']})" if "hf_ring_commit" in v else ""))
-    return "; ".join([machine(rows), ", ".join(parts)]) if parts else machine(rows)
+    versions = versions_text(rows[0].get("versions"))
+    return f"{machine(rows)}; {versions}" if versions else machine(rows)
 
 
 def log2x(ax, xs):

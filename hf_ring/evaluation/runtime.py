@@ -240,6 +240,26 @@ def safe_name(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", text).strip("_") or "model"
 
 
+def machine_info() -> dict[str, Any]:
+    """The machine a result is measured on: CPU model (``/proc/cpuinfo``), usable cores, platform, and
+    the CUDA device when there is one."""
+    import platform
+
+    cpu = platform.processor() or "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    out: dict[str, Any] = {"cpu": cpu, "cores": cores, "platform": platform.platform()}
+    if torch.cuda.is_available():
+        out["gpu"] = torch.cuda.get_device_name()
+    return out
+
+
 def write_json(path: Path, data: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=2) + "\n")
