@@ -100,11 +100,10 @@ class _Guard:
         given = kwargs.get("position_ids")
         self.given = given if isinstance(ctx, RingContext) and ctx.size > 1 and isinstance(given, Tensor) else None
         if self.given is not None and not self.scanned:
-            for inner in module.modules():  # the innermost guarded model checks a submodule
+            for inner in reversed(list(module.modules())):  # the innermost guarded model checks a submodule
                 guard = inner.__dict__.get("_hf_ring_guard")
-                if inner is not module and guard is not None and not guard.scanned:
+                if guard is not None and not guard.scanned:
                     guard._claim_positions(inner)
-            self._claim_positions(module)
         self.start = (ctx, ctx.cross_rank_calls.total) if isinstance(ctx, RingContext) else None
 
     def after(self, module: nn.Module, args: Any, kwargs: dict, output: Any) -> None:
