@@ -10,7 +10,7 @@ running now, ``carry.ACTIVE``). The walk of one batch is in ``docs/architecture.
 What travels in it:
 
 - the CP group (size and rank read once), and with Ulysses (``ulysses_size > 1``) its Ulysses
-  and ring groups: the attention then runs ``hf_ring.ops.ulysses.ulysses_attention``;
+  and ring groups: the attention then runs ``hf_ring.ops.ulysses.ulysses_ring_attention``;
 - ``layout`` (``hf_ring.ops.layout.ShardLayout``): which global token every local row of every rank
   holds, and where documents begin. The ring's schedules and the halo exchanges of the
   context-parallel token mixers are derived from it, once per batch (``cached``);
