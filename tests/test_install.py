@@ -158,6 +158,19 @@ def test_build_then_uninstall_restores_transformers_exactly(pristine: dict) -> N
     assert hasattr(sys.modules[jamba].causal_conv1d_fn, "hf_ring_original")
 
 
+def test_a_model_switched_to_the_ring_runs_it() -> None:
+    """``set_attn_implementation("ring")`` runs the build hook too: the switched model runs the ring
+    and computes the one-process loss on a sharded batch."""
+    ring, sdpa = tiny_model("llama", "sdpa"), tiny_model("llama", "sdpa")
+    sdpa.load_state_dict(ring.state_dict())
+    ring.set_attn_implementation("ring")
+    batch = tiny_batch(2, 13)
+    kwargs = hf_ring.shard_batch(batch)
+    got = ring(**kwargs).loss
+    assert torch.allclose(got, sdpa(**batch).loss, rtol=1e-5)
+    assert kwargs["ring_context"].cross_rank_calls.attention == 2  # one per layer: the ring ran
+
+
 def test_uninstall_before_transformers_is_imported_registers_nothing() -> None:
     code = (
         "import sys, hf_ring\n"
