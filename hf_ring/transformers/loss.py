@@ -21,6 +21,7 @@ from typing import Any
 
 import torch.nn.functional as F
 from torch import Tensor, nn
+from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
 
 from ..ops.cross_entropy import IGNORE_INDEX, chunked_causal_lm_loss
 from .context import RingContext
@@ -75,14 +76,10 @@ class CausalLMLoss:
 
     def original(self) -> Callable:
         """The loss transformers would give the model."""
-        from transformers.loss.loss_utils import LOSS_MAPPING
-
         loss_type = getattr(self.model(), "loss_type", None)
         return LOSS_MAPPING[loss_type if loss_type in LOSS_MAPPING else "ForCausalLM"]
 
     def __call__(self, *args: Any, ring_context: RingContext | None = None, **kwargs: Any) -> Tensor:
-        from transformers.loss.loss_utils import ForCausalLMLoss
-
         original = self.original()
         if ring_context is None or original is not ForCausalLMLoss:
             if ring_context is not None:
