@@ -3,8 +3,9 @@
 In transformers 5 the hybrid mixers (Gated DeltaNet, KDA, Mamba, Mamba2, short convolutions, ...)
 call module-level kernel functions of their modeling module (``causal_conv1d_fn``,
 ``torch_chunk_gated_delta_rule``, ...) and pass them their ``**kwargs``, which carry the batch's
-``ring_context`` from ``shard_batch``. ``install()`` rebinds those names, module by module
-(``FAMILIES``), to dispatchers:
+``ring_context`` from ``shard_batch``. ``FAMILIES`` names, module by module, the dispatchers those
+names get (``hf_ring.transformers.install`` binds them, for the modeling module of a model being
+built):
 
 - a call with a ``ring_context`` goes to the op's context-parallel form (``hf_ring.ops.mixers``),
   which calls the original function -- the installed fla / causal-conv1d / mamba-ssm kernel, or
@@ -16,14 +17,13 @@ Adding a family is one entry: its modeling module, the function names with their
 (``ROUTES``: ``"conv"``, ``"delta"``, ``"ssd"``, ``"selective"``, ``"unfused"``), the mixer classes
 the routes make exact (what ``support.check_layer`` stops refusing), and ``adapters`` for mixers
 that call a kernel without their ``**kwargs`` (``carry_context``) or compute inline
-(``lightning_forward``, ``recurrent_block_forward``, ``rnn_scan_method``). Rebinding is idempotent;
-``original(module, name)`` gives back what transformers had. Every rebinding is listed in docs/architecture.md.
+(``lightning_forward``, ``recurrent_block_forward``, ``rnn_scan_method``). This module rebinds
+nothing itself; every rebinding is a row of ``install.CHANGES`` (listed in docs/architecture.md).
 """
 
 from __future__ import annotations
 
 import functools
-import importlib
 import math
 import sys
 from collections.abc import Callable
@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..errors import RingNotSupported
 from ..ops.mixers.conv import causal_conv1d, conv_plan
 from ..ops.mixers.delta import delta_plan, delta_rule
 from ..ops.mixers.diagonal import diagonal_plan, diagonal_recurrence
@@ -44,17 +45,16 @@ from .carry import carry_context
 from .carry import context_of as _context
 from .carry import needs_cp as _needs_cp
 from .context import RingContext
-from .support import RingNotSupported
 
-__all__ = ["FAMILIES", "ROUTES", "Family", "install", "original", "routed_classes"]
+__all__ = ["FAMILIES", "ROUTES", "Family", "family_of", "routed_classes"]
 
 Route = Callable[[Callable], Callable]  # the original function -> its dispatcher
 _MODELS = "transformers.models."
 
 
 def _check_rows(ctx: RingContext, rows: int, what: str) -> None:
-    """Refuse a call that does not see the whole local shard; count the call (the guard's)."""
-    ctx.count("mixer")
+    """Refuse a call that does not see the whole local shard; count the call (the guard reads it)."""
+    ctx.cross_rank_calls.mixer_ran()
     if rows != ctx.layout.local:
         raise RingNotSupported(
             f"{what}: got {rows} tokens per row under a ring_context whose shard holds {ctx.layout.local}; "
@@ -346,42 +346,12 @@ FAMILIES: dict[str, Family] = {
 }
 
 
+def family_of(modeling_module: str) -> Family | None:
+    """The routes of a modeling module (its full name, ``transformers.models.jamba.modeling_jamba``)."""
+    return FAMILIES.get(modeling_module.removeprefix(_MODELS))
+
+
 def routed_classes(modeling_module: str) -> tuple[str, ...]:
     """The mixer classes of a modeling module that run exactly under context parallelism."""
-    family = FAMILIES.get(modeling_module.removeprefix(_MODELS))
+    family = family_of(modeling_module)
     return family.classes if family is not None else ()
-
-
-def original(module: Any, name: str) -> Callable:
-    """What transformers had under ``module.name`` before ``install`` rebound it."""
-    fn = getattr(module, name)
-    return getattr(fn, "hf_ring_original", fn)
-
-
-def install() -> list[str]:
-    """Rebind every function of ``FAMILIES`` to its dispatcher (idempotent); returns the rebound
-    ``module.name``s. Modules this transformers lacks are skipped."""
-    done = []
-    for short, family in FAMILIES.items():
-        try:
-            module = importlib.import_module(_MODELS + short)
-        except ImportError:
-            continue
-        for name, route in family.functions.items():
-            fn = getattr(module, name, None)
-            if fn is None:
-                continue
-            if not hasattr(fn, "hf_ring_original"):
-                dispatcher = ROUTES[route](fn)
-                dispatcher.hf_ring_original = fn  # type: ignore[attr-defined]
-                setattr(module, name, dispatcher)
-            done.append(f"{short}.{name}")
-        for target, adapter in family.adapters.items():
-            cls_name, _, method = target.partition(".")
-            cls = getattr(module, cls_name, None)
-            fn = getattr(cls, method or "forward", None)
-            if fn is not None and not hasattr(fn, "hf_ring_original"):
-                wrapped = adapter(fn)
-                wrapped.hf_ring_original = fn
-                setattr(cls, method or "forward", wrapped)
-    return done
