@@ -52,6 +52,16 @@ Route = Callable[[Callable], Callable]  # the original function -> its dispatche
 _MODELS = "transformers.models."
 
 
+def _name(fn: Callable) -> str:
+    """The name of a kernel function; transformers >= 5.25 hands out ``kernels`` hub wrappers (an
+    ``nn.Module`` per function, named ``Func``) that hold the function they wrap in their forward."""
+    if hasattr(fn, "__name__"):
+        return fn.__name__
+    cells = getattr(getattr(type(fn), "forward", None), "__closure__", None) or ()
+    names = [c.cell_contents.__name__ for c in cells if callable(c.cell_contents) and hasattr(c.cell_contents, "__name__")]
+    return names[0] if names else type(fn).__name__
+
+
 def _check_rows(ctx: RingContext, rows: int, what: str) -> None:
     """Refuse a call that does not see the whole local shard; count the call (the guard reads it)."""
     ctx.cross_rank_calls.mixer_ran()
@@ -65,7 +75,7 @@ def _check_rows(ctx: RingContext, rows: int, what: str) -> None:
 def _no_cache(fn: Callable, has_cache: bool) -> None:
     if has_cache:
         raise RingNotSupported(
-            f"{fn.__name__} under context parallelism runs the whole sharded sequence from a zero state; "
+            f"{_name(fn)} under context parallelism runs the whole sharded sequence from a zero state; "
             "a cache (initial or final recurrent state) is not supported. Pass use_cache=False "
             "(shard_batch does) and generate without context parallelism."
         )
@@ -107,7 +117,7 @@ def delta_route(fn: Callable) -> Callable:
                       output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
                       **kwargs)  # fmt: skip
         _no_cache(fn, initial_state is not None or output_final_state)
-        _check_rows(ctx, query.shape[1], fn.__name__)
+        _check_rows(ctx, query.shape[1], _name(fn))
         b, dev = query.shape[0], query.device
         plan = ctx.cached(("delta", b, dev), lambda: delta_plan(ctx.layout, b, ctx.rank, dev))
 
@@ -139,10 +149,10 @@ def ssd_route(fn: Callable) -> Callable:
         _no_cache(fn, initial_states is not None or return_final_states)
         if kwargs.get("z") is not None:
             raise RingNotSupported(
-                f"{fn.__name__} with a gate z inside the scan is not supported under context parallelism "
+                f"{_name(fn)} with a gate z inside the scan is not supported under context parallelism "
                 "(the transformers mixers gate in their norm); run this model without context parallelism."
             )
-        _check_rows(ctx, hidden_states.shape[1], fn.__name__)
+        _check_rows(ctx, hidden_states.shape[1], _name(fn))
         b, dev = hidden_states.shape[0], hidden_states.device
         plan = ctx.cached(("ssd", b, dev), lambda: ssd_plan(ctx.layout, b, ctx.rank, dev))
 
@@ -169,7 +179,7 @@ def selective_route(fn: Callable) -> Callable:
             return fn(hidden_states, dt, A, B, C, D=D, z=z, delta_bias=delta_bias, delta_softplus=delta_softplus,
                       return_last_state=return_last_state, **kwargs)  # fmt: skip
         _no_cache(fn, return_last_state)
-        _check_rows(ctx, hidden_states.shape[-1], fn.__name__)
+        _check_rows(ctx, hidden_states.shape[-1], _name(fn))
         b, dev = hidden_states.shape[0], hidden_states.device
         plan = ctx.cached(("selective", b, dev), lambda: selective_plan(ctx.layout, b, ctx.rank, dev))
         options = {k: v for k, v in kwargs.items() if k in ("use_mambapy", "use_associative_scan")}
