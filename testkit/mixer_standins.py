@@ -308,18 +308,19 @@ def kernel_like_transformers(torch_fn: Callable, name: str, package: str) -> Cal
 def routed_kernels(modeling_module: ModuleType, kernels: str) -> Iterator[None]:
     """Within: every function hf_ring routes in ``modeling_module`` calls ``kernels``: ``"standins"``
     (this module's, wrapped as transformers wraps installed packages) or ``"torch"`` (transformers'
-    own torch fallbacks, undecorated), behind hf_ring's dispatchers as ``install()`` binds them."""
+    own torch fallbacks, undecorated), behind hf_ring's dispatchers as ``install`` binds them."""
     import inspect
 
-    from hf_ring.transformers import mixers
+    from hf_ring.transformers import install, mixers
 
+    install.install_module(modeling_module)  # what is restored on the way out: hf_ring's dispatchers
     family = mixers.FAMILIES[modeling_module.__name__.removeprefix("transformers.models.")]
     saved = []
     for name, route in family.functions.items():
-        if mixers.original(modeling_module, name) is None or name not in TRANSFORMERS_KERNELS:
+        if install.original(modeling_module, name) is None or name not in TRANSFORMERS_KERNELS:
             continue  # a kernel this transformers leaves unset, or mamba-ssm's mamba_inner_fn (no stand-in;
             # tests/test_attention_free.py covers its route)
-        torch_fn = inspect.unwrap(mixers.original(modeling_module, name))  # transformers' torch fallback
+        torch_fn = inspect.unwrap(install.original(modeling_module, name))  # transformers' torch fallback
         kernel = torch_fn if kernels == "torch" else kernel_like_transformers(torch_fn, *TRANSFORMERS_KERNELS[name])
         dispatcher = mixers.ROUTES[route](kernel)
         dispatcher.hf_ring_original = kernel  # type: ignore[attr-defined]

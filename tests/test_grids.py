@@ -151,13 +151,13 @@ def test_plan_with_ulysses() -> None:
 def test_cli_plan_prints_the_layouts(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli_main(["plan", "Llama-3.1-8B", "--seq-len", "64K", "--gpus", "16", "--cp", "16"]) == 0
     out = capsys.readouterr().out
-    assert "attention layouts of the CP group" in out and "U8 x R2" in out
+    assert "attention grids of the CP group" in out and "U8 x R2" in out
     assert "recommended: ulysses_size=2" in out and "ulysses_size=auto gives 8" in out
     args = ["plan", "Llama-3.1-8B", "--seq-len", "64K", "--gpus", "16", "--cp", "16", "--ulysses-size", "auto"]
     assert cli_main([*args, "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["ulysses_size"] == 8 and data["recommended_ulysses_size"] == 2
-    assert [x["ulysses"] for x in data["layouts"]] == [1, 2, 4, 8, 16]
+    assert [x["ulysses"] for x in data["grids"]] == [1, 2, 4, 8, 16]
     # smallest_cp with an int ulysses_size tries its multiples only
     assert cli_main(["plan", "Llama-3.1-8B", "--seq-len", "128K", "--gpus", "8", "--ulysses-size", "4"]) == 0
     assert "smallest CP size that fits: 4" in capsys.readouterr().out

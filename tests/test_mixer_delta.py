@@ -27,7 +27,7 @@ def _rule(name: str):
         from transformers.models.kimi_linear.modeling_kimi_linear import chunk_kimi_delta_attention as fn
     import sys
 
-    from hf_ring.transformers.mixers import original
+    from hf_ring.transformers.install import original
 
     return original(sys.modules[fn.__module__], fn.__name__)
 

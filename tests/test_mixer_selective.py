@@ -38,7 +38,7 @@ def _scan(name: str):
 
     from transformers.models.jamba.modeling_jamba import mamba_selective_scan as fn
 
-    from hf_ring.transformers.mixers import original
+    from hf_ring.transformers.install import original
 
     return original(sys.modules[fn.__module__], fn.__name__)
 

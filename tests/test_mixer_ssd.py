@@ -36,7 +36,7 @@ def _scan(name: str):
 
     from transformers.models.nemotron_h.modeling_nemotron_h import mamba2_chunk_scan as fn
 
-    from hf_ring.transformers.mixers import original
+    from hf_ring.transformers.install import original
 
     return original(sys.modules[fn.__module__], fn.__name__)
 

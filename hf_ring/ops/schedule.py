@@ -374,8 +374,3 @@ def document_schedule(starts: list[list[int]], n: int, rank: int, size: int) -> 
         return placement_schedule(zigzag_placement(starts[0], n, size), rank)
     per_row = [placement_schedule(zigzag_placement(starts[b], n, size), rank, (b, b + 1)) for b in range(len(starts))]
     return [tuple(blk for row in per_row for blk in row[step]) for step in range(size)]
-
-
-# Former names of ``balanced_placement`` and ``placement_schedule``, still imported by
-# ``hf_ring.transformers.batch``; not part of the API.
-balanced_layout, layout_schedule = balanced_placement, placement_schedule
