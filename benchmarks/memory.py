@@ -192,8 +192,11 @@ def planner_grid() -> str:
                     p = plan(model_shape(model), PlanSettings(seq_len=n, gpus=g, cp=g, sharding="fsdp", **kw))
                     cells.append(f"{p.peak / GiB:.1f}{'' if p.fits else ' ✗'}")
                 lines.append(f"| {model} | {label} | {g} ({g}) | {n // g // 1024}K | " + " | ".join(cells) + " |")
-    flags = "; ".join(f"{col}: `{' '.join(f for k, v in kw.items() if (f := _FLAGS[k](v))) or '(none)'}`"
-                      for col, kw in PLANNER_COLUMNS.items())  # fmt: skip
+    def column_flags(kw: dict) -> str:
+        flags = " ".join(f for k, v in kw.items() if (f := _FLAGS[k](v)))
+        return f"`{flags}`" if flags else "none"
+
+    flags = "; ".join(f"{col}: {column_flags(kw)}" for col, kw in PLANNER_COLUMNS.items())
     return "\n".join(lines) + (
         "\n\nEach cell is `hf-ring plan MODEL --seq-len N --gpus G --cp G --sharding fsdp` plus the column's "
         f"flags ({flags}); LoRA rank 16, bf16, checkpointing and the chunked loss are `hf-ring plan`'s defaults."

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from .harness import machine_text, versions_text
 
-__all__ = ["DOCUMENTS", "RENDERERS", "fill", "regions", "render"]
+__all__ = ["DOCUMENTS", "RENDERERS", "documents", "fill", "regions", "render", "update"]
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -59,6 +59,8 @@ def _bytes(b: float) -> str:
 
 
 def _tokens(n: int) -> str:
+    if n and n % 2**20 == 0:
+        return f"{n >> 20}M"
     return f"{n // 1024}K" if n % 1024 == 0 else str(n)
 
 
@@ -169,7 +171,7 @@ def memory_variants() -> str:
             "host (offloaded) MiB"]  # fmt: skip
     cells = [[r["config"], f"{r['measured_mib']:.2f}", f"{r['planned_mib']:.2f}", f"{r['ratio']:.3f}",
               f"{r['rss_mib']:.2f}", f"{r['host_mib']:.2f}"] for r in sel]  # fmt: skip
-    return f"N = {n}, P = {p}:\n\n" + _table(head, cells) + "\n\n" + _measured(sel, "python -m benchmarks.memory")
+    return _table(head, cells) + "\n\n" + _measured(sel, "python -m benchmarks.memory")
 
 
 def planner_grid() -> str:
@@ -182,6 +184,39 @@ def planner_longest() -> str:
     from .memory import planner_longest as longest
 
     return longest()
+
+
+# ------------------------------------------------------------------------------------------ recipes
+RECIPES = {  # what each packaged recipe trains, in words; its memory is the recipe's own memory_gb
+    "tiny-cpu-demo": ("tiny Llama, full fine-tune", "4 CPU processes", "4 x 1"),
+    "llama-3.1-8b-128k": ("Llama-3.1-8B, LoRA r16, FSDP2", "8 x 80 GB", "8 x 1"),
+    "qwen2.5-7b-256k": ("Qwen2.5-7B, LoRA r16, YaRN x8, FSDP2", "8 x 80 GB", "8 x 1"),
+    "gpt-oss-20b-128k": ("GPT-OSS-20B (MoE, 128-token windows, sinks), LoRA r16 on attention, router loss on, FSDP2",
+                         "8 x 80 GB", "8 x 1"),
+    "gemma-3-27b-128k": ("Gemma 3 27B language model (1K-token windows on 5 of 6 layers), LoRA r16, FSDP2",
+                         "8 x 80 GB", "8 x 1"),
+    "llama-3.1-8b-1m": ("Llama-3.1-8B, LoRA r16, YaRN x8, offload, tiled MLP, FSDP2", "2 nodes x 8 x 80 GB",
+                        "8 x 2 (ring: `ulysses_size: 1`, the planner's choice)"),
+    "qwen3.5-9b-1m": ("Qwen3.5-9B's language model (no vision tower), LoRA r16 on attention, MLP and Gated DeltaNet "
+                      "projections, YaRN x4, offload, tiled MLP, FSDP2", "8 x 80 GB", "8 x 1"),
+}  # fmt: skip
+
+
+def recipes() -> str:
+    import yaml
+
+    cells = []
+    for name, (model, gpus, grid) in RECIPES.items():
+        recipe = yaml.safe_load((ROOT / "hf_ring" / "recipes" / f"{name}.yaml").read_text())
+        data, mem = recipe["data"], recipe["memory_gb"]
+        n = max([data.get("seq_len", 0), *(stage["seq_len"] for stage in data.get("stages", []))])
+        gib = f"{mem['total']:.2f}" + (f" (+{mem['host']:.0f} host)" if mem.get("host") else "")
+        cells.append([f"`{name}`", model, _tokens(n), gpus, grid, gib])
+    head = ["recipe", "model", "tokens per sequence", "GPUs", "CP x DP", "planner: GiB per GPU"]
+    return _table(head, cells) + (
+        "\n\nThe memory column is `hf-ring plan RECIPE` as each recipe records it in `memory_gb` (a test fails when a "
+        "recipe drifts from the planner)."
+    )
 
 
 # --------------------------------------------------------------------------------------- attention
@@ -334,6 +369,7 @@ RENDERERS: dict[str, Callable[[], str]] = {
     "demo-heatmaps": demo_heatmaps,
     "models": models,
     "models-summary": models_summary,
+    "recipes": recipes,
     "memory-grid": memory_grid,
     "memory-variants": memory_variants,
     "planner-grid": planner_grid,
@@ -371,3 +407,23 @@ def fill(text: str, cache: dict[str, str] | None = None) -> str:
         return f"<!-- {name}:start -->\n{cache[name]}<!-- {name}:end -->"
 
     return REGION.sub(one, text)
+
+
+def documents() -> list[Path]:
+    """README.md and docs/*.md."""
+    return sorted(p for pattern in DOCUMENTS for p in ROOT.glob(pattern))
+
+
+def update(check: bool = False) -> list[Path]:
+    """Render every region of every document; write the ones that change (``check``: write none).
+    Returns the documents that were (or would be) changed."""
+    cache: dict[str, str] = {}
+    changed = []
+    for path in documents():
+        text = path.read_text()
+        new = fill(text, cache)
+        if new != text:
+            changed.append(path)
+            if not check:
+                path.write_text(new)
+    return changed

@@ -1,6 +1,7 @@
-"""The maps a newcomer reads first are current: every module of ``hf_ring`` is in docs/architecture.md's
+"""The pages a newcomer reads first are current: every module of ``hf_ring`` is in docs/architecture.md's
 map of the floors (a module added without a line there fails here), and the map names no module
-that is gone."""
+that is gone; every generated region of README.md and docs/*.md is what ``scripts/render_docs.py``
+writes from the results files today, and the README stays a front door (at most about 200 lines)."""
 
 from __future__ import annotations
 
@@ -76,3 +77,43 @@ testkit/                          helpers
         "cli.py", "ops/__init__.py", "ops/kernels_cpu.py", "ops/kernels_cuda.py", "ops/kernels_flash.py",
         "ops/mixers/__init__.py", "ops/mixers/conv.py", "ops/mixers/runs.py", "ops/tail.py",
     }  # fmt: skip
+
+
+def test_documents_equal_what_render_docs_writes() -> None:
+    from benchmarks.report import update
+
+    stale = [str(p.relative_to(ROOT)) for p in update(check=True)]
+    assert not stale, (
+        f"{stale} differ from what their results files render (a results file, a renderer or the planner "
+        "changed): run python scripts/render_docs.py and commit the pages"
+    )
+
+
+def test_every_region_has_a_renderer_and_every_renderer_a_region() -> None:
+    from benchmarks.report import RENDERERS, documents, regions
+
+    used: dict[str, list[str]] = {}
+    for path in documents():
+        text = path.read_text()
+        for name in regions(text):
+            used.setdefault(name, []).append(str(path.relative_to(ROOT)))
+        opened = len(re.findall(r"^<!-- [\w-]+:start -->$", text, re.M))
+        assert opened == len(regions(text)), f"{path.name}: a <!-- name:start --> without its <!-- name:end -->"
+    unknown = sorted(set(used) - set(RENDERERS))
+    assert not unknown, f"regions without a renderer in benchmarks/report.py: {unknown}"
+    unused = sorted(set(RENDERERS) - set(used))
+    assert not unused, f"renderers whose region no document shows: {unused}"
+
+
+def test_readme_is_a_front_door() -> None:
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) <= 200, f"README.md has {len(lines)} lines: move the detail to a page in docs/"
+
+
+def test_links_between_pages_lead_somewhere() -> None:
+    from benchmarks.report import documents
+
+    for path in documents():
+        for link in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", path.read_text()):
+            if not link.startswith(("http://", "https://")):
+                assert (path.parent / link).exists(), f"{path.relative_to(ROOT)} links to {link}, which does not exist"
