@@ -2,11 +2,12 @@
 
 A document marks each generated part ``<!-- name:start -->`` ... ``<!-- name:end -->``; ``render(name)``
 writes it from its results file (``RENDERERS``): the long tables of ``benchmarks/results/*.jsonl``
-(``benchmarks.report_measured``), ``docs/demo/seeds.json`` and the demo's ``needle.json`` files, ``docs/models.json`` (the model sweep),
-the recipes' ``memory_gb`` and the planner itself. Every measured figure says on which machine it was measured, as its results
-file records it ("a machine not recorded" where it does not). ``fill(text)`` renders every region of a
-document; ``scripts/render_docs.py`` writes them (``--check``: only compares), and
-``tests/test_docs.py`` fails when a committed document differs from what this renders.
+(``benchmarks.report_measured``), ``docs/demo/seeds.json`` and the demo's ``needle.json`` files,
+``docs/models.json`` (the model sweep), the recipes' ``memory_gb`` and the planner itself. Every
+measured figure says on which machine it was measured, as its results file records it ("a machine
+not recorded" where it does not). ``fill(text)`` renders every region of a document;
+``scripts/render_docs.py`` writes them (``--check``: only compares), and ``tests/test_docs.py`` fails
+when a committed document differs from what this renders.
 """
 
 from __future__ import annotations
