@@ -139,14 +139,14 @@ def _make_work(n: int, rank: int, size: int, group, cfg: dict) -> dict:
     work = {"sdpa": sdpa}
     if size == 1 and cfg["sdpa_1thread"]:
         work["sdpa_1thread"] = lambda: sdpa(1)
-    work["hf_ring"] = lambda: hf.fwd_bwd(*zz, layout="zigzag")
+    work["hf_ring"] = lambda: hf.fwd_bwd(*zz, order="zigzag")
     if size > 1:
         cont = W.local_inputs(n, rank, size, "contiguous")
         zz_t = W.to_bhsd(*zz)
         nocomm = W.HfRing.nocomm(size, rank)
         work["hf_ring_nocomm"] = lambda: nocomm.fwd_bwd(*zz)
         work["torch_ring"] = lambda: W.torch_ring_fwd_bwd(*zz_t, group=group)
-        work["hf_ring_contiguous"] = lambda: hf.fwd_bwd(*cont, layout="contiguous")
+        work["hf_ring_contiguous"] = lambda: hf.fwd_bwd(*cont, order="contiguous")
         work["comm_alone"] = lambda: W.comm_alone(zz[1], zz[2], ring=hf.ring)  # its waits timed, as hf_ring's
     return work
 

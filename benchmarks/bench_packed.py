@@ -1,18 +1,18 @@
-"""Packed documents: per-rank attention work of each layout, from the ring schedules themselves.
+"""Packed documents: per-rank attention work of each placement, from the ring schedules themselves.
 
     python -m benchmarks.bench_packed --out benchmarks/results/packed.jsonl     # ~1 min, no ranks
 
 For document-length mixes in 128K-token windows -- lognormal lengths with means of 2K and 16K
 (sigma 1), and one 64K document plus lognormal(1K) ones -- and P = 4 and 8, it builds the ring
-schedule of every rank (``hf_ring.ops.schedule``) for three layouts of the packed stream:
+schedule of every rank (``hf_ring.ops.schedule``) for three placements of the packed stream:
 
 * ``zigzag``: the global zigzag (rank r holds chunks r and 2P-1-r) cut along documents;
 * ``contiguous``: rank r holds the r-th P-th of the stream, cut along documents;
-* ``per_document``: ``balanced_layout``, the zigzag applied to every document (each rank holds
+* ``per_document``: ``balanced_placement``, the zigzag applied to every document (each rank holds
   1/P of every document's work; a document's leftover tokens go to the emptiest rank).
 
 Work of a rank = the score entries of its kernel calls (causal S x S blocks count S(S+1)/2),
-i.e. exactly the query-key pairs its tokens need. Reported per layout (median, p20, p80 over 20
+i.e. exactly the query-key pairs its tokens need. Reported per placement (median, p20, p80 over 20
 windows): ``max/mean`` rank work, padding overhead (padded tokens / tokens), the share of
 (query segment, key segment) pairs that share no document and so make no kernel call, and kernel
 calls per rank per layer: block by block, and with a varlen kernel (flash-attn's, which takes a ring
@@ -21,7 +21,7 @@ step's blocks in one call per mask kind).
     python -m benchmarks.bench_packed --throughput --out benchmarks/results/packed_throughput.jsonl
 
 measures tokens/s of attention forward + backward (Hq 8, Hkv 2, D 64, fp32) on P = 2 gloo ranks,
-8K-token windows of the same mixes scaled down 16x, for the packed stream in each layout and for
+8K-token windows of the same mixes scaled down 16x, for the packed stream in each placement and for
 the same documents padded into rows of the longest one (what one pays without packing).
 """
 
@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from benchmarks import harness as H
-from hf_ring.ops.schedule import Layout, Segment, balanced_layout, layout_schedule, zigzag_layout
+from hf_ring.ops.schedule import Placement, Segment, balanced_placement, placement_schedule, zigzag_placement
 from hf_ring.ops.varlen import varlen_calls
 
 N = 128 * 1024
@@ -61,27 +61,27 @@ def starts_of(ls: list[int]) -> list[int]:
     return list(np.cumsum([0, *ls[:-1]]))
 
 
-def contiguous_layout(starts: list[int], n: int, size: int) -> Layout:
+def contiguous_placement(starts: list[int], n: int, size: int) -> Placement:
     c = n // size
-    layout: Layout = []
+    placement: Placement = []
     for r in range(size):
         lo, hi = r * c, (r + 1) * c
         ends = [*starts[1:], n]
-        layout.append([Segment(d, max(s, lo), min(e, hi), max(s, lo) - lo)
+        placement.append([Segment(d, max(s, lo), min(e, hi), max(s, lo) - lo)
                        for d, (s, e) in enumerate(zip(starts, ends)) if e > lo and s < hi])  # fmt: skip
-    return layout
+    return placement
 
 
-def rank_work(layout: Layout) -> tuple[list[float], int, int, int]:
+def rank_work(placement: Placement) -> tuple[list[float], int, int, int]:
     """Score entries per rank, and (calls made, segment pairs that share no document, calls made by a
     varlen kernel such as flash-attn's, which takes a step's blocks in one call per mask kind)."""
     work, calls, skipped, varlen = [], 0, 0, 0
-    local = max((s.local + s.stop - s.start for segs in layout for s in segs), default=0)
-    for r in range(len(layout)):
+    local = max((s.local + s.stop - s.start for segs in placement for s in segs), default=0)
+    for r in range(len(placement)):
         total = 0.0
-        for step, blocks in enumerate(layout_schedule(layout, r)):
-            src = (r - step) % len(layout)
-            skipped += sum(1 for q in layout[r] for k in layout[src] if q.doc != k.doc)
+        for step, blocks in enumerate(placement_schedule(placement, r)):
+            src = (r - step) % len(placement)
+            skipped += sum(1 for q in placement[r] for k in placement[src] if q.doc != k.doc)
             varlen += len(blocks) if len(blocks) < 2 else len(varlen_calls(blocks, local, 1, torch.device("cpu")))
             for b in blocks:
                 sq, sk = b.q[1] - b.q[0], b.kv[1] - b.kv[0]
@@ -91,16 +91,16 @@ def rank_work(layout: Layout) -> tuple[list[float], int, int, int]:
     return work, calls, skipped, varlen
 
 
-def layouts(ls: list[int], size: int) -> dict[str, tuple[Layout, float]]:
-    """Each layout and its padding overhead (padded tokens / tokens)."""
+def placements(ls: list[int], size: int) -> dict[str, tuple[Placement, float]]:
+    """Each placement and its padding overhead (padded tokens / tokens)."""
     n = sum(ls)
     n_pad = -(-n // (2 * size)) * 2 * size
     starts = starts_of(ls)
     padded_starts = starts + ([n] if n_pad > n else [])
-    per_doc, local = balanced_layout(starts, n, size)
+    per_doc, local = balanced_placement(starts, n, size)
     return {
-        "zigzag": (zigzag_layout(padded_starts, n_pad, size), (n_pad - n) / n),
-        "contiguous": (contiguous_layout(padded_starts, n_pad - n_pad % size, size), (n_pad - n) / n),
+        "zigzag": (zigzag_placement(padded_starts, n_pad, size), (n_pad - n) / n),
+        "contiguous": (contiguous_placement(padded_starts, n_pad - n_pad % size, size), (n_pad - n) / n),
         "per_document": (per_doc, (local * size - n) / n),
     }
 
@@ -114,8 +114,8 @@ def run(windows: int, sizes: tuple[int, ...]) -> list[dict]:
         for p in sizes:
             acc: dict[str, dict[str, list[float]]] = {}
             for ls in samples:
-                for name, (layout, pad) in layouts(ls, p).items():
-                    work, calls, skipped, varlen = rank_work(layout)
+                for name, (placement, pad) in placements(ls, p).items():
+                    work, calls, skipped, varlen = rank_work(placement)
                     a = acc.setdefault(
                         name, {"balance": [], "padding": [], "skipped": [], "calls": [], "varlen_calls": []}
                     )
@@ -133,30 +133,6 @@ def run(windows: int, sizes: tuple[int, ...]) -> list[dict]:
                                  "N": N, "median": med, "p20": p20, "p80": p80, "unit": unit, **meta,
                                  "note": f"{windows} windows of {N} tokens"})  # fmt: skip
     return rows
-
-
-def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    bal = [r for r in rows if r["name"] == "packed_balance"]
-    sizes = sorted({r["P"] for r in bal})
-    fig, axes = plt.subplots(1, len(sizes), figsize=(5 * len(sizes), 3.6), sharey=True)
-    names = ("zigzag", "contiguous", "per_document")
-    for ax, p in zip(np.atleast_1d(axes), sizes):
-        for i, name in enumerate(names):
-            sel = [next(r for r in bal if r["P"] == p and r["x"] == m and r["provider"] == name) for m in MIXES]
-            x = np.arange(len(MIXES)) + (i - 1) * 0.27
-            ax.bar(x, [r["median"] for r in sel], 0.27, label=name,
-                   yerr=[[r["median"] - r["p20"] for r in sel], [r["p80"] - r["median"] for r in sel]])
-        ax.axhline(1.05, color="k", ls="--", lw=1)
-        ax.set_xticks(np.arange(len(MIXES)), MIXES, fontsize=8)
-        ax.set_title(f"P = {p}: max/mean attention work per rank")
-    np.atleast_1d(axes)[0].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
 
 
 def _throughput_worker(rank: int, size: int, cfg: dict) -> dict:
@@ -181,12 +157,12 @@ def _throughput_worker(rank: int, size: int, cfg: dict) -> dict:
                 out.setdefault(name, []).append(time.perf_counter() - t0)
 
     for ls in cfg["windows"]:
-        for name, (layout, _) in layouts(ls, size).items():
+        for name, (placement, _) in placements(ls, size).items():
             if name == "contiguous":
                 continue
-            local = max(sum(s.stop - s.start for s in segs) for segs in layout)
+            local = max(sum(s.stop - s.start for s in segs) for segs in placement)
             q, k, v = (torch.randn(1, local, h, d, generator=g, requires_grad=True) for h in (hq, hkv, hkv))
-            timed(name, q, k, v, layout_schedule(layout, rank))
+            timed(name, q, k, v, placement_schedule(placement, rank))
         lmax = -(-max(ls) // (2 * size)) * 2 * size  # each document alone in a row padded to the longest
         q = zigzag(torch.randn(len(ls), lmax, hq, d, generator=g), 1, size, rank).requires_grad_()
         k, v = (zigzag(torch.randn(len(ls), lmax, hkv, d, generator=g), 1, size, rank).requires_grad_() for _ in "kv")
@@ -195,7 +171,7 @@ def _throughput_worker(rank: int, size: int, cfg: dict) -> dict:
 
 
 def throughput(quick: bool) -> list[dict]:
-    """Tokens/s of attention fwd+bwd per layout, P = 2, windows of N / 16 tokens."""
+    """Tokens/s of attention fwd+bwd per placement, P = 2, windows of N / 16 tokens."""
     rng = np.random.default_rng(1)
     n = N // 16
     scaled = {m: [max(1, x // 16) for x in lengths(m, N, rng)] for m in MIXES}
@@ -235,8 +211,8 @@ def main() -> None:
         if r["name"] == "packed_balance" or (r["name"] == "packed_padding" and r["provider"] == "per_document"):
             print(f"{r['name']:15s} {r['provider']:13s} P={r['P']} {r['x']:18s} {r['median']:.4f} "
                   f"[{r['p20']:.4f}, {r['p80']:.4f}]")  # fmt: skip
-    plot(rows, out.with_suffix(".png"))
-    print(f"wrote {out} and {out.with_suffix('.png')}")
+    print(f"wrote {out}")
+    H.draw(out)
 
 
 if __name__ == "__main__":

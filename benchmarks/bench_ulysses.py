@@ -2,7 +2,7 @@
 
     python -m benchmarks.bench_ulysses --out benchmarks/results/ulysses.jsonl      # ~5 min idle
     python -m benchmarks.bench_ulysses --quick --out /tmp/ulysses.jsonl              # smoke test
-    python -m benchmarks.bench_ulysses --plot-only                                   # redraw ulysses.png
+    python -m benchmarks.plot benchmarks/results/ulysses.jsonl                       # redraw ulysses.png
 
 Causal attention, B=1, Hq=8, Hkv=2, D=64, fp32, total N in {4096, 8192}, P=4 ranks, one thread
 each (on 2 cores: oversubscribed; the rows say so). Providers, all over the same P ranks in the
@@ -17,16 +17,14 @@ Each iteration runs every provider from its own barrier; a row keeps the slowest
 iteration, then median / p20 / p80 over iterations (``harness.measure``: iterations during which
 other processes used too much of the machine are run again). ``comm_bytes`` rows give the bytes a
 rank sends per layer (``hf_ring.planner.attention_comm_bytes``), for reading the times against.
-The figure (``plot``: time per provider and N, bytes sent beside it) goes next to the table, same
-name with ``.png``; it needs matplotlib.
+The figure (``benchmarks.plot``: time per provider and N, bytes sent beside it) goes next to the
+table, same name with ``.png``; it needs matplotlib.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import time
-from pathlib import Path
 
 from benchmarks import harness as H
 
@@ -75,46 +73,6 @@ def worker(rank: int, size: int, cfg: dict) -> dict:
     return out
 
 
-LABELS = {"ring": "ring (U=1)", "hybrid_U2": "hybrid U=2 x R=2", "ulysses": "Ulysses (U=P)"}
-
-
-def plot(rows: list[dict], path: Path) -> Path:
-    """``path``: the median fwd+bwd seconds per provider and N (p20..p80 bars) and the bytes a rank
-    sends per layer, from this benchmark's rows (one P)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    times = [r for r in rows if r["name"] == "fwd_bwd"]
-    sent = [r for r in rows if r["name"] == "comm_bytes"]
-    ns = sorted({r["N"] for r in times})
-    (p,) = {r["P"] for r in times}
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.8))
-    width = 0.8 / len(PROVIDERS)
-    for i, name in enumerate(PROVIDERS):
-        x = [j + (i - (len(PROVIDERS) - 1) / 2) * width for j in range(len(ns))]
-        t = [next(r for r in times if r["provider"] == name and r["N"] == n) for n in ns]
-        a1.bar(x, [r["median"] for r in t], width, label=LABELS[name],
-               yerr=[[r["median"] - r["p20"] for r in t], [r["p80"] - r["median"] for r in t]], capsize=3)  # fmt: skip
-        b = [next(r for r in sent if r["provider"] == name and r["N"] == n) for n in ns]
-        a2.bar(x, [r["median"] / 2**20 for r in b], width, label=LABELS[name])
-    for ax, title in ((a1, f"attention fwd+bwd per layer, P = {p} (s, slowest rank)"),
-                      (a2, "bytes sent per rank per layer (MiB, planner)")):  # fmt: skip
-        ax.set_xticks(range(len(ns)), [f"N = {n}" for n in ns])
-        ax.set_title(title, fontsize=10)
-        ax.grid(True, axis="y", alpha=0.3)
-    a1.legend(fontsize=8)
-    m, v = times[0]["machine"], times[0]["versions"]
-    fig.suptitle(f"causal, Hq {SHAPE['Hq']}, Hkv {SHAPE['Hkv']}, D {SHAPE['D']}, fp32, gloo; {m['cpu']}, {m['cores']} "
-                 f"cores, {times[0].get('threads', 1)} thread per rank; torch {v['torch']}, hf_ring "
-                 f"{v.get('hf_ring_commit', '?')}", fontsize=7, color="dimgray")  # fmt: skip
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="benchmarks/results/ulysses.jsonl")
@@ -123,13 +81,7 @@ def main() -> None:
     ap.add_argument("--Ns", type=int, nargs="*", default=None)
     ap.add_argument("--iters", type=int, default=None)
     ap.add_argument("--timeout", type=float, default=1800.0)
-    ap.add_argument("--plot-only", action="store_true", help="only redraw the figure from --out")
     args = ap.parse_args()
-    out = Path(args.out)
-    if args.plot_only:
-        rows = [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
-        print(f"wrote {plot(rows, out.with_suffix('.png'))}")
-        return
     from hf_ring.planner import ModelShape, attention_comm_bytes
 
     meta = {"machine": H.machine_info(), "versions": H.versions()}
@@ -155,10 +107,7 @@ def main() -> None:
             print(f"  N={n:6d} {name:10s} U={u}: {H.stats(samples)[0] * 1e3:8.1f} ms, {comm / 2**20:6.2f} MiB sent")
     H.write_rows(args.out, table.rows)
     print(f"wrote {len(table.rows)} rows to {args.out}")
-    try:
-        print(f"wrote {plot(table.rows, out.with_suffix('.png'))}")
-    except ImportError:
-        print("matplotlib is not installed: no figure (pip install hf-ring[plots])")
+    H.draw(args.out)
 
 
 if __name__ == "__main__":

@@ -20,15 +20,13 @@ the work itself.
 ``bytes_sent`` rows: the bytes one rank sends per layer (forward + backward), from the plans (the rows
 they exchange, exactly), for N from 16K to 256K: the border route (W - 1 rows of K and V per run out,
 as many rows of dK/dV back) against the ring route over the same window (every hop of K/V, and the
-dK/dV accumulators in float32). The figure (same name, ``.png``) draws both tables.
+dK/dV accumulators in float32). ``benchmarks.plot`` draws both tables (``windows.png``).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import time
-from pathlib import Path
 
 from benchmarks import harness as H
 
@@ -111,49 +109,6 @@ def plan_bytes(n: int, p: int, w: int, rank: int = 1) -> dict[str, int]:
     }
 
 
-def plot(rows: list[dict], path: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.8))
-    times = [r for r in rows if r["name"] == "fwd_bwd_cpu"]  # the work: wall time here is the CPU share
-    ws = sorted({r["x"] for r in times})
-    for i, prov in enumerate(("cp_border", "one_process_N_over_P")):
-        sel = [next(r for r in times if r["provider"] == prov and r["x"] == w) for w in ws]
-        xs = [j + (i - 0.5) * 0.35 for j in range(len(ws))]
-        err = [[r["median"] - r["p20"] for r in sel], [r["p80"] - r["median"] for r in sel]]
-        a1.bar(xs, [r["median"] for r in sel], 0.35, label=prov, yerr=err, capsize=3)
-    if times:
-        a1.set_title(f"windowed layer fwd+bwd, N = {times[0]['N']}, P = {times[0]['P']}: CPU s, busiest rank",
-                     fontsize=9)  # fmt: skip
-    a1.set_xticks(range(len(ws)), [f"W = {w}" for w in ws])
-    a1.legend(fontsize=8)
-    sent = [r for r in rows if r["name"] == "bytes_sent"]
-    for prov, style in (("border", "-o"), ("ring", "--s")):
-        for w in sorted({r["x"] for r in sent}):
-            sel = sorted((r for r in sent if r["provider"] == prov and r["x"] == w), key=lambda r: r["N"])
-            a2.plot([r["N"] for r in sel], [r["median"] / 2**20 for r in sel], style, label=f"{prov}, W = {w}")
-    a2.set_xscale("log", base=2)
-    a2.set_yscale("log")
-    a2.set_xlabel("N (tokens)")
-    a2.set_title("bytes one rank sends per layer, fwd + bwd (MiB)", fontsize=10)
-    a2.legend(fontsize=7)
-    for ax in (a1, a2):
-        ax.grid(True, alpha=0.3)
-    if rows:
-        m, v = rows[0]["machine"], rows[0]["versions"]
-        commit = v.get("hf_ring_commit", "?")
-        fig.suptitle(f"Hq {SHAPE['Hq']}, Hkv {SHAPE['Hkv']}, D {SHAPE['D']}, fp32, gloo; {m['cpu']}, "
-                     f"{m['cores']} cores, 1 thread per rank; torch {v['torch']}, hf_ring {commit}",
-                     fontsize=7, color="dimgray")  # fmt: skip
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="benchmarks/results/windows.jsonl")
@@ -163,13 +118,7 @@ def main() -> None:
     ap.add_argument("--Ws", type=int, nargs="*", default=None)
     ap.add_argument("--iters", type=int, default=None)
     ap.add_argument("--timeout", type=float, default=3600.0)
-    ap.add_argument("--plot-only", action="store_true")
     args = ap.parse_args()
-    out = Path(args.out)
-    if args.plot_only:
-        rows = [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
-        print(f"wrote {plot(rows, out.with_suffix('.png'))}")
-        return
     meta = {"machine": H.machine_info(), "versions": H.versions()}
     p = args.P
     n = args.N or (2048 if args.quick else 64 * 1024)
@@ -205,10 +154,7 @@ def main() -> None:
                 print(f"  N={nn:7d} W={w:5d} {route:7s} {b / 2**20:9.3f} MiB")
     H.write_rows(args.out, table.rows)
     print(f"wrote {len(table.rows)} rows to {args.out}")
-    try:
-        print(f"wrote {plot(table.rows, out.with_suffix('.png'))}")
-    except ImportError:
-        print("matplotlib is not installed: no figure (pip install hf-ring[plots])")
+    H.draw(args.out)
 
 
 if __name__ == "__main__":

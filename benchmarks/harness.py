@@ -1,4 +1,4 @@
-"""What every benchmark here shares: ranks, load control, statistics, the long table, probes.
+"""What every benchmark here shares: ranks, load control, statistics, the long table, resident set.
 
 * **Ranks**: ``launch`` spawns P fresh gloo ranks (``testkit.spawn.spawn_ranks``) and measures the
   CPU that other processes used meanwhile; ``each_p`` runs a worker for every P of a configuration.
@@ -7,12 +7,12 @@
   runs again an iteration during which that share was too high; ``wait_idle`` waits for a quiet
   machine.
 * **Statistics and rows**: ``stats`` (median, p20, p80), ``Table`` (the long format of STYLE.md
-  point 9: ``FIELDS``, with ``machine_info`` and ``versions``).
+  point 9: ``FIELDS``, with ``machine_info`` and ``versions``), ``write_rows``, and ``draw`` (the
+  table's figures, by ``benchmarks.plot``).
 * **Resident set**: ``status_kib``, ``reset_hwm``, ``allocations_to_os``.
-* **Probes**: ``TimedKernel`` and ``TimedRing`` wrap a block kernel and a ring (passed to
-  ``ring_attention`` as ``backend=`` and ``ring=``) and add the time spent in kernel calls and in
-  ``wait`` to a ``Probe``; each also opens a ``torch.profiler.record_function`` range
-  (``hf_ring.kernel.forward|backward``, ``hf_ring.comm.commit|wait``). hf_ring is never patched.
+
+What a benchmark measures inside hf_ring's ops (time in kernel calls and ring waits, bytes sent by
+collectives) is ``benchmarks.probes``.
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ import re
 import subprocess
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -40,15 +39,32 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # ============================================================================ machine, versions, statistics
 def machine_info() -> dict:
-    """CPU model, usable cores, platform."""
-    model = platform.processor() or "unknown"
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return {"cpu": model, "cores": cores, "platform": platform.platform()}
+    """CPU model, usable cores, platform, the CUDA device when there is one
+    (``hf_ring.evaluation.runtime.machine_info``, what the evaluations and the demo record)."""
+    from hf_ring.evaluation.runtime import machine_info as info
+
+    return info()
+
+
+def machine_text(machine: dict | None) -> str:
+    """A row's ``machine`` (``machine_info``) in words, to follow "measured on": ``"Intel(R) Xeon(R)
+    Processor, 2 cores"`` (its GPU when it has one), ``"2 cores (CPU model not recorded)"``, or
+    ``"a machine not recorded"`` for a row without it."""
+    if not machine:
+        return "a machine not recorded"
+    gpu = str(machine.get("gpu", ""))
+    where = gpu if gpu and not gpu.startswith("none") else machine.get("cpu")
+    cores = f"{machine.get('cores', '?')} cores"
+    return f"{where}, {cores}" if where else f"{cores} (CPU model not recorded)"
+
+
+def versions_text(versions: dict | None) -> str:
+    """A row's ``versions`` in words: ``"torch 2.13.0+cpu, hf_ring 0.1.0 (254d6d4)"`` (what it recorded)."""
+    v = versions or {}
+    parts = [f"torch {v['torch']}"] if "torch" in v else []
+    if "hf_ring" in v:
+        parts.append(f"hf_ring {v['hf_ring']}" + (f" ({v['hf_ring_commit']})" if "hf_ring_commit" in v else ""))
+    return ", ".join(parts)
 
 
 def versions(transformers: bool = False) -> dict:
@@ -110,6 +126,18 @@ class Table:
                           "P": p, "N": n, "median": med, "p20": p20, "p80": p80, "unit": unit,
                           "machine": self.meta["machine"], "versions": self.meta["versions"],
                           "threads": self.threads_of(p) if threads is None else threads, "note": note})  # fmt: skip
+
+
+def draw(table: str | Path) -> None:
+    """Draw ``table``'s figures next to it (``benchmarks.plot``) and say where; without matplotlib,
+    say how to get them."""
+    try:
+        from benchmarks.plot import plot_all
+    except ImportError:
+        print("matplotlib is not installed: no figure (pip install hf-ring[plots]; then python -m benchmarks.plot)")
+        return
+    for path in plot_all(table, Path(table).parent):
+        print(f"wrote {path}")
 
 
 def write_rows(path: str | Path, rows: list[dict]) -> None:
@@ -304,152 +332,3 @@ def allocations_to_os() -> Iterator[None]:
         libc.mallopt(_M_MMAP_THRESHOLD, 32 * 1024 * 1024)
         libc.mallopt(_M_TRIM_THRESHOLD, 64 * 1024 * 1024)
         libc.malloc_trim(0)
-
-
-# ============================================================================ probes
-@dataclass
-class Probe:
-    """Wall seconds summed by the timed wrappers since the last ``reset``."""
-
-    wait: float = 0.0  # inside the ring channels' wait
-    kernel: float = 0.0  # inside block kernel calls
-    kernel_calls: int = 0
-
-    def reset(self) -> None:
-        self.wait = self.kernel = 0.0
-        self.kernel_calls = 0
-
-
-class TimedKernel:
-    """A block kernel that adds the wall time of every forward/backward call of ``inner`` to
-    ``probe.kernel`` (two ``perf_counter`` calls each), inside a profiler range ``hf_ring.kernel.<call>``."""
-
-    def __init__(self, inner, probe: Probe) -> None:
-        self.inner, self.probe = inner, probe
-        self.name, self.heads_major = inner.name, inner.heads_major
-
-    def _timed(self, which: str, *a, **kw):
-        import torch
-
-        t0 = time.perf_counter()
-        with torch.profiler.record_function(f"hf_ring.kernel.{which}"):
-            r = getattr(self.inner, which)(*a, **kw)
-        self.probe.kernel += time.perf_counter() - t0
-        self.probe.kernel_calls += 1
-        return r
-
-    def forward(self, *a, **kw):
-        return self._timed("forward", *a, **kw)
-
-    def backward(self, *a, **kw):
-        return self._timed("backward", *a, **kw)
-
-
-class TimedChannel:
-    """A ring channel whose ``wait`` adds its wall time to ``probe.wait``; ``commit`` and ``wait`` run
-    inside profiler ranges ``hf_ring.comm.commit`` / ``hf_ring.comm.wait``."""
-
-    def __init__(self, inner, probe: Probe) -> None:
-        self.inner, self.probe = inner, probe
-
-    def send_recv(self, send, recv, **kw) -> None:
-        self.inner.send_recv(send, recv, **kw)
-
-    def commit(self) -> None:
-        import torch
-
-        with torch.profiler.record_function("hf_ring.comm.commit"):
-            self.inner.commit()
-
-    def wait(self) -> None:
-        import torch
-
-        t0 = time.perf_counter()
-        with torch.profiler.record_function("hf_ring.comm.wait"):
-            self.inner.wait()
-        self.probe.wait += time.perf_counter() - t0
-
-
-class TimedRing:
-    """``inner`` (a ``hf_ring.ops.comm.Ring`` or a stand-in such as ``testkit.comm.NoCommRing``) with
-    every channel a ``TimedChannel``: pass it to ``ring_attention(..., ring=...)``."""
-
-    def __init__(self, inner, probe: Probe) -> None:
-        self.inner, self.probe = inner, probe
-        self.size, self.rank, self.group = inner.size, inner.rank, inner.group
-
-    def channel(self, tag: int = 0) -> TimedChannel:
-        """``inner.channel(tag)``, timed."""
-        return TimedChannel(self.inner.channel(tag), self.probe)
-
-
-class CommBytes:
-    """Counts the bytes this process sends through ``torch.distributed``'s collectives, by kind.
-
-    Made once per worker process, it wraps ``torch.distributed``'s ``all_gather``,
-    ``all_gather_into_tensor``, ``all_reduce``, ``reduce_scatter_tensor``, ``all_to_all_single``,
-    ``send`` and ``isend`` (hf_ring's ops call them through the module, so they see the wrappers;
-    hf_ring is not patched). Only calls inside ``with counting(kind):`` are counted; ``take()``
-    returns ``{kind: bytes, "total": bytes}`` and starts again. Bytes sent by this rank: an
-    all-gather sends its input to each of the other ``P - 1`` ranks; an all-reduce or a
-    reduce-scatter ``2 (P - 1) / P`` or ``(P - 1) / P`` of its tensor (the ring algorithms'); an
-    all-to-all the rows it sends to other ranks; a send its tensor."""
-
-    def __init__(self) -> None:
-        import torch.distributed as dist
-
-        self.kind: str | None = None
-        self.sent: dict[str, int] = {}
-        for name, size_of in (
-            ("all_gather", lambda world, _out, t, *a, **k: (world - 1) * t.nbytes),
-            ("all_gather_into_tensor", lambda world, _out, t, *a, **k: (world - 1) * t.nbytes),
-            ("all_reduce", lambda world, t, *a, **k: 2 * (world - 1) * t.nbytes // world),
-            ("reduce_scatter_tensor", lambda world, _out, t, *a, **k: (world - 1) * t.nbytes // world),
-            ("all_to_all_single", self._all_to_all),
-            ("send", lambda world, t, *a, **k: t.nbytes),
-            ("isend", lambda world, t, *a, **k: t.nbytes),
-        ):
-            inner = getattr(dist, name)
-            if getattr(inner, "_counted", False):
-                continue
-            setattr(dist, name, self._wrap(inner, size_of))
-
-    @staticmethod
-    def _all_to_all(world, out, t, output_split_sizes=None, input_split_sizes=None, group=None, **_):
-        import torch.distributed as dist
-
-        rank = dist.get_rank(group)
-        if input_split_sizes is None:
-            return t.nbytes * (world - 1) // world
-        row = t.nbytes // max(t.shape[0], 1)
-        return row * sum(s for d, s in enumerate(input_split_sizes) if d != rank)
-
-    def _wrap(self, inner, size_of):
-        import functools
-
-        import torch.distributed as dist
-
-        @functools.wraps(inner)
-        def counted(*a, **k):
-            if self.kind is not None:
-                world = dist.get_world_size(k.get("group"))
-                self.sent[self.kind] = self.sent.get(self.kind, 0) + int(size_of(world, *a, **k))
-            return inner(*a, **k)
-
-        counted._counted = True  # type: ignore[attr-defined]
-        return counted
-
-    @contextlib.contextmanager
-    def counting(self, kind: str) -> Iterator[None]:
-        """Count the collectives called inside the block as ``kind``."""
-        before, self.kind = self.kind, kind
-        try:
-            yield
-        finally:
-            self.kind = before
-
-    def take(self) -> dict[str, int]:
-        """The bytes counted since the last ``take``, by kind, and their ``total``."""
-        out, self.sent = self.sent, {}
-        out["total"] = sum(out.values())
-        return out

@@ -147,43 +147,6 @@ def measure(grid: dict, variant_at: tuple[int, int] | None) -> list[dict]:
     return rows
 
 
-def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    main = [r for r in rows if r["config"] == "ckpt+chunked"]
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    ax = axes[0]
-    for p, marker in zip(sorted({r["P"] for r in main}), "osD^"):
-        rs = sorted((r for r in main if r["P"] == p), key=lambda r: r["N"])
-        ax.plot([r["N"] for r in rs], [r["measured_mib"] for r in rs], marker=marker, label=f"P={p} measured")
-        ax.plot([r["N"] for r in rs], [r["planned_mib"] for r in rs], ls=":", color=ax.lines[-1].get_color(),
-                label=f"P={p} planned")  # fmt: skip
-    ax.set(xscale="log", yscale="log", xlabel="sequence length N (tokens)", ylabel="peak per rank (MiB)",
-           title="peak memory per rank vs N")  # fmt: skip
-    ax.legend(fontsize=7)
-    ax.grid(alpha=0.3, which="both")
-    ax = axes[1]
-    for p, marker in zip(sorted({r["P"] for r in main}), "osD^"):
-        rs = sorted((r for r in main if r["P"] == p), key=lambda r: r["N"])
-        ax.plot([r["tokens_per_rank"] for r in rs], [r["measured_mib"] for r in rs], marker=marker, ls="",
-                label=f"P={p}")  # fmt: skip
-    xs = sorted({r["tokens_per_rank"] for r in main})
-    by_t = {r["tokens_per_rank"]: r["planned_mib"] for r in main}
-    ax.plot(xs, [by_t[x] for x in xs], color="gray", ls=":", label="planner")
-    ax.set(xscale="log", yscale="log", xlabel="tokens per rank N/P", ylabel="peak per rank (MiB)",
-           title="the same points against N/P")  # fmt: skip
-    ax.legend(fontsize=7)
-    ax.grid(alpha=0.3, which="both")
-    fig.suptitle("one training step, 4-layer Llama (hidden 64), ring attention, checkpointing + chunked loss, fp32",
-                 fontsize=9)  # fmt: skip
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="benchmarks/results/memory.jsonl")
@@ -198,34 +161,53 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    plot(rows, out.with_suffix(".png"))
-    print(f"wrote {out} and {out.with_suffix('.png')}")
+    print(f"wrote {out}")
+    H.draw(out)
 
 
 # ============================================================================ planner tables (docs/memory.md)
-def planner_tables() -> str:
-    """Markdown: per-GPU peak of Llama-3.1-8B and Qwen2.5-7B at 128K/512K/1M on 8 and 16 x 80 GiB."""
-    from hf_ring.planner import GiB, PlanSettings, max_seq_len, model_shape, plan
+PLANNER_COLUMNS = {
+    "LoRA": dict(mode="lora"),
+    "LoRA + offload": dict(mode="lora", offload=True),
+    "LoRA + offload + tiled MLP": dict(mode="lora", offload=True, tiled_mlp=8192),
+    "full FT": dict(mode="full"),
+    "full FT + offload + tiled MLP": dict(mode="full", offload=True, tiled_mlp=8192),
+}
+_FLAGS = {"mode": lambda v: "--mode full" if v == "full" else "", "offload": lambda v: "--offload" if v else "",
+          "tiled_mlp": lambda v: f"--tiled-mlp {v // 1024}K"}  # fmt: skip
 
-    cols = {
-        "LoRA": dict(mode="lora"),
-        "LoRA + offload": dict(mode="lora", offload=True),
-        "LoRA + offload + tiled MLP": dict(mode="lora", offload=True, tiled_mlp=8192),
-        "full FT": dict(mode="full"),
-        "full FT + offload + tiled MLP": dict(mode="full", offload=True, tiled_mlp=8192),
-    }
-    lines = ["| model | N | GPUs (CP) | tokens/GPU | " + " | ".join(cols) + " |",
-             "|---|---|---|---|" + "---|" * len(cols)]  # fmt: skip
+
+def planner_grid() -> str:
+    """Markdown: per-GPU peak of Llama-3.1-8B and Qwen2.5-7B at 128K/512K/1M on 8 and 16 x 80 GiB, and
+    the ``hf-ring plan`` command that gives each cell."""
+    from hf_ring.planner import GiB, PlanSettings, model_shape, plan
+
+    lines = ["| model | N | GPUs (CP) | tokens/GPU | " + " | ".join(PLANNER_COLUMNS) + " |",
+             "|---|---|---|---|" + "---|" * len(PLANNER_COLUMNS)]  # fmt: skip
     for model in ("Llama-3.1-8B", "Qwen2.5-7B"):
         for n, label in ((2**17, "128K"), (2**19, "512K"), (2**20, "1M")):
             for g in (8, 16):
                 cells = []
-                for kw in cols.values():
+                for kw in PLANNER_COLUMNS.values():
                     p = plan(model_shape(model), PlanSettings(seq_len=n, gpus=g, cp=g, sharding="fsdp", **kw))
                     cells.append(f"{p.peak / GiB:.1f}{'' if p.fits else ' ✗'}")
                 lines.append(f"| {model} | {label} | {g} ({g}) | {n // g // 1024}K | " + " | ".join(cells) + " |")
-    out = "\n".join(lines)
-    longest = ["", "| setup | longest sequence that fits (planner) |", "|---|---|"]
+    def column_flags(kw: dict) -> str:
+        flags = " ".join(f for k, v in kw.items() if (f := _FLAGS[k](v)))
+        return f"`{flags}`" if flags else "none"
+
+    flags = "; ".join(f"{col}: {column_flags(kw)}" for col, kw in PLANNER_COLUMNS.items())
+    return "\n".join(lines) + (
+        "\n\nEach cell is `hf-ring plan MODEL --seq-len N --gpus G --cp G --sharding fsdp` plus the column's "
+        f"flags ({flags}); LoRA rank 16, bf16, checkpointing and the chunked loss are `hf-ring plan`'s defaults."
+    )
+
+
+def planner_longest() -> str:
+    """Markdown: the longest sequence that fits, per setup (the planner's ``max_seq_len``)."""
+    from hf_ring.planner import PlanSettings, max_seq_len, model_shape
+
+    longest = ["| setup | longest sequence that fits (planner) |", "|---|---|"]
     for model, g, kw, what in (
         ("Llama-3.1-8B", 1, dict(mode="lora"), "LoRA, 1 GPU"),
         ("Llama-3.1-8B", 1, dict(mode="lora", offload=True, tiled_mlp=8192), "LoRA + offload + tiled MLP, 1 GPU"),
@@ -238,7 +220,12 @@ def planner_tables() -> str:
     ):
         n = max_seq_len(model_shape(model), PlanSettings(seq_len=0, gpus=g, sharding="fsdp", **kw))
         longest.append(f"| {model}, {what} | {n / 2**20:.2f}M ({n:,}) |")
-    return out + "\n" + "\n".join(longest)
+    return "\n".join(longest)
+
+
+def planner_tables() -> str:
+    """Markdown: ``planner_grid`` and ``planner_longest`` (``--table``)."""
+    return planner_grid() + "\n\n" + planner_longest()
 
 
 if __name__ == "__main__":

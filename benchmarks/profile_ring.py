@@ -4,7 +4,7 @@
     python -m benchmarks.profile_ring --quick --out /tmp/profile.txt                # P=2, N=512: smoke test
 
 Spawns P gloo ranks (1 thread each, or all cores for P=1), warms up, then runs one fwd+bwd under
-torch.profiler on every rank. The op gets a ``harness.TimedKernel`` and a ``harness.TimedRing``
+torch.profiler on every rank. The op gets a ``probes.TimedKernel`` and a ``probes.TimedRing``
 (``backend=``, ``ring=``), which open labelled ranges around the block kernels and the channels'
 ``commit`` and ``wait``; the forward runs inside a range ``hf_ring.forward`` (``workloads.HfRing``).
 hf_ring is not patched, so ``merge_`` has no range of its own: the LSE merge is the forward's

@@ -11,7 +11,7 @@ Providers
   torch_ring   torch's own ring engine (_templated_ring_attention[_backward]) on the same shards
   sdpa         F.scaled_dot_product_attention(enable_gqa=True) over the whole sequence
 
-Measurement probes: ``HfRing`` passes the op a ``harness.TimedRing`` and a ``harness.TimedKernel``
+Measurement probes: ``HfRing`` passes the op a ``probes.TimedRing`` and a ``probes.TimedKernel``
 (``ring=`` and ``backend=``), which sum the wall time spent in the channels' ``wait`` and in the
 block kernels per call (two ``perf_counter`` calls per kernel call / wait). hf_ring is not patched.
 """
@@ -24,7 +24,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from benchmarks.harness import Probe, TimedKernel, TimedRing
+from benchmarks.probes import Probe, TimedKernel, TimedRing
 from hf_ring.ops.comm import Ring
 from hf_ring.ops.kernels import get_kernel
 from hf_ring.ops.ring import ring_attention
@@ -46,9 +46,9 @@ def full_inputs(n: int, dtype=torch.float32):
     return q, k, v, do
 
 
-def local_inputs(n: int, rank: int, size: int, layout: str = "zigzag"):
+def local_inputs(n: int, rank: int, size: int, order: str = "zigzag"):
     """This rank's shards of ``full_inputs(n)``: zigzag (chunks r and 2P-1-r of 2P) or contiguous."""
-    if layout == "zigzag":
+    if order == "zigzag":
         return tuple(zigzag(t, 1, size, rank).contiguous() for t in full_inputs(n))
     return tuple(t.chunk(size, dim=1)[rank].contiguous() for t in full_inputs(n))
 
@@ -74,14 +74,14 @@ class HfRing:
         the kernels' cost does not depend on values)."""
         return cls(NoCommRing(size, rank))
 
-    def fwd_bwd(self, q, k, v, do, layout: str = "zigzag") -> dict:
+    def fwd_bwd(self, q, k, v, do, order: str = "zigzag") -> dict:
         """One fwd+bwd; wall, main-thread CPU, wait and kernel seconds."""
         q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
         probe = self.probe
         probe.reset()
         c0, t0 = time.thread_time(), time.perf_counter()
         with torch.profiler.record_function("hf_ring.forward"):  # for benchmarks.profile_ring
-            out = ring_attention(q, k, v, ring=self.ring, backend=self.kernel, causal=True, layout=layout)
+            out = ring_attention(q, k, v, ring=self.ring, backend=self.kernel, causal=True, order=order)
         t1 = time.perf_counter()
         w_f, k_f = probe.wait, probe.kernel
         grads = torch.autograd.grad(out, (q, k, v), do)

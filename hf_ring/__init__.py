@@ -49,7 +49,7 @@ _EXPORTS = {
     "uninstall": "hf_ring.transformers",
     "unshard": "hf_ring.parallel",
 }
-_SUBPACKAGES = ("cli", "data", "errors", "evaluation", "ops", "parallel", "planner", "recipes", "trainer",
+_SUBPACKAGES = ("cli", "data", "errors", "evaluation", "ops", "parallel", "planner", "plots", "recipes", "trainer",
                 "training", "transformers")  # fmt: skip
 
 __all__ = [

@@ -1,6 +1,6 @@
 """``hf-ring`` command line. ``hf-ring plan MODEL --seq-len 1M --gpus 8``: per-rank memory table,
-the smallest CP size that fits, whether the ring's transfers hide behind compute, and the ring /
-Ulysses / hybrid layouts of the CP group priced per layer with the recommended ``ulysses_size``.
+the smallest CP size that fits, whether the ring's transfers hide behind compute, and the grids of
+the CP group (ring, Ulysses, Ulysses x ring) priced per layer with the recommended ``ulysses_size``.
 ``hf-ring train RECIPE [--field value ...]``: train a recipe on this process (``hf_ring.recipes.run``),
 alone or under a launcher (``accelerate launch ... -m hf_ring.cli train RECIPE``, ``torchrun ... -m
 hf_ring.cli train RECIPE``); ``hf-ring train --list`` shows the packaged recipes and launch configs.
@@ -276,7 +276,7 @@ def _main(argv: list[str]) -> int:
         "plan",
         help="per-rank memory of a long-context fine-tuning run",
         description="Per-rank memory table, smallest CP size that fits, the ring overlap check and the ring / "
-        "Ulysses layouts (communication time per layer, recommended ulysses_size). MODEL: a "
+        "Ulysses grids (communication time per layer, recommended ulysses_size). MODEL: a "
         f"known name ({', '.join(KNOWN_MODELS)}), a config.json or a directory with one, or a recipe (a .yaml "
         "file, or the name of one in hf_ring/recipes/; then its sequence length, CP size, LoRA and checkpointing "
         "settings are used, and the options given override them).",

@@ -223,10 +223,10 @@ def ring_attention(
     with ``group=None`` meaning the CP group of ``setup_context_parallel`` (else the world group).
 
     ``q: [B, S_local, Hq, D]``, ``k, v: [B, S_local, Hkv, D]`` (this rank's zigzag shard) ->
-    ``[B, S_local, Hq, D]``. Options: ``causal``, ``softmax_scale``, ``backend``, ``layout``,
+    ``[B, S_local, Hq, D]``. Options: ``causal``, ``softmax_scale``, ``backend``, ``order``,
     ``validate``, ``ring``, ``softcap``, ``sinks``; see the op's docstring. When that CP group was set up with
-    ``ulysses_size > 1``, this is ``ulysses_attention`` on its Ulysses x ring grid (the layout
-    ``shard`` gives; ``layout``, ``ring`` and ``schedule`` do not apply there).
+    ``ulysses_size > 1``, this is ``ulysses_attention`` on its Ulysses x ring grid (the pieces
+    ``shard`` gives; ``order``, ``ring`` and ``schedule`` do not apply there).
     """
     if group is None and options.get("ring") is None:
         if _default_ulysses(None) is not None:

@@ -3,7 +3,8 @@ recipes got one package each: ``hf_ring.training.<name>`` is the module it moved
 module object, so classes and functions are identical), with a ``DeprecationWarning``.
 
     hf_ring.training.trl, .arguments, .checks, .export   -> hf_ring.trainer.<name>
-    hf_ring.training.recipe, .run, .data, .evaluate, .plots -> hf_ring.recipes.<name>
+    hf_ring.training.recipe, .run, .data, .evaluate      -> hf_ring.recipes.<name>
+    hf_ring.training.plots                               -> hf_ring.plots
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from typing import Any
 
 MOVED = {
     **{name: f"hf_ring.trainer.{name}" for name in ("arguments", "checks", "export", "trl")},
-    **{name: f"hf_ring.recipes.{name}" for name in ("data", "evaluate", "plots", "recipe", "run")},
+    **{name: f"hf_ring.recipes.{name}" for name in ("data", "evaluate", "recipe", "run")},
+    "plots": "hf_ring.plots",
 }
 
 __path__: list[str] = []  # a package with no files of its own: its submodules are the moved modules

@@ -24,31 +24,17 @@ import sys
 
 import torch
 
-from hf_ring.ops.ring import _kv_message, _RingAttention
-from hf_ring.ops.windows import _OneRank, mask_plan
+from hf_ring.ops.ring import _kv_message, block_attention, ring_attention
+from hf_ring.ops.windows import mask_plan
 from testkit.comm import NoCommRing
 from testkit.flash_blocks import packed_layout
+from testkit.oracle import attention
 
 CASES = [  # (docs, window, P): tests/test_flash_windows.py's RING_CASES and BORDER_CASES
     ([6, 11, 227], 6, 2), ([19, 12, 10, 1, 9, 207], 8, 3), ([87, 4, 9, 18, 6, 10, 218], 6, 4),
     ([5, 41, 3, 23], 16, 2), ([125, 51, 5, 1, 11, 3, 1, 21, 6, 8, 64], 6, 4),
 ]  # fmt: skip
 HQ, HKV, D = 8, 2, 64
-
-
-def oracle(q, k, v, docs, window, softcap, sinks):
-    """float64 attention ``[1, N, Hq, D]`` over packed ``docs`` under a sliding ``window``, with the cap
-    and the per-head sinks, from their definitions."""
-    n = q.shape[1]
-    doc = torch.repeat_interleave(torch.arange(len(docs)), torch.tensor(docs))
-    i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
-    mask = (doc[:, None] == doc[None, :]) & (j <= i) & (j > i - window)
-    rep = q.shape[2] // k.shape[2]
-    qh, kh, vh = (t.double().transpose(1, 2) for t in (q, k.repeat_interleave(rep, 2), v.repeat_interleave(rep, 2)))
-    s = (qh @ kh.transpose(-1, -2)) * D**-0.5
-    s = softcap * torch.tanh(s / softcap) if softcap else s
-    s = torch.cat((s.masked_fill(~mask, -math.inf), sinks.double()[None, :, None, None].expand(1, -1, n, 1)), -1)
-    return (s.softmax(-1)[..., :-1] @ vh).transpose(1, 2)
 
 
 def rel(x, ref) -> float:
@@ -65,7 +51,8 @@ def expected(docs: tuple[int, ...], window: int, softcap: float, dt: torch.dtype
     """The oracle's out and gradients for ``check``'s inputs (once per case, for both kernel forms)."""
     q, k, v, dout, sinks = inputs(sum(docs), window, dt)
     leaves = [t.double().requires_grad_() for t in (q, k, v, sinks)]
-    ref = oracle(*leaves[:3], list(docs), window, softcap, leaves[3])
+    starts = [[sum(docs[:i]) for i in range(len(docs))]]
+    ref = attention(*leaves[:3], True, starts=starts, window=window, softcap=softcap, sinks=leaves[3])
     ref.backward(dout.double())
     return {"out": ref.detach(), **dict(zip(("dq", "dk", "dv", "dsinks"), (t.grad for t in leaves)))}
 
@@ -99,8 +86,8 @@ def check(docs, window, size, kernel, dev, dt, softcap) -> dict[str, float]:
         kv = torch.cat((g_in[1], g_in[2]), -1)
         local, fetched = rows(kv, index[r])[0], rows(kv, torch.tensor(halo_positions(plan), dtype=torch.long))[0]
         kvr = plan.kv_rows(local, fetched)[None]
-        out = _RingAttention.apply(rows(g_in[0], index[r]), kvr[..., :D], kvr[..., D:], D**-0.5, [plan.blocks],
-                                   kernel, _OneRank(), g_in[3], softcap)  # fmt: skip
+        out = block_attention(rows(g_in[0], index[r]), kvr[..., :D], kvr[..., D:], plan.blocks, softmax_scale=D**-0.5,
+                              backend=kernel, softcap=softcap, sinks=g_in[3])  # fmt: skip
         total = total + (out.double() * rows(dout, index[r]).double()).sum()
         outs[0, index[r]] = out[0].detach().double().cpu()
     total.backward()
@@ -123,8 +110,8 @@ def check(docs, window, size, kernel, dev, dt, softcap) -> dict[str, float]:
                 recv.copy_(messages[(r - hop) % size])
 
         ql, sk = rows(q, index[r]).requires_grad_(), sinks.to(dev).requires_grad_()
-        out = _RingAttention.apply(ql, rows(k, index[r]), rows(v, index[r]), D**-0.5, steps, kernel,
-                                   NoCommRing(size, r, fill), sk, softcap)  # fmt: skip
+        out = ring_attention(ql, rows(k, index[r]), rows(v, index[r]), ring=NoCommRing(size, r, fill), schedule=steps,
+                             softmax_scale=D**-0.5, backend=kernel, softcap=softcap, sinks=sk)  # fmt: skip
         got_dq, got_ds = torch.autograd.grad(out, (ql, sk), rows(dout, index[r]))
         outs[0, index[r]], dq[0, index[r]] = out[0].detach().double().cpu(), got_dq[0].double().cpu()
         dsinks += got_ds.double().cpu()

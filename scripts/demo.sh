@@ -25,6 +25,8 @@ times > runs/.demo-cpu-after
 .venv/bin/python - "$SEED" "$start" "$end" runs/.demo-cpu-before runs/.demo-cpu-after <<'PY'
 import json, os, re, sys
 
+from hf_ring.evaluation.runtime import machine_info
+
 
 def child_cpu(path):
     """User + system seconds of the shell's finished children (the second line of bash's `times`)."""
@@ -44,6 +46,7 @@ demo = {
     "accuracy_before": s["accuracy_before"],
     "accuracy_after": s["accuracy_after"],
     "eval": ev,
+    "cp_size": s["cp_size"],
     "final_loss": s["final_loss"],
     "pretrain_steps": p["steps"],
     "pretrain_seconds": p["train_seconds"],
@@ -52,6 +55,7 @@ demo = {
     "wall_seconds": round(end - start, 1),
     "cpu_seconds": round(cpu, 1),
     "cpus": os.cpu_count(),
+    "machine": machine_info(),
     "load_average_1min_at_end": round(os.getloadavg()[0], 2),
 }
 json.dump(demo, open("runs/tiny-cpu-demo/demo.json", "w"), indent=2)
@@ -61,6 +65,7 @@ print(f"ring-attention fine-tuning (CP={s['cp_size']}): {s['steps']} steps in {s
       f"final loss {s['final_loss']:.4f}")
 print(f"passkey retrieval at {ev['seq_len'] // 1024}K tokens ({ev['samples']} held-out samples, CP=4 prefill): "
       f"{s['accuracy_before']:.0%} before -> {s['accuracy_after']:.0%} after ring-attention fine-tuning")
-print(f"demo wall time {demo['wall_seconds']:.0f} s, CPU time {demo['cpu_seconds']:.0f} s on {demo['cpus']} CPUs; "
+print(f"demo wall time {demo['wall_seconds']:.0f} s, CPU time {demo['cpu_seconds']:.0f} s on {demo['machine']['cpu']} "
+      f"({demo['machine']['cores']} cores, load average {demo['load_average_1min_at_end']} at the end); "
       "loss curves: runs/tiny-cpu-demo*/loss.png; runs/tiny-cpu-demo/demo.json")
 PY

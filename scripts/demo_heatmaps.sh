@@ -7,7 +7,7 @@
 #   bash scripts/demo_heatmaps.sh
 #
 # writes docs/demo/needle-before/needle.{json,png}, docs/demo/needle-after/needle.{json,png} and
-# docs/demo/needle.png (about 10-15 minutes on a 2-core machine). Every setting can be changed
+# docs/demo/needle.png (each needle.json records its seconds and machine; docs/demo.md shows them). Every setting can be changed
 # through the environment, e.g. BEFORE=runs/a/final AFTER=runs/b/final LENGTHS=1K,2K,...,64K.
 set -euo pipefail
 cd "$(dirname "$0")/.."

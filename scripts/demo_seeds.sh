@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The CPU demo over several seeds, one after the other (the README's figures):
+# The CPU demo over several seeds, one after the other (docs/demo.md's figures, from docs/demo/seeds.json):
 #
 #   bash scripts/demo_seeds.sh [SEED ...]     # default: 0 1 2
 #

@@ -2,14 +2,14 @@
 
     python scripts/sweep_models.py                      # all families x variants -> docs/models.json
     python scripts/sweep_models.py --families llama,qwen3_next --json /tmp/some.json
-    python scripts/sweep_models.py --from-json --update-readme   # README table from docs/models.json
+    python scripts/sweep_models.py --from-json --update-docs     # docs/models.md from docs/models.json
 
 Each family (and each of its variants: router_aux, sliding, mla, temperature) runs on CP=2 gloo
 ranks against one process with sdpa (``testkit.sweep.check_family``), on three paths: a training
 step with labels, a prefill without labels (the logits), and the training step with the chunked
-loss. The records go to ``docs/models.json``; a markdown table goes to stdout, to ``--markdown
-PATH``, and with ``--update-readme`` between ``<!-- models:start -->`` and ``<!-- models:end -->``
-in README.md.
+loss. The records go to ``docs/models.json``; a markdown table goes to stdout and to ``--markdown
+PATH``; ``--update-docs`` renders the documents' generated regions from them (docs/models.md's table,
+the README's summary line: ``scripts/render_docs.py``).
 """
 
 from __future__ import annotations
@@ -28,8 +28,6 @@ sys.path.insert(0, str(ROOT))
 from testkit.families import skipped, variants  # noqa: E402
 from testkit.sweep import STATUSES, check_family  # noqa: E402
 from testkit.sweep_table import PATHS, path_record, render_table  # noqa: E402
-from testkit.sweep_table import README_END as END  # noqa: E402
-from testkit.sweep_table import README_START as START  # noqa: E402
 
 
 def run_sweep(names: list[str], n: int, cp: int, timeout: float, log=print) -> list[dict]:
@@ -56,15 +54,6 @@ def run_sweep(names: list[str], n: int, cp: int, timeout: float, log=print) -> l
             label = name + (f" ({variant})" if variant else "")
             log(f"{r['seconds']:6.1f}s  {statuses:24s} {label}  {r.get('detail', '')[:90]}")
     return records
-
-
-def update_readme(table: str, readme: Path) -> None:
-    text = readme.read_text()
-    if START not in text or END not in text:
-        raise SystemExit(f"{readme}: no {START} ... {END} markers to put the table between")
-    head, rest = text.split(START, 1)
-    _, tail = rest.split(END, 1)
-    readme.write_text(f"{head}{START}\n{table}{END}{tail}")
 
 
 def summary(records: list[dict], wall: float | None) -> str:
@@ -96,8 +85,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--timeout", type=float, default=120.0, help="seconds per family before the ranks count as hung")
     p.add_argument("--json", default=str(ROOT / "docs" / "models.json"), help="records file (written, or read)")
     p.add_argument("--from-json", action="store_true", help="do not run: read the records from --json")
-    p.add_argument("--markdown", help="write the README table to this file")
-    p.add_argument("--update-readme", action="store_true", help="put the table between the markers in README.md")
+    p.add_argument("--markdown", help="write the models table to this file")
+    p.add_argument("--update-docs", action="store_true", help="render docs/models.md and the README's summary")
     args = p.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -125,8 +114,11 @@ def main(argv: list[str] | None = None) -> None:
     print(table + summary(records, wall))
     if args.markdown:
         Path(args.markdown).write_text(table)
-    if args.update_readme:
-        update_readme(table, ROOT / "README.md")
+    if args.update_docs:
+        from benchmarks.report import update
+
+        for path in update():
+            print(f"rewrote {path.relative_to(ROOT)}")
 
 
 if __name__ == "__main__":

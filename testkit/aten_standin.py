@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from testkit.flash_rules import flash_keeps
+from testkit.oracle import attention
 
 __all__ = ["AtenCUDAStandIn"]
 
@@ -30,12 +31,11 @@ def _scores64(q: Tensor, k: Tensor, scale: float, keep: Tensor) -> Tensor:
     return s.masked_fill(~keep, -math.inf)
 
 
-def _attn64(q: Tensor, k: Tensor, v: Tensor, s: Tensor) -> tuple[Tensor, Tensor]:
-    """float64 ``out [B, Sq, Hq, D]`` and ``lse [B, Hq, Sq]`` (``-inf`` for rows without keys) of scores ``s``."""
-    rep = q.shape[2] // k.shape[2]
-    lse = torch.logsumexp(s, -1)
-    p = torch.exp(s - lse[..., None]).nan_to_num(0.0)
-    return torch.einsum("bhqk,bkhd->bqhd", p, v.double().repeat_interleave(rep, 2)), lse
+def _attn64(q: Tensor, k: Tensor, v: Tensor, scale: float, keep: Tensor) -> tuple[Tensor, Tensor]:
+    """float64 ``out [B, Sq, Hq, D]`` and ``lse [B, Hq, Sq]`` (``-inf`` for rows without keys) under the
+    op's mask ``keep [Sq, Sk]``: exact attention, the oracle's."""
+    out, lse = attention(q, k, v, scale=scale, mask=keep, with_lse=True)
+    return out, lse.transpose(1, 2)
 
 
 def _grads64(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, s: Tensor, scale: float):
@@ -117,7 +117,7 @@ class AtenCUDAStandIn:
         _check(dropout_p == 0.0 and not return_debug_mask, "stand-in: no dropout, no debug mask")
         scale = scale if scale is not None else q.shape[-1] ** -0.5
         keep = flash_keeps(q.shape[1], k.shape[1], is_causal, None, "fwd")
-        out, lse = _attn64(q, k, v, _scores64(q, k, scale, keep))
+        out, lse = _attn64(q, k, v, scale, keep)
         lse = lse.masked_fill(torch.isneginf(lse), math.inf).float()  # mha_fwd: +inf for rows without keys [T4]
         rng_state = torch.empty(2, dtype=torch.uint64)  # dropout 0: allocated, never written
         unused = torch.empty((), dtype=torch.uint64)
@@ -218,7 +218,7 @@ class AtenCUDAStandIn:
         b, m, h, d = query.shape
         scale = scale if scale is not None else d**-0.5
         keep = _top_left(m, key.shape[1], custom_mask_type)
-        out, lse = _attn64(query, key, value, _scores64(query, key, scale, keep))
+        out, lse = _attn64(query, key, value, scale, keep)
         lse_p = torch.full((b, h, -(-m // 32) * 32 if compute_log_sumexp else 0), math.inf, dtype=torch.float32)
         if compute_log_sumexp:
             lse_p[..., :m] = lse

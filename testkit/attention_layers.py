@@ -15,7 +15,8 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
-from .families import _HEAD_DIM, _WIDTH, _config_class, _default, tiny_config, variants
+from .config_fields import HEAD_DIM, WIDTH
+from .families import _config_class, _default, tiny_config, variants
 
 __all__ = ["LayerRequest", "layer_requests"]
 
@@ -39,18 +40,18 @@ def _head_dims(model_type: str) -> dict[str, Any]:
     cls = _config_class(model_type)
     default = _default(cls).to_dict()
     tiny = tiny_config(model_type).to_dict()
-    out: dict[str, Any] = {f: default[f] for f in (*_HEAD_DIM, *_MLA) if isinstance(default.get(f), int) and f in tiny}
+    out: dict[str, Any] = {f: default[f] for f in (*HEAD_DIM, *_MLA) if isinstance(default.get(f), int) and f in tiny}
     plc, mine = default.get("per_layer_config"), tiny.get("per_layer_config") or {}
     n = tiny.get("num_hidden_layers")
     if isinstance(plc, dict) and isinstance(n, int):  # heterogeneous layers: {"05": {"head_dim": 512}, ...}
         out["per_layer_config"] = {
-            k: {**mine.get(k, {}), **{f: v[f] for f in (*_HEAD_DIM, *_MLA) if isinstance(v.get(f), int)}}
+            k: {**mine.get(k, {}), **{f: v[f] for f in (*HEAD_DIM, *_MLA) if isinstance(v.get(f), int)}}
             for k, v in plc.items()
             if isinstance(v, dict) and int(k) < n
         }
     if "head_dim" not in out and "num_attention_heads" in default and isinstance(default.get("hidden_size"), int):
         heads = default["num_attention_heads"]
-        if isinstance(heads, int) and heads and default["hidden_size"] % heads == 0 and "hidden_size" in _WIDTH:
+        if isinstance(heads, int) and heads and default["hidden_size"] % heads == 0 and "hidden_size" in WIDTH:
             out["hidden_size"] = tiny["num_attention_heads"] * (default["hidden_size"] // heads)
     return out
 
@@ -74,37 +75,36 @@ def _requests(model_type: str, fields: dict[str, Any]) -> tuple[LayerRequest, ..
     import torch
 
     import hf_ring  # noqa: F401 - registers "ring"
-    from hf_ring.ops import ring, windows
+    from hf_ring.ops import ring
     from hf_ring.transformers.support import RingNotSupported
 
-    from .sweep import _batch, _build
+    from .sweep_rank import build_model, sweep_batch
 
     seen: list[LayerRequest] = []
     sinks = [False]
-    originals = {(m, name): getattr(m, name) for m in (ring, windows) for name in ("get_kernel", "_check_extras")}
+    originals = {name: getattr(ring, name) for name in ("get_kernel", "check_extras")}
 
-    def extras(q, softcap, s):  # noqa: ANN001, ANN202
+    def extras(q, softcap, s, *who):  # noqa: ANN001, ANN202
         sinks[0] = s is not None
-        return originals[(ring, "_check_extras")](q, softcap, s)
+        return originals["check_extras"](q, softcap, s, *who)
 
     def pick(backend, device, dtype, softcap=False, window=False, head_dim=None):  # noqa: ANN001, ANN202
         seen.append(LayerRequest(int(head_dim), bool(softcap), bool(window), sinks[0]))
-        return originals[(ring, "get_kernel")](backend, device, dtype, softcap, window, head_dim)
+        return originals["get_kernel"](backend, device, dtype, softcap, window, head_dim)
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
             config = tiny_config(model_type, **fields)
-            model = _build(model_type, config, "ring", 0, torch.float32)
-            for m in (ring, windows):
-                m.get_kernel, m._check_extras = pick, extras  # type: ignore[attr-defined]
+            model = build_model(model_type, config, "ring", 0, torch.float32)
+            ring.get_kernel, ring.check_extras = pick, extras  # type: ignore[attr-defined]
             with torch.no_grad():
-                model(**_batch(config, 1, N), use_cache=False)
+                model(**sweep_batch(config, 1, N), use_cache=False)
         except RingNotSupported:
             return None
         except Exception as e:  # noqa: BLE001 - the caller tries the plain tiny config
             raise _Broken(f"{model_type}: {type(e).__name__}: {e}") from e
         finally:
-            for (m, name), fn in originals.items():
-                setattr(m, name, fn)
+            for name, fn in originals.items():
+                setattr(ring, name, fn)
     return tuple(seen) or None

@@ -1,4 +1,4 @@
-"""Stand-ins for the CUDA attention libraries, run on CPU, and a float64 attention to judge them by.
+"""Stand-ins for the CUDA attention libraries, run on CPU (judged by ``testkit.oracle``).
 
 * flash-attn 2.6.3 - 2.8.3: ``testkit.flash_standin.FlashAttnStandIn`` (its checks, window preprocessing
   and mask: ``testkit.flash_rules``). ``FAKES`` names the interface forms ``FlashAttnKernel`` meets:
@@ -30,33 +30,10 @@ __all__ = [
     "TOL",
     "AtenCUDAStandIn",
     "FlashAttnStandIn",
-    "attention64",
     "flash_module",
     "inputs",
     "make_kernel",
-    "reference",
 ]
-
-# --------------------------------------------------------------------------- float64 oracle
-
-
-def scores64(q: Tensor, k: Tensor, causal: bool, scale: float) -> Tensor:
-    """``[B, H, Sq, Sk]`` float64 scores; causal is top-left aligned (key j hidden from query i > j)."""
-    rep = q.shape[2] // k.shape[2]
-    s = torch.einsum("bqhd,bkhd->bhqk", q.double(), k.double().repeat_interleave(rep, 2)) * scale
-    if causal:
-        sq, sk = s.shape[-2:]
-        s = s.masked_fill(torch.ones(sq, sk, dtype=torch.bool).triu(1), float("-inf"))
-    return s
-
-
-def attention64(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
-    """``(out [B, Sq, Hq, D], lse [B, Sq, Hq])`` in float64, differentiable."""
-    s = scores64(q, k, causal, scale)
-    rep = q.shape[2] // k.shape[2]
-    out = torch.einsum("bhqk,bkhd->bqhd", s.softmax(-1), v.double().repeat_interleave(rep, 2))
-    return out, torch.logsumexp(s, -1).transpose(1, 2)
-
 
 # --------------------------------------------------------------------------- flash-attn
 
@@ -197,10 +174,3 @@ def inputs(shape: tuple, dtype: torch.dtype, seed: int = 0) -> tuple[Tensor, ...
         torch.randn(b, s, h, d, generator=g, dtype=torch.float64) for s, h in ((sq, hq), (sk, hkv), (sk, hkv), (sq, hq))
     )
     return q, k, v, dout
-
-
-def reference(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, causal: bool, scale: float) -> list[Tensor]:
-    """``[out, lse, dq, dk, dv]`` in float64."""
-    xs = [x.detach().double().requires_grad_() for x in (q, k, v)]
-    out, lse = attention64(*xs, causal, scale)
-    return [out.detach(), lse.detach(), *torch.autograd.grad(out, xs, dout.double())]

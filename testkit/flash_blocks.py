@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from hf_ring.ops.layout import ShardLayout, sequence_layout
-from hf_ring.ops.schedule import Block, balanced_layout
+from hf_ring.ops.schedule import Block, balanced_placement
 from hf_ring.ops.windows import MaskPlan, mask_plan, ring_level
 from testkit.flash_rules import flash_limits, flash_window
 
@@ -29,10 +29,10 @@ def packed_layout(docs: list[list[int]], ring: int, ulysses: int = 1) -> ShardLa
     per-document zigzag over the ring positions, each position's rows cut into ``ulysses`` pieces."""
     n = sum(docs[0])
     starts = [[sum(d[:i]) for i in range(len(d))] for d in docs]
-    layouts = [balanced_layout(s, n, ring) for s in starts]
-    local = -(-max(length for _, length in layouts) // ulysses) * ulysses
+    placements = [balanced_placement(s, n, ring) for s in starts]
+    local = -(-max(length for _, length in placements) // ulysses) * ulysses
     return ShardLayout(
-        n, ring, ulysses, local // ulysses, tuple(x for x, _ in layouts), tuple(map(tuple, starts)), True
+        n, ring, ulysses, local // ulysses, tuple(x for x, _ in placements), tuple(map(tuple, starts)), True
     )
 
 

@@ -5,7 +5,7 @@ exactly as ``shard_batch`` lays them out, and helpers to cut a full tensor into 
 from __future__ import annotations
 
 import importlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -47,6 +47,32 @@ def documents(layout: ShardLayout, row: int) -> list[tuple[int, int]]:
     """``[start, stop)`` of every document of batch row ``row`` (one sequence: the whole row)."""
     starts = list(layout.starts[row if len(layout.starts) > 1 else 0])
     return list(zip(starts, [*starts[1:], layout.n]))
+
+
+def each_document_alone(
+    fn: Callable[[list[Tensor], list[Tensor]], Tensor],
+    xs: list[Tensor],
+    w: Tensor,
+    layout: ShardLayout,
+    dtype: torch.dtype,
+    params: list[Tensor] | None = None,
+    params_dtype: torch.dtype | None = None,
+    dim: int = 1,
+) -> tuple[Tensor, list[Tensor], list[Tensor]]:
+    """The token mixers' oracle: ``fn`` over every document of every batch row alone (from a zero
+    state), on ``xs`` and ``params`` cast to ``dtype`` (``params_dtype``), and the gradients of
+    ``sum(out * w)``. ``fn(parts, params)``: one document's output ``[1, L, ...]`` (``L`` along ``dim``)
+    from its rows ``parts`` of ``xs`` (``[B, N, ...]`` along ``dim``). Returns the output ``[B, N, ...]``
+    and the gradients of ``xs`` and ``params``, in float64."""
+    leaves = [t.detach().to(dtype).clone().requires_grad_() for t in xs]
+    pleaves = [t.detach().to(params_dtype or dtype).clone().requires_grad_() for t in params or []]
+    out = torch.zeros_like(w)
+    for row in range(w.shape[0]):
+        for lo, hi in documents(layout, row):
+            rows = (slice(row, row + 1), *[slice(None)] * (dim - 1), slice(lo, hi))
+            out[rows] = fn([t[rows] for t in leaves], pleaves).to(dtype).double()
+    (out * w).sum().backward()
+    return out.detach(), [t.grad.double() for t in leaves], [t.grad.double() for t in pleaves]
 
 
 def local_rows(full: Tensor, layout: ShardLayout, rank: int, dim: int = 1) -> Tensor:

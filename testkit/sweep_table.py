@@ -1,7 +1,7 @@
-"""What a sweep record means: the README's "why / what it would need", and the README table.
+"""What a sweep record means: the "why / what it would need" of docs/models.md, and its table.
 
 ``explain(record)`` gives one line for a record (or for one path of it, ``path_record``);
-``render_table(records)`` the README's supported-models section, generated from
+``render_table(records)`` docs/models.md's supported-models section, generated from
 ``docs/models.json`` by ``scripts/sweep_models.py``: counts per path, the families exact on every
 path, a table of the others with each path's status and the reason.
 """
@@ -12,7 +12,7 @@ import math
 
 from .families import tiny_config
 
-__all__ = ["PATHS", "README_END", "README_START", "explain", "path_record", "render_table"]
+__all__ = ["PATHS", "explain", "path_record", "render_table"]
 
 NO_EFFECT = 1e-6  # a variant whose reference loss moves less than this (relative) changes nothing
 # the three paths every family is judged on: the record's own fields are the labelled path's
@@ -69,7 +69,7 @@ def _recurrent_kinds(model_type: str) -> list[str]:
 
 
 def explain(record: dict) -> str:
-    """One line for the README: why the family has its status, and what exactness would need."""
+    """One line of the table: why the family has its status, and what exactness would need."""
     status, detail, variant = record["status"], record.get("detail", ""), record.get("variant")
     if variant is not None and record.get("variant_effect", math.inf) < NO_EFFECT:
         variant = None  # the variant changes nothing: the plain family's reason holds
@@ -176,7 +176,6 @@ def _has_attention(model_type: str) -> bool:
     return any(getattr(config, k, None) for k in ("num_attention_heads", "n_head", "n_heads", "num_heads"))
 
 
-README_START, README_END = "<!-- models:start -->", "<!-- models:end -->"
 _ORDER = {s: i for i, s in enumerate(("wrong", "broken", "refused", "exact", "skipped"))}
 _STATUSES = ("exact", "refused", "wrong", "broken", "skipped")
 _PATH_NAMES = {
@@ -187,7 +186,7 @@ _PATH_NAMES = {
 
 
 def render_table(records: list[dict]) -> str:
-    """The README's supported-models section: counts per path, the families exact on every path in
+    """docs/models.md's supported-models section: counts per path, the families exact on every path in
     one list, a table of the others (each path's status and the reason), the skipped ones in one list."""
     from collections import Counter
 

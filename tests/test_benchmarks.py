@@ -236,7 +236,7 @@ def test_windows_quick(tmp_path):
 def test_quick_mixer_benchmark(tmp_path):
     """Every mixer family at P = 2: times, efficiency, and the bytes counted from the collectives equal
     the state passing's and the halos' sizes (one (map, state) slot, K - 1 rows per border)."""
-    from benchmarks import bench_mixers as B
+    from benchmarks import mixer_cases as B
 
     out = tmp_path / "mixers.jsonl"
     rows = run_quick("bench_mixers", out, timeout=110)
@@ -269,8 +269,7 @@ def test_quick_mixer_benchmark(tmp_path):
     ):
         assert got[(name, "comm_bytes", "hf_ring", "bytes_sent_per_rank.forward", 2, n)] == 4 * slot, name
         assert got[(name, "comm_bytes", "hf_ring", "bytes_sent_per_rank.backward", 2, n)] == 2 * 4 * slot, name
-    png = B.plot(rows, tmp_path / "mixers.png")
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    assert (tmp_path / "mixers.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # drawn by benchmarks.plot
 
 
 # ============================================================ GPT-OSS-shaped model step (bench_gptoss.py)

@@ -9,37 +9,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from hf_ring.ops.ring import ring_attention
-from hf_ring.ops.schedule import balanced_layout, document_schedule, layout_schedule
+from hf_ring.ops.schedule import balanced_placement, document_schedule, placement_schedule
 from hf_ring.ops.zigzag import shard, unshard
-from testkit.oracle import rel_err
+from testkit.oracle import attention, rel_err, visible
 from testkit.spawn import run_ranks
-
-
-def doc_ids(starts: list[int], n: int) -> Tensor:
-    ids = torch.zeros(n, dtype=torch.long)
-    for s in starts[1:]:
-        ids[s:] += 1
-    return ids
-
-
-def doc_mask(starts: list[list[int]], n: int) -> Tensor:
-    """``[B, 1, N, N]`` True where query i may see key j: same document, j <= i."""
-    causal = torch.ones(n, n, dtype=torch.bool).tril()
-    masks = []
-    for s in starts:
-        ids = doc_ids(s, n)
-        masks.append(causal & (ids[:, None] == ids[None, :]))
-    return torch.stack(masks)[:, None]
-
-
-def oracle(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
-    """float64 attention, ``[B, N, H, D]`` layout, grouped-query K/V expanded here."""
-    rep = q.shape[2] // k.shape[2]
-    q, k, v = (t.double().transpose(1, 2) for t in (q, k, v))
-    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-    s = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
-    return (s.masked_fill(~mask, float("-inf")).softmax(-1) @ v).transpose(1, 2)
-
 
 CASES = {  # document lengths per batch row; N = 24 splits into 2P chunks for P = 1..4
     "shorter_than_2p": [[1, 2, 3, 1, 2, 1, 3, 4, 2, 5]],
@@ -63,14 +36,14 @@ def balanced_shards(
     starts: list[list[int]], n: int, size: int, rank: int, split_from: int | None = None
 ) -> tuple[Tensor, list]:
     """This rank's rows ([B, local] global indices, n for padding) and schedule, per-document zigzag."""
-    layouts = [balanced_layout(s, n, size, split_from) for s in starts]
-    local = max(length for _, length in layouts)
+    placements = [balanced_placement(s, n, size, split_from) for s in starts]
+    local = max(length for _, length in placements)
     index = torch.full((len(starts), local), n, dtype=torch.long)
     per_row = []
-    for i, (layout, _) in enumerate(layouts):
-        rows = [j for seg in layout[rank] for j in range(seg.start, seg.stop)]
+    for i, (placement, _) in enumerate(placements):
+        rows = [j for seg in placement[rank] for j in range(seg.start, seg.stop)]
         index[i, : len(rows)] = torch.tensor(rows, dtype=torch.long)
-        per_row.append(layout_schedule(layout, rank, (i, i + 1)))
+        per_row.append(placement_schedule(placement, rank, (i, i + 1)))
     return index, [tuple(blk for row in per_row for blk in row[step]) for step in range(size)]
 
 
@@ -132,7 +105,7 @@ def balanced_errors(
     out = ring_attention(*loc[:3], schedule=sched, backend=kernel)
     out.backward(loc[3])
     ref_in = [t.double().requires_grad_() for t in (q, k, v)]
-    ref = oracle(*ref_in, doc_mask(starts, n))
+    ref = attention(*ref_in, True, starts=starts)
     ref.backward(dout.double())
     errs = {}
     for name, got, want in zip(("out", "dq", "dk", "dv"), (out, *(t.grad for t in loc[:3])),
@@ -184,8 +157,8 @@ def documents_errors(case: str, dtype_name: str, hq: int, hkv: int, d: int) -> d
     got = [unshard(t, dim=1) for t in (out, loc[0].grad, loc[1].grad, loc[2].grad)]
     # float64 oracle and its gradients
     ref_in = [t.double().requires_grad_() for t in (q.to(dtype), k.to(dtype), v.to(dtype))]
-    mask = doc_mask(starts, n)
-    ref = oracle(*ref_in, mask)
+    mask = visible(n, starts=starts)[:, None]  # [B, 1, N, N]
+    ref = attention(*ref_in, mask=mask)
     ref.backward(dout.to(dtype).double())
     want = [ref, *(t.grad for t in ref_in)]
     errs = {name: rel_err(a, w) for name, a, w in zip(("out", "dq", "dk", "dv"), got, want)}

@@ -115,9 +115,9 @@ def test_torch_backend_cuda_fp32() -> None:
         hf_ring.ring_attention(*qkv(device="cuda"), backend="torch")
 
 
-def test_unknown_layout() -> None:
-    with pytest.raises(ValueError, match=r"unknown layout 'striped'"):
-        hf_ring.ring_attention(*qkv(), layout="striped")
+def test_unknown_order() -> None:
+    with pytest.raises(ValueError, match=r"unknown order 'striped'"):
+        hf_ring.ring_attention(*qkv(), order="striped")
 
 
 def test_setup_without_launcher(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -150,7 +150,7 @@ def test_odd_local_length_zigzag(world: int) -> None:
 
 def contiguous_odd_local_length() -> tuple[int, ...]:
     q, k, v = qkv(s=5)
-    return tuple(hf_ring.ring_attention(q, k, v, layout="contiguous").shape)
+    return tuple(hf_ring.ring_attention(q, k, v, order="contiguous").shape)
 
 
 def test_odd_local_length_is_fine_for_contiguous() -> None:

@@ -255,7 +255,7 @@ def test_adapter_is_applied(model_dir: Path, tmp_path: Path) -> None:
 
 def test_without_matplotlib_json_only(one_process: dict, monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
                                       model_dir: Path, capsys: pytest.CaptureFixture) -> None:  # fmt: skip
-    from hf_ring.evaluation import plots
+    from hf_ring import plots
 
     monkeypatch.setattr(plots, "have_matplotlib", lambda: False)
     argv = ["eval", "needle", str(model_dir), "--lengths", "37", "--depths", "50", "--out", str(tmp_path)]

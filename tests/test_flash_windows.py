@@ -19,8 +19,9 @@ from hf_ring.ops.varlen import varlen_calls
 from hf_ring.ops.windows import mask_plan, masked_attention
 from testkit.flash_blocks import block_mismatch, packed_layout, plan_blocks, survey
 from testkit.flash_rules import flash_keeps, flash_mask, flash_window
+from testkit.oracle import attention
 from testkit.spawn import run_ranks
-from tests.test_masks import allowed, oracle, rel_err
+from tests.test_masks import allowed, rel_err
 
 # packed rows (document lengths, window) whose ring-route plans hold band blocks that flash-attn masks
 # differently unless cut (``schedule.flash_exact``; found by search)
@@ -121,7 +122,7 @@ def packed_flash_errors(
     mask = allowed(layout, 1, window, None)
     ref_in = [t.float().double().requires_grad_() for t in (q, k, v)]
     ref_sink = None if sink is None else sink.float().double().requires_grad_()
-    ref = oracle(*ref_in, mask, softcap, ref_sink)
+    ref = attention(*ref_in, mask=mask, softcap=softcap, sinks=ref_sink)
     ref.backward(dout.float().double())
     out_errs = []
     for route in routes:

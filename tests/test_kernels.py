@@ -19,16 +19,15 @@ from hf_ring.ops.kernels import (
     available_backends,
     get_kernel,
 )
-from hf_ring.ops.ring import merge_
+from hf_ring.ops.merge import merge_
 from testkit.cuda_standins import (
     FAKES,
     KERNELS,
     TOL,
     inputs,
     make_kernel,
-    reference,
 )
-from testkit.oracle import rel_err
+from testkit.oracle import reference, rel_err
 
 # --------------------------------------------------------------------------- kernels vs float64
 

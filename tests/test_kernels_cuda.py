@@ -39,9 +39,8 @@ from testkit.cuda_standins import (
     flash_attn_forward_25,
     inputs,
     make_kernel,
-    reference,
 )
-from testkit.oracle import attention, rel_err
+from testkit.oracle import attention, reference, rel_err
 from testkit.spawn import run_ranks
 
 # --------------------------------------------------------------------------- FlashAttnKernel

@@ -13,9 +13,10 @@ from torch import Tensor
 
 from hf_ring.ops.kernels import ReferenceKernel, TorchCPUKernel, band_mask
 from hf_ring.ops.layout import ShardLayout, sequence_layout
-from hf_ring.ops.schedule import balanced_layout
 from hf_ring.ops.ulysses import ulysses_ring_attention
 from hf_ring.ops.windows import mask_plan, masked_attention
+from testkit.flash_blocks import packed_layout
+from testkit.oracle import attention, visible
 from testkit.spawn import run_ranks
 
 N = 48  # one sequence: 2P chunks for P = 1..4 (and 2 x U x R for U = R = 2)
@@ -32,61 +33,10 @@ def rel_err(x: Tensor, ref: Tensor) -> float:
     return float((x - ref).norm()) / max(float(ref.norm()), 1.0)
 
 
-def starts_of(lengths: list[int]) -> list[int]:
-    out, s = [], 0
-    for n in lengths:
-        out.append(s)
-        s += n
-    return out
-
-
-def packed_layout(docs: list[list[int]], ring: int, ulysses: int) -> ShardLayout:
-    """What ``shard_batch`` lays out for packed rows: the per-document zigzag over the ring positions."""
-    n = sum(docs[0])
-    starts = [starts_of(d) for d in docs]
-    layouts = [balanced_layout(s, n, ring) for s in starts]
-    local = -(-max(length for _, length in layouts) // ulysses) * ulysses
-    rows = tuple(x for x, _ in layouts)
-    return ShardLayout(n, ring, ulysses, local // ulysses, rows, tuple(map(tuple, starts)), True)
-
-
 def allowed(layout: ShardLayout, batch: int, window: int | None, chunk: int | None) -> Tensor:
     """``[B, N, N]`` bool: key j visible to query i (same document, j <= i, in the window and chunk)."""
-    n = layout.n
-    i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
-    out = []
-    for b in range(batch):
-        starts = list(layout.starts[b if len(layout.starts) > 1 else 0])
-        doc = torch.zeros(n, dtype=torch.long)
-        for s in starts[1:]:
-            doc[s:] += 1
-        d0 = torch.tensor(starts)[doc]
-        m = (doc[:, None] == doc[None, :]) & (j <= i)
-        if window is not None:
-            m &= j > i - window
-        if chunk is not None:
-            m &= (i - d0[:, None]) // chunk == (j - d0[None, :]) // chunk
-        out.append(m)
-    return torch.stack(out)
-
-
-def oracle(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, softcap: float = 0.0, sinks: Tensor | None = None) -> Tensor:
-    """float64 attention ``[B, N, H, D]`` under ``mask [B, N, N]``; scores capped to
-    ``softcap * tanh(s / softcap)`` before the mask, and ``sinks`` (``[H]`` or ``[B, N, H]``) one more
-    logit per row with no value, written out from their definitions."""
-    rep = q.shape[2] // k.shape[2]
-    q, k, v = (t.double().transpose(1, 2) for t in (q, k, v))
-    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-    s = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
-    if softcap:
-        s = softcap * torch.tanh(s / softcap)
-    s = s.masked_fill(~mask[:, None], float("-inf"))
-    if sinks is None:
-        return (s.softmax(-1) @ v).transpose(1, 2)
-    sink = sinks.double()[None, :, None] if sinks.dim() == 1 else sinks.double().transpose(1, 2)
-    sink = sink.expand(*s.shape[:3])[..., None]  # [B, H, N, 1]
-    p = torch.cat((s, sink), -1).softmax(-1)[..., :-1]
-    return (p @ v).transpose(1, 2)
+    starts = [layout.starts[b if len(layout.starts) > 1 else 0] for b in range(batch)]
+    return visible(layout.n, window=window, starts=starts, chunk=chunk)
 
 
 def _groups(ulysses: int) -> tuple:
@@ -166,7 +116,7 @@ def _mask_errors(
         mask = allowed(layout, b, window, chunk)
         ref_in = [t.to(dt).double().clone().requires_grad_() for t in (q, k, v)]
         ref_sink = None if sink is None else sink.to(dt).double().clone().requires_grad_()
-        ref = oracle(*ref_in, mask, softcap, ref_sink)
+        ref = attention(*ref_in, mask=mask, softcap=softcap, sinks=ref_sink)
         ref.backward(dout.to(dt).double())
         errs = {"out": rel_err(out[real], take(ref.detach())[real])}
         if ref_sink is not None and sink.dim() == 1:  # each rank's rows' share, summed over the group

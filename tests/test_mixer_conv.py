@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from hf_ring.ops.mixers.conv import causal_conv1d, conv_plan, torch_causal_conv1d
-from testkit.mixers import KINDS, documents, local_rows, make_layout, real_rows
+from testkit.mixers import KINDS, each_document_alone, local_rows, make_layout, real_rows
 from testkit.spawn import run_ranks
 
 C = 5
@@ -18,15 +18,12 @@ C = 5
 
 def oracle(x: Tensor, weight, bias, activation, layout, w_out):
     """Each document convolved alone; the loss ``sum(out * w_out)`` and its gradients."""
-    x = x.detach().clone().requires_grad_()
-    weight = weight.detach().clone().requires_grad_()
-    bias = bias.detach().clone().requires_grad_()
-    out = torch.zeros_like(x)
-    for b in range(x.shape[0]):
-        for lo, hi in documents(layout, b):
-            out[b, :, lo:hi] = torch_causal_conv1d(x[b : b + 1, :, lo:hi], weight, bias, activation)[0]
-    (out * w_out).sum().backward()
-    return out.detach(), x.grad, weight.grad, bias.grad
+
+    def conv(parts: list[Tensor], ps: list[Tensor]) -> Tensor:
+        return torch_causal_conv1d(parts[0], *ps, activation)
+
+    out, (gx,), (gw, gb) = each_document_alone(conv, [x], w_out, layout, x.dtype, [weight, bias], dim=2)
+    return out, gx, gw, gb
 
 
 Tensor = torch.Tensor

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from hf_ring.ops.mixers.delta import delta_plan, delta_rule
-from testkit.mixers import KINDS, delta_rule_reference, documents, local_rows, make_layout, real_rows
+from testkit.mixers import KINDS, delta_rule_reference, each_document_alone, local_rows, make_layout, mixer_errors
 from testkit.spawn import run_ranks
 
 HK, HV, DK, DV = 2, 4, 5, 3
@@ -46,15 +46,12 @@ def inputs(batch: int, n: int, per_channel: bool, hk: int = HK) -> list[torch.Te
 def oracle(full: list[torch.Tensor], layout, dtype: torch.dtype, rule) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Each document alone through ``rule`` in ``dtype``; the output and the gradients of ``sum(out * w)``."""
     *xs, w = full
-    leaves = [x.detach().to(dtype).clone().requires_grad_() for x in xs]
-    out = torch.zeros_like(w)
-    for b in range(w.shape[0]):
-        for lo, hi in documents(layout, b):
-            part = [x[b : b + 1, lo:hi] for x in leaves]
-            o, _ = rule(*part, use_qk_l2norm_in_kernel=True, chunk_size=4)
-            out[b, lo:hi] = o[0].double()
-    (out * w).sum().backward()
-    return out.detach(), [x.grad.double() for x in leaves]
+
+    def one(parts: list[torch.Tensor], _: list[torch.Tensor]) -> torch.Tensor:
+        return rule(*parts, use_qk_l2norm_in_kernel=True, chunk_size=4)[0]
+
+    out, grads, _ = each_document_alone(one, xs, w, layout, dtype)
+    return out, grads
 
 
 def delta_errors(kind: str, ulysses: int, per_channel: bool, rule_name: str, dtype: str) -> dict[str, float]:
@@ -64,27 +61,12 @@ def delta_errors(kind: str, ulysses: int, per_channel: bool, rule_name: str, dty
     rule = _rule(rule_name)
     want, grads = oracle(full, layout, torch.float64, delta_rule_reference)
     dt = getattr(torch, dtype)
-    *xs, w = (local_rows(x, layout, rank) for x in full)
-    leaves = [x.detach().to(dt).clone().requires_grad_() for x in xs]
-    plan = delta_plan(layout, batch, rank)
-    out = delta_rule(rule, *leaves, plan, None, use_qk_l2norm_in_kernel=True, chunk_size=4)
-    real = real_rows(layout, rank, batch)
-    mask = real.view(batch, -1, 1, 1)
-    (out.double() * w * mask).sum().backward()
-    err = {"out": float(((out.double() - local_rows(want, layout, rank)) * mask).abs().max())}
-    scale = {"out": float(want.abs().max())}
-    for name, leaf, ref in zip(("dq", "dk", "dv", "dg", "dbeta"), leaves, grads):
-        mine = leaf.grad.double()
-        m = real.view(batch, -1, *([1] * (mine.dim() - 2)))
-        err[name] = float(((mine - local_rows(ref, layout, rank)) * m).abs().max())
-        scale[name] = float(ref.abs().max())
-    if dtype != "float64":  # one process in the same dtype, each document alone: the error to be within 2x of
-        _, base_grads = oracle(full, layout, dt, rule)
-        base_out, _ = oracle(full, layout, dt, rule)
-        err["one_process_out"] = float((base_out - want).abs().max())
-        for name, g1, ref in zip(("dq", "dk", "dv", "dg", "dbeta"), base_grads, grads):
-            err[f"one_process_{name}"] = float((g1 - ref).abs().max())
-    return {"err": err, "scale": scale}
+    leaves = [local_rows(x, layout, rank).to(dt).requires_grad_() for x in full[:-1]]
+    out = delta_rule(rule, *leaves, delta_plan(layout, batch, rank), None, use_qk_l2norm_in_kernel=True, chunk_size=4)
+    # one process in the same dtype, each document alone: the error to be within 2x of
+    base = oracle(full, layout, dt, rule) if dtype != "float64" else None
+    names = ("dq", "dk", "dv", "dg", "dbeta")
+    return mixer_errors(out, want, full[-1], layout, rank, batch, list(zip(names, leaves, grads)), one_process=base)
 
 
 CASES = [(1, 1), (2, 1), (3, 1), (4, 1), (4, 2)]

@@ -11,7 +11,14 @@ import torch
 import torch.distributed as dist
 
 from hf_ring.ops.mixers.diagonal import diagonal_plan, diagonal_recurrence
-from testkit.mixers import KINDS, assert_within_twice_one_process, documents, local_rows, make_layout, mixer_errors
+from testkit.mixers import (
+    KINDS,
+    assert_within_twice_one_process,
+    each_document_alone,
+    local_rows,
+    make_layout,
+    mixer_errors,
+)
 from testkit.spawn import run_ranks
 
 D = 7
@@ -38,13 +45,8 @@ def inputs(batch: int, n: int) -> tuple[list[torch.Tensor], torch.Tensor]:
 
 
 def oracle(xs, w, layout, dtype) -> tuple:
-    leaves = [t.detach().to(dtype).clone().requires_grad_() for t in xs]
-    out = torch.zeros_like(w)
-    for row in range(w.shape[0]):
-        for lo, hi in documents(layout, row):
-            out[row, lo:hi] = recurrence(*(t[row : row + 1, lo:hi] for t in leaves))[0].to(dtype).double()
-    (out * w).sum().backward()
-    return out.detach(), [t.grad.double() for t in leaves]
+    out, grads, _ = each_document_alone(lambda parts, _: recurrence(*parts).to(dtype), xs, w, layout, dtype)
+    return out, grads
 
 
 def diagonal_errors(kind: str, ulysses: int, dtype: str) -> dict:

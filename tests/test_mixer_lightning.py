@@ -15,7 +15,7 @@ from hf_ring.ops.mixers.ssd import ssd_plan
 from testkit.mixers import (
     KINDS,
     assert_within_twice_one_process,
-    documents,
+    each_document_alone,
     local_rows,
     make_layout,
     mixer_errors,
@@ -47,13 +47,8 @@ def inputs(batch: int, n: int) -> tuple[list[torch.Tensor], torch.Tensor, torch.
 
 
 def oracle(xs, slope, w, layout, dtype) -> tuple:
-    leaves = [t.detach().to(dtype).clone().requires_grad_() for t in xs]
-    out = torch.zeros_like(w)
-    for row in range(w.shape[0]):
-        for lo, hi in documents(layout, row):
-            out[row, lo:hi] = recurrence(*(t[row : row + 1, lo:hi] for t in leaves), slope)[0].to(dtype).double()
-    (out * w).sum().backward()
-    return out.detach(), [t.grad.double() for t in leaves]
+    out, grads, _ = each_document_alone(lambda parts, _: recurrence(*parts, slope).to(dtype), xs, w, layout, dtype)
+    return out, grads
 
 
 def lightning_errors(kind: str, ulysses: int, block: int, dtype: str) -> dict:

@@ -14,7 +14,7 @@ from hf_ring.ops.mixers.selective import selective_plan, selective_scan
 from testkit.mixers import (
     KINDS,
     assert_within_twice_one_process,
-    documents,
+    each_document_alone,
     local_rows,
     make_layout,
     mixer_errors,
@@ -64,15 +64,8 @@ def _call(scan, xs, params):
 
 def oracle(xs, params, w, layout, dtype: torch.dtype, scan) -> tuple:
     """Each document alone through ``scan`` in ``dtype``; the output and the gradients of ``sum(out * w)``."""
-    leaves = [t.detach().to(dtype).clone().requires_grad_() for t in xs]
     wide = torch.float32 if scan is _scan("mamba_ssm") else dtype  # the kernel takes float32 A, D, delta_bias
-    pleaves = [t.detach().to(wide).clone().requires_grad_() for t in params]
-    out = torch.zeros_like(w)
-    for row in range(w.shape[0]):
-        for lo, hi in documents(layout, row):
-            out[row, lo:hi] = _call(scan, [t[row : row + 1, lo:hi] for t in leaves], pleaves)[0].double()
-    (out * w).sum().backward()
-    return out.detach(), [t.grad.double() for t in leaves], [t.grad.double() for t in pleaves]
+    return each_document_alone(lambda parts, ps: _call(scan, parts, ps), xs, w, layout, dtype, params, wide)
 
 
 def selective_errors(kind: str, ulysses: int, scan_name: str, dtype: str) -> dict:

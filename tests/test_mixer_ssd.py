@@ -15,7 +15,7 @@ from hf_ring.ops.mixers.ssd import ssd_plan, ssd_scan
 from testkit.mixers import (
     KINDS,
     assert_within_twice_one_process,
-    documents,
+    each_document_alone,
     local_rows,
     make_layout,
     mixer_errors,
@@ -60,15 +60,7 @@ def _call(scan, xs, params, **options):
 
 def oracle(xs, params, w, layout, dtype: torch.dtype, scan) -> tuple:
     """Each document alone through ``scan`` in ``dtype``; the output and the gradients of ``sum(out * w)``."""
-    leaves = [t.detach().to(dtype).clone().requires_grad_() for t in xs]
-    pleaves = [t.detach().to(dtype).clone().requires_grad_() for t in params]
-    out = torch.zeros_like(w)
-    for row in range(w.shape[0]):
-        for lo, hi in documents(layout, row):
-            part = [t[row : row + 1, lo:hi] for t in leaves]
-            out[row, lo:hi] = _call(scan, part, pleaves, **OPTIONS)[0].double()
-    (out * w).sum().backward()
-    return out.detach(), [t.grad.double() for t in leaves], [t.grad.double() for t in pleaves]
+    return each_document_alone(lambda parts, ps: _call(scan, parts, ps, **OPTIONS), xs, w, layout, dtype, params)
 
 
 def ssd_errors(kind: str, ulysses: int, scan_name: str, dtype: str) -> dict:

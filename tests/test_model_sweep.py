@@ -10,8 +10,8 @@ on any path are failures; the ones known today are strict xfails in ``KNOWN`` be
 fix lands (the test then passes, and a strict xfail that passes fails). ``skipped`` results (the
 single-process reference cannot run, or a variant changes nothing in that family) skip.
 
-Plus: the README table is ``render_table`` of the committed ``docs/models.json``
-(``python scripts/sweep_models.py`` regenerates both).
+docs/models.md's table is ``render_table`` of the committed ``docs/models.json``
+(``python scripts/sweep_models.py --update-docs`` regenerates both; tests/test_docs.py holds it).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import pytest
 from testkit.families import families, skipped, variants
 from testkit.mixers import hybrid
 from testkit.sweep import check_family
-from testkit.sweep_table import PATHS, README_END, README_START, path_record, render_table
+from testkit.sweep_table import PATHS, path_record
 
 # family or "family:variant" -> why it is WRONG or BROKEN today (docs/models.json has the numbers)
 KNOWN: dict[str, str] = {}
@@ -155,14 +155,3 @@ def test_models_json_covers_the_sweep() -> None:
     assert not no_paths, f"records without the unlabelled and chunked paths: {no_paths[:5]} (rerun the sweep)"
     bad = [_key(r["family"], r.get("variant")) for r in records if {"wrong", "broken"} & set(_statuses(r).values())]
     assert not bad, f"WRONG or BROKEN records in docs/models.json: {bad}"
-
-
-def test_readme_table_is_render_table_of_models_json() -> None:
-    text = (ROOT / "README.md").read_text()
-    if README_START not in text or README_END not in text:
-        pytest.skip(f"README.md has no {README_START} / {README_END} markers yet")
-    records = json.loads((ROOT / "docs" / "models.json").read_text())
-    table = text.split(README_START, 1)[1].split(README_END, 1)[0]
-    assert table.strip() == render_table(records).strip(), (
-        "README.md's models table is out of date: python scripts/sweep_models.py --from-json --update-readme"
-    )

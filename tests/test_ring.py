@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 
 import hf_ring
+from hf_ring.ops.ring import block_attention
+from hf_ring.ops.schedule import Block
 from testkit.oracle import attention, rel_err
 from testkit.spawn import run_ranks
 
@@ -155,7 +157,7 @@ def test_ring_memory_per_rank(world: int) -> None:
 
 
 def contiguous_layout_errors(n: int) -> list[float]:
-    """Rank 0's view of the errors of ``layout="contiguous"`` (rank r holds chunk r of P) against
+    """Rank 0's view of the errors of ``order="contiguous"`` (rank r holds chunk r of P) against
     float64 attention: out, dq, dk, dv, gathered whole."""
     rank, size = torch.distributed.get_rank(), torch.distributed.get_world_size()
     g = torch.Generator().manual_seed(11)
@@ -166,7 +168,7 @@ def contiguous_layout_errors(n: int) -> list[float]:
     def chunk(x: torch.Tensor) -> torch.Tensor:
         return x.chunk(size, dim=1)[rank].float().contiguous()
 
-    ring = _grads(partial(hf_ring.ring_attention, layout="contiguous"), [chunk(x) for x in (q, k, v)], chunk(dout))
+    ring = _grads(partial(hf_ring.ring_attention, order="contiguous"), [chunk(x) for x in (q, k, v)], chunk(dout))
     errs = []
     for got, want in zip(ring, ref):
         parts = [torch.empty_like(got) for _ in range(size)]
@@ -180,3 +182,64 @@ def test_contiguous_layout_matches_float64_oracle() -> None:
     (errs, *_) = run_ranks(3, contiguous_layout_errors, 3 * 17)
     for name, e in zip(NAMES, errs):
         assert e <= 1e-5, f"{name}: {e:.2e}"
+
+
+# ------------------------------------------------------------------------- block_attention (one rank)
+BLOCKS = (  # query rows of 13 against key rows of 21: causal, banded, unmasked; row 12 in no block
+    Block((0, 5), (0, 5), causal=True, unit=0),
+    Block((5, 9), (2, 12), causal=False, unit=0, window=(3, 1)),
+    Block((0, 5), (15, 21), causal=False, unit=0),
+    Block((9, 12), (12, 15), causal=False, unit=0),
+)
+
+
+def _blocks_mask(blocks: tuple[Block, ...], sq: int, sk: int) -> torch.Tensor:
+    """``[Sq, Sk]``: the pairs the blocks compute, from ``Block``'s docstring (bands bottom-right)."""
+    mask = torch.zeros(sq, sk, dtype=torch.bool)
+    for b in blocks:
+        nq, nk = b.q[1] - b.q[0], b.kv[1] - b.kv[0]
+        i, j = torch.arange(nq)[:, None], torch.arange(nk)[None, :]
+        keep = torch.ones(nq, nk, dtype=torch.bool)
+        if b.window is not None:
+            off = j - i - (nk - nq)
+            keep = (off >= -b.window[0]) & (off <= b.window[1])
+        elif b.causal:
+            keep = j <= i
+        mask[b.q[0] : b.q[1], b.kv[0] : b.kv[1]] |= keep
+    return mask
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("extras", ["plain", "softcap_sinks", "row_sinks"])
+def test_block_attention_matches_float64(dtype: torch.dtype, extras: str) -> None:
+    """Query rows against other key rows (GQA 6/2, head_dim 80), blocks of every mask kind and a row
+    in none, with soft-capping and sinks: out and every gradient against the oracle under the same
+    pairs."""
+    g = torch.Generator().manual_seed(3)
+    q, dout = (torch.randn(1, 13, 6, 80, generator=g, dtype=torch.float64) * s for s in (2.0, 1.0))
+    k, v = (torch.randn(1, 21, 2, 80, generator=g, dtype=torch.float64) for _ in range(2))
+    cap = 4.0 if extras != "plain" else None
+    sinks = None if extras == "plain" else torch.randn(*((1, 13) if extras == "row_sinks" else ()), 6, generator=g)
+    xs = [x.to(dtype).requires_grad_() for x in (q, k, v, *(() if sinks is None else (sinks,)))]
+    out = block_attention(*xs[:3], BLOCKS, softcap=cap, sinks=xs[3] if sinks is not None else None)
+    got = [out, *torch.autograd.grad(out, xs, dout.to(dtype))]
+    refs = [x.to(dtype).double().requires_grad_() for x in (q, k, v, *(() if sinks is None else (sinks,)))]
+    mask = _blocks_mask(BLOCKS, 13, 21)
+    ref = attention(*refs[:3], mask=mask, softcap=cap, sinks=refs[3] if sinks is not None else None)
+    want = [ref, *torch.autograd.grad(ref, refs, dout)]
+    tol = 1e-12 if dtype == torch.float64 else 1e-5
+    for name, a, w in zip(("out", "dq", "dk", "dv", "dsinks"), got, want):
+        assert rel_err(a, w) <= tol, (name, rel_err(a, w))
+    assert out[0, 12].abs().max() == 0  # the row in no block
+
+
+def test_block_attention_refuses_what_it_cannot_address() -> None:
+    q, k = torch.randn(1, 4, 2, 8), torch.randn(1, 6, 2, 8)
+    with pytest.raises(ValueError, match=r"is not in rows \(unit=0\)"):
+        block_attention(q, k, k, [Block((0, 1), (0, 1), causal=True)])  # halves, not rows
+    with pytest.raises(ValueError, match=r"is not in rows \(unit=0\) of q 4 and k 6"):
+        block_attention(q, k, k, [Block((0, 4), (0, 7), causal=False, unit=0)])
+    with pytest.raises(ValueError, match=r"differ in length with B > 1"):
+        block_attention(q.expand(2, -1, -1, -1), k.expand(2, -1, -1, -1), k.expand(2, -1, -1, -1), [])
+    with pytest.raises(ValueError, match=r"block_attention: query heads \(2\) must be a multiple"):
+        block_attention(q, torch.randn(1, 6, 3, 8), torch.randn(1, 6, 3, 8), [])

@@ -11,9 +11,9 @@ from hf_ring.ops.schedule import Block, make_schedule
 CHUNK = 3  # rows per chunk of the sequence (odd on purpose)
 
 
-def local_positions(layout: str, rank: int, size: int) -> list[int]:
+def local_positions(order: str, rank: int, size: int) -> list[int]:
     """Global sequence positions of a rank's local rows, independently of hf_ring.sharding."""
-    if layout == "zigzag":
+    if order == "zigzag":
         chunks = (rank, 2 * size - 1 - rank)
         return [c * CHUNK + i for c in chunks for i in range(CHUNK)]
     n = 2 * CHUNK  # same local length as zigzag; rank r holds chunk r of P
@@ -26,18 +26,18 @@ def rows(half: tuple[int, int], positions: list[int]) -> list[int]:
     return positions[half[0] * n // 2 : half[1] * n // 2]
 
 
-def covered(layout: str, causal: bool, size: int) -> Counter:
+def covered(order: str, causal: bool, size: int) -> Counter:
     """How often each (query position, key position) pair is computed over all ranks and steps."""
     pairs: Counter = Counter()
     for rank in range(size):
-        steps = make_schedule(layout, causal, rank, size)
+        steps = make_schedule(order, causal, rank, size)
         assert len(steps) == size
         for step, blocks in enumerate(steps):
             src = (rank - step) % size  # the rank whose K/V block is here at this step
             for b in blocks:
                 assert isinstance(b, Block)
-                qpos = rows(b.q, local_positions(layout, rank, size))
-                kpos = rows(b.kv, local_positions(layout, src, size))
+                qpos = rows(b.q, local_positions(order, rank, size))
+                kpos = rows(b.kv, local_positions(order, src, size))
                 if b.causal:
                     # the kernel masks block column j > row i: only sound on square blocks
                     assert len(qpos) == len(kpos), f"causal block {b} is not square"
@@ -54,10 +54,10 @@ def expected(causal: bool, size: int) -> Counter:
 
 
 @pytest.mark.parametrize("size", [1, 2, 3, 4, 5])
-@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("order", ["zigzag", "contiguous"])
 @pytest.mark.parametrize("causal", [True, False])
-def test_every_needed_pair_covered_exactly_once(layout: str, causal: bool, size: int) -> None:
-    got, want = covered(layout, causal, size), expected(causal, size)
+def test_every_needed_pair_covered_exactly_once(order: str, causal: bool, size: int) -> None:
+    got, want = covered(order, causal, size), expected(causal, size)
     missing = sorted(set(want) - set(got))
     extra = sorted(set(got) - set(want))
     twice = sorted(p for p, c in got.items() if c > 1)
@@ -67,11 +67,11 @@ def test_every_needed_pair_covered_exactly_once(layout: str, causal: bool, size:
     assert got == want
 
 
-def work(layout: str, causal: bool, rank: int, size: int) -> float:
+def work(order: str, causal: bool, rank: int, size: int) -> float:
     """Query rows x key rows over a rank's kernel calls, causal (square) blocks counting half."""
     n = 2 * CHUNK
     total = 0.0
-    for blocks in make_schedule(layout, causal, rank, size):
+    for blocks in make_schedule(order, causal, rank, size):
         for b in blocks:
             area = (b.q[1] - b.q[0]) * n // 2 * (b.kv[1] - b.kv[0]) * n // 2
             total += area / 2 if b.causal else area
@@ -103,7 +103,7 @@ def test_zigzag_steps(size: int) -> None:
 
 @pytest.mark.parametrize("size", [2, 3, 4, 5])
 def test_contiguous_causal_is_unbalanced(size: int) -> None:
-    """The comparison layout: the last rank does 2P - 1 times the work of rank 0."""
+    """The comparison order: the last rank does 2P - 1 times the work of rank 0."""
     loads = [work("contiguous", True, r, size) for r in range(size)]
     assert loads == sorted(loads) and loads[0] < loads[-1]
     assert loads[-1] == (2 * size - 1) * loads[0]
@@ -111,6 +111,6 @@ def test_contiguous_causal_is_unbalanced(size: int) -> None:
 
 def test_unknown_layout_raises() -> None:
     with pytest.raises(
-        ValueError, match=r"unknown layout 'striped'; choose one of \('zigzag', 'contiguous'\)"
+        ValueError, match=r"unknown order 'striped'; choose one of \('zigzag', 'contiguous'\)"
     ):
         make_schedule("striped", True, 0, 2)

@@ -9,48 +9,16 @@ import time
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from hf_ring.ops.kernels import ReferenceKernel, TorchCPUKernel, get_kernel
 from hf_ring.ops.ring import ring_attention
 from hf_ring.ops.schedule import document_schedule
 from hf_ring.ops.zigzag import shard, unshard
-from testkit.oracle import rel_err
+from testkit.oracle import attention, rel_err
 from testkit.spawn import run_ranks
 
 NAMES = ("out", "dq", "dk", "dv", "dsinks")
-
-
-def oracle(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, softcap: float | None, sinks: Tensor | None) -> Tensor:
-    """Attention as transformers' eager functions compute it (Gemma 2's soft-capping, GPT-OSS's sinks:
-    a logit per head joined to the scores, softmax, then dropped), in the dtype of the inputs.
-    ``q [B, N, Hq, D]``, ``k, v [B, N, Hkv, D]``, ``mask [B, 1, N, N]`` True where visible, ``sinks [Hq]``
-    or ``[B, N, Hq]`` (per token, as Inkling 2's)."""
-    rep = q.shape[2] // k.shape[2]
-    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
-    kt, vt = kt.repeat_interleave(rep, 1), vt.repeat_interleave(rep, 1)
-    s = (qt @ kt.transpose(-1, -2)) * q.shape[-1] ** -0.5
-    if softcap is not None:
-        s = torch.tanh(s / softcap) * softcap
-    s = s.masked_fill(~mask, float("-inf"))
-    if sinks is not None:
-        col = sinks.view(1, -1, 1, 1) if sinks.dim() == 1 else sinks.transpose(1, 2)[..., None]
-        s = torch.cat((s, col.expand(*s.shape[:3], 1)), dim=-1)
-    p = s.softmax(-1)
-    if sinks is not None:
-        p = p[..., :-1]
-    return (p @ vt).transpose(1, 2)
-
-
-def doc_mask(lengths: list[list[int]], n: int) -> Tensor:
-    """``[B, 1, N, N]``: same document and causal."""
-    causal = torch.ones(n, n, dtype=torch.bool).tril()
-    masks = []
-    for row in lengths:
-        ids = torch.repeat_interleave(torch.arange(len(row)), torch.tensor(row))
-        masks.append(causal & (ids[:, None] == ids[None, :]))
-    return torch.stack(masks)[:, None]
 
 
 def starts(row: list[int]) -> list[int]:
@@ -93,12 +61,12 @@ def ring_errors(
         if size > 1:
             torch.distributed.all_reduce(dsinks)
         got.append(dsinks)
-    mask = doc_mask(docs, n) if docs else torch.ones(n, n, dtype=torch.bool).tril()[None, None]
+    doc_starts = [starts(r) for r in docs] if docs else None
 
     def grads(dt: torch.dtype) -> list[Tensor]:
         xs = [t.to(dtype).to(dt).requires_grad_() for t in (q, k, v)]
         s_in = snk.to(dtype).to(dt).requires_grad_() if sinks else None
-        o = oracle(*xs, mask, softcap, s_in)
+        o = attention(*xs, True, starts=doc_starts, softcap=softcap, sinks=s_in, dtype=dt)
         o.backward(dout.to(dtype).to(dt))
         return [o, *(t.grad for t in xs), *((s_in.grad,) if sinks else ())]
 
@@ -207,18 +175,6 @@ def test_softcap_cost_on_cpu() -> None:
     assert capped < 50 * fused, (capped, fused)
 
 
-def test_sdpa_agrees_with_the_oracle() -> None:
-    """The test's own oracle without sinks or cap is plain causal attention."""
-    g = torch.Generator().manual_seed(1)
-    q = torch.randn(1, 9, 4, 8, generator=g, dtype=torch.float64)
-    k, v = (torch.randn(1, 9, 2, 8, generator=g, dtype=torch.float64) for _ in range(2))
-    mask = torch.ones(9, 9, dtype=torch.bool).tril()[None, None]
-    want = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True
-    ).transpose(1, 2)
-    torch.testing.assert_close(oracle(q, k, v, mask, None, None), want)
-
-
 def ulysses_errors(ulysses_size: int, n: int, hq: int, hkv: int, d: int, per_row: bool) -> dict[str, float]:
     """Sinks and soft-capping through ``hf_ring.ring_attention`` on a Ulysses x ring grid (the sinks cut
     to each rank's heads), against float64; the sinks' gradient summed over the grid."""
@@ -247,7 +203,7 @@ def ulysses_errors(ulysses_size: int, n: int, hq: int, hkv: int, d: int, per_row
     finally:
         reset_context_parallel()
     xs = [t.float().double().requires_grad_() for t in (q, k, v, snk)]
-    ref = oracle(*xs[:3], torch.ones(n, n, dtype=torch.bool).tril()[None, None], 5.0, xs[3])
+    ref = attention(*xs[:3], True, softcap=5.0, sinks=xs[3])
     ref.backward(dout.float().double())
     return {name: rel_err(a, w) for name, a, w in zip(NAMES, got, [ref, *(t.grad for t in xs)])}
 
@@ -266,7 +222,7 @@ def packed_model_errors(family: str, lengths: list[int]) -> dict[str, float]:
     import hf_ring
     from testkit.families import tiny_config
     from testkit.models import cp_grad_error, documents_alone_loss
-    from testkit.sweep import _build
+    from testkit.sweep_rank import build_model
 
     config = tiny_config(family)
     g = torch.Generator().manual_seed(3)
@@ -274,7 +230,9 @@ def packed_model_errors(family: str, lengths: list[int]) -> dict[str, float]:
     labels = ids.clone()
     labels[0, 10:13] = -100
     positions = torch.cat([torch.arange(n) for n in lengths])[None]
-    ring, ref = (_build(family, tiny_config(family), attn, 0, torch.float64).train() for attn in ("ring", "eager"))
+    ring, ref = (  # a config each: building a model sets its attention implementation on the config
+        build_model(family, tiny_config(family), attn, 0, torch.float64).train() for attn in ("ring", "eager")
+    )
     out = ring(**hf_ring.shard_batch({"input_ids": ids, "labels": labels, "position_ids": positions}))
     out.loss.backward()
     want = documents_alone_loss(ref, ids, labels, lengths)
@@ -301,7 +259,6 @@ def test_cuda_kernels_with_sinks_and_softcap(dtype_name: str) -> None:
     q, dout = ((torch.randn(2, n, hq, d, generator=g, dtype=torch.float64) * s) for s in (3.0, 1.0))
     k, v = (torch.randn(2, n, hkv, d, generator=g, dtype=torch.float64) for _ in range(2))
     snk = torch.randn(hq, generator=g, dtype=torch.float64)
-    mask = torch.ones(n, n, dtype=torch.bool).tril()[None, None]
 
     def grads(fn, dt: torch.dtype, device: str) -> list[Tensor]:
         xs = [t.to(dtype).to(dt).to(device).requires_grad_() for t in (q, k, v, snk)]
@@ -309,12 +266,12 @@ def test_cuda_kernels_with_sinks_and_softcap(dtype_name: str) -> None:
         o.backward(dout.to(dtype).to(dt).to(device))
         return [x.detach().cpu().double() for x in (o, *(t.grad for t in xs))]
 
-    want = grads(lambda a, b, c, s: oracle(a, b, c, mask, 5.0, s), torch.float64, "cpu")
+    want = grads(lambda a, b, c, s: attention(a, b, c, True, softcap=5.0, sinks=s), torch.float64, "cpu")
     got = grads(lambda a, b, c, s: ring_attention(a, b, c, softcap=5.0, sinks=s), dtype, "cuda")
     if dtype == torch.float32:
         for name, a, w in zip(NAMES, got, want):
             assert rel_err(a, w) <= 1e-5, (name, rel_err(a, w))
         return
-    eager = grads(lambda a, b, c, s: oracle(a, b, c, mask.cuda(), 5.0, s), dtype, "cuda")
+    eager = grads(lambda a, b, c, s: attention(a, b, c, True, softcap=5.0, sinks=s, dtype=dtype), dtype, "cuda")
     for name, a, e, w in zip(NAMES, got, eager, want):
         assert rel_err(a, w) <= 2 * rel_err(e, w) + 1e-3, (name, rel_err(a, w), rel_err(e, w))

@@ -135,7 +135,7 @@ def test_documents_recipe_in_one_process(tmp_path: Path) -> None:
 
 
 def test_plots_are_optional(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from hf_ring.recipes.plots import plot_loss, smooth
+    from hf_ring.plots import plot_loss, smooth
 
     history = [{"step": i, "loss": 1.0 / i, "seq_len": 24 if i < 5 else 64} for i in range(1, 10)]
     assert smooth([1.0, 1.0, 9.0, 1.0, 1.0], window=3) == [1.0, 1.0, 1.0, 1.0, 1.0]  # a spike drops out

@@ -4,8 +4,9 @@
   tokens; only the answer positions' logits are computed, on the ranks that hold them;
 - ``ppl``: next-token loss by position bucket over long documents, LM head in chunks;
 - ``runtime``: DP x CP layout, model / adapter / tokenizer loading, list parsing, progress;
-- ``plots``: the heatmap and line plots (matplotlib optional);
 - ``cli``: the ``hf-ring eval`` subcommands; ``prompts``: the needle task's default texts.
+
+Its pictures (heatmaps, loss by position) are drawn by ``hf_ring.plots``.
 
 This floor sits beside the trainers: it imports transformers and peft (to load models and
 adapters) and the floors below.

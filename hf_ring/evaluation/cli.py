@@ -157,10 +157,11 @@ def _needle_source(a: argparse.Namespace) -> Any:
 
 def run_needle(a: argparse.Namespace) -> dict[str, Any]:
     """``hf-ring eval needle``: the result (``needle.json``'s content) on every rank."""
+    from ..planner.settings import format_tokens
+    from ..plots import needle_png
     from .needle import evaluate_needle
     from .needle import summarise as summarise_needle
-    from .plots import needle_png
-    from .runtime import EvalError, Runtime, format_tokens, load_model, parse_depths, parse_lengths, write_json
+    from .runtime import EvalError, Runtime, load_model, machine_info, parse_depths, parse_lengths, write_json
 
     start = time.perf_counter()
     lengths, depths = parse_lengths(a.lengths), parse_depths(a.depths)
@@ -187,6 +188,7 @@ def run_needle(a: argparse.Namespace) -> dict[str, Any]:
         },
         "summary": summarise_needle(cells),
         "seconds": round(time.perf_counter() - start, 2),
+        "machine": machine_info(),
         "cells": cells,
     }
     if rt.is_main:
@@ -203,9 +205,10 @@ def run_needle(a: argparse.Namespace) -> dict[str, Any]:
 
 def run_ppl(a: argparse.Namespace) -> dict[str, Any]:
     """``hf-ring eval ppl``: the result (``ppl.json``'s content) on every rank."""
-    from .plots import ppl_png
+    from ..planner.settings import format_tokens
+    from ..plots import ppl_png
     from .ppl import documents, evaluate_ppl
-    from .runtime import EvalError, Runtime, format_tokens, load_model, write_json
+    from .runtime import EvalError, Runtime, load_model, machine_info, write_json
 
     start = time.perf_counter()
     _check_counts(a, EvalError, "docs", "cp_size", "buckets", "chunk_size", "seq_len")
@@ -224,6 +227,7 @@ def run_ppl(a: argparse.Namespace) -> dict[str, Any]:
         "settings": {"dtype": str(model.dtype), **rt.as_dict(), "chunk_size": a.chunk_size},
         **table,
         "seconds": round(time.perf_counter() - start, 2),
+        "machine": machine_info(),
     }
     if rt.is_main:
         out = Path(a.out)
@@ -241,7 +245,7 @@ def run_ppl(a: argparse.Namespace) -> dict[str, Any]:
 
 def run_plot(a: argparse.Namespace) -> None:
     """``hf-ring eval plot``: several needle results in one picture."""
-    from .plots import model_name, needle_comparison_png
+    from ..plots import model_name, needle_comparison_png
     from .runtime import EvalError
 
     results = []

@@ -236,16 +236,28 @@ def parse_depths(text: str) -> list[float]:
     return sorted(set(depths))
 
 
-def format_tokens(n: int) -> str:
-    """``1024`` -> ``1K``, ``1048576`` -> ``1M``, ``1500`` -> ``1500``."""
-    for unit, size in (("M", 2**20), ("K", 2**10)):
-        if n >= size and n % size == 0:
-            return f"{n // size}{unit}"
-    return str(n)
-
-
 def safe_name(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", text).strip("_") or "model"
+
+
+def machine_info() -> dict[str, Any]:
+    """The machine a result is measured on: CPU model (``/proc/cpuinfo``), usable cores, platform, and
+    the CUDA device when there is one."""
+    import platform
+
+    cpu = platform.processor() or "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    out: dict[str, Any] = {"cpu": cpu, "cores": cores, "platform": platform.platform()}
+    if torch.cuda.is_available():
+        out["gpu"] = torch.cuda.get_device_name()
+    return out
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:

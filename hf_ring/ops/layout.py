@@ -12,7 +12,7 @@ the same on every rank of the CP group (each rank derives it from the same full 
     Ulysses x ring, P = 4 = R 2 x U 2: ring position r holds the zigzag shard above, and its U
     ranks r * U + u hold contiguous pieces of it (rank 1: global [6, 8) at local 0).
 
-Packed documents use the per-document layout (``schedule.balanced_layout``) over the ``R`` ring
+Packed documents use the per-document layout (``schedule.balanced_placement``) over the ``R`` ring
 positions; rows a rank holds beyond its segments are padding (they belong to no document). This
 module imports only torch (for the index tensors).
 """
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .schedule import Layout, Segment, zigzag_layout
+from .schedule import Placement, Segment, zigzag_placement
 
 __all__ = ["Run", "ShardLayout", "sequence_layout"]
 
@@ -61,7 +61,7 @@ class ShardLayout:
     ring: int
     ulysses: int
     local: int
-    rows: tuple[Layout, ...]
+    rows: tuple[Placement, ...]
     starts: tuple[tuple[int, ...], ...]
     packed: bool = False
 
@@ -153,4 +153,4 @@ def sequence_layout(n: int, ring: int, ulysses: int = 1) -> ShardLayout:
     """The layout of one sequence of ``n`` tokens per batch row (``n`` a multiple of
     ``zigzag.hybrid_multiple(ring * ulysses, ulysses)``): the zigzag over ``ring`` positions, each
     position's shard cut into ``ulysses`` contiguous pieces; one document."""
-    return ShardLayout(n, ring, ulysses, n // (ring * ulysses), (zigzag_layout([0], n, ring),), ((0,),))
+    return ShardLayout(n, ring, ulysses, n // (ring * ulysses), (zigzag_placement([0], n, ring),), ((0,),))

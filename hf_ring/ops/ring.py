@@ -7,15 +7,16 @@ the dK/dV accumulators (float32) travel with the blocks and arrive back at their
 ``P`` hops. Each step's block results are freed before the next kernel call. One rank makes a
 single kernel call: no accumulators, no merge.
 
-Kernels with variable-length entry points (flash-attn's ``varlen`` functions: ``kernel.varlen``) get a
-step's many small blocks -- packed documents, sliding windows -- as a few calls, one per mask kind
-(causal on the diagonal, unmasked, each band: ``varlen.varlen_calls``). The rows are gathered into
-``[total, H, D]`` and the results merged back row by row (``varlen.VarlenCall``).
+Kernels with variable-length entry points (``kernel.varlen``) get a step's many small blocks --
+packed documents, sliding windows -- as a few calls, one per mask kind (``varlen.varlen_calls``).
 
 Layer masks (sliding windows, chunked attention) are schedules too (``schedule.band_block``): blocks
 that cross a window's edge reach the kernel with their band (``window=(left, right)``), and a schedule
 may end before ``P`` steps (no rank needs a later block): the K/V then make fewer hops, and in
 backward the last hop sends each dK/dV accumulator straight back to the rank that owns it.
+
+``block_attention`` is the same Function for one step without a ring: query rows against any key
+rows, as a list of blocks (the border route of ``windows.masked_attention``).
 
 The op is a pure function of its arguments: the ring it runs on (``Ring``, or a process group) and
 the block kernel (an object, or a backend name) are passed in; ``group=None`` is the world group.
@@ -31,31 +32,18 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .checks import check_extras, check_qkv
 from .comm import Ring, check_same_across_ranks
 from .kernels import BlockKernel, get_kernel
+from .merge import add_sinks, merge_, sink_grad
 from .schedule import Block, Schedule, make_schedule
 from .varlen import VarlenCall, step_calls
 
-__all__ = ["ring_attention"]
-
-
-def merge_(out: Tensor, lse: Tensor, blk_out: Tensor, blk_lse: Tensor) -> None:
-    """Fold one block into the running result, in place and in log space.
-
-    ``out: [B, S, H, D]`` and ``lse: [B, S, H]`` are float32 accumulators (``lse = -inf`` for rows
-    that have seen no key yet); ``blk_out``/``blk_lse`` are the block's. Rows where both are
-    ``-inf`` stay ``0``/``-inf`` instead of turning into NaN.
-    """
-    new = torch.logaddexp(lse, blk_lse)
-    w_old = torch.exp(lse - new).nan_to_num_(0.0)
-    w_blk = torch.exp(blk_lse - new).nan_to_num_(0.0)
-    out.mul_(w_old.unsqueeze(-1)).add_(blk_out * w_blk.unsqueeze(-1))
-    lse.copy_(new)
+__all__ = ["block_attention", "ring_attention"]
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Accumulators are float32, or float64 for float64 inputs (oracle runs)."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
+    return torch.float64 if dtype == torch.float64 else torch.float32  # float64 inputs: oracle runs
 
 
 def _slices(b: Block, n: int) -> tuple[slice, slice, slice]:
@@ -99,49 +87,24 @@ def _take(t: Tensor, idx: Tensor) -> Tensor:
     return t[idx // n, idx % n]
 
 
-def _add_sinks(out: Tensor, lse: Tensor, sinks: Tensor) -> tuple[Tensor, Tensor]:
-    """Attention sinks after the merge: one more logit per head with no value.
-
-    ``out [B, S, Hq, D]`` and ``lse [B, S, Hq]`` of attention over the keys; ``sinks [Hq]`` (one per head)
-    or ``[B, S, Hq]`` (one per query row and head). Returns
-    ``out * exp(lse - lse')`` (in ``out``'s dtype; the sink's share of each row's softmax mass is
-    dropped, ``exp(lse - lse') = sigmoid(lse - sink)``) and ``lse' = logaddexp(lse, sink)``, computed in
-    ``lse``'s dtype. With ``lse'`` and this ``out``, the block kernels' backward gives exactly the
-    gradients of attention with sinks (the sink adds a probability but no value to ``dO . O``).
-    """
-    new = torch.logaddexp(lse, sinks.to(lse.dtype))
-    return (out.to(lse.dtype) * torch.exp(lse - new).unsqueeze(-1)).to(out.dtype), new
-
-
-def _sink_grad(dout: Tensor, out: Tensor, lse: Tensor, sinks: Tensor) -> Tensor:
-    """``d loss / d sinks``, shaped like ``sinks``: ``-p_sink * (dO . O)`` per row, with
-    ``p_sink = exp(sink - lse')`` (``out``/``lse`` those of attention with sinks), summed over this
-    rank's rows for per-head sinks ``[Hq]``."""
-    ct = lse.dtype
-    delta = (dout.to(ct) * out.to(ct)).sum(-1)  # (B, S, Hq)
-    grad = -(torch.exp(sinks.to(ct) - lse) * delta)
-    return (grad.sum((0, 1)) if sinks.dim() == 1 else grad).to(sinks.dtype)
-
-
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, scale, schedule, kernel, ring, sinks=None, softcap=0.0):  # type: ignore[override]
-        # q: (B, S, Hq, D); k, v: (B, S, Hkv, D) -- this rank's shard; sinks: (Hq,) or None
+        # q: (B, S, Hq, D); k, v: (B, S, Hkv, D): this rank's shard; sinks: (Hq,), (B, S, Hq) or None.
+        # ring None: one step over any key rows k, v: (B, Sk, Hkv, D) (block_attention)
         steps: list[tuple[Block, ...]] = schedule
         n_steps = len(steps)
         s_loc = q.shape[1]
         acc = _acc_dtype(q.dtype)
         cap = {"softcap": softcap} if softcap else {}  # only kernels with softcap = True take the keyword
         ctx.scale, ctx.schedule, ctx.kernel, ctx.ring, ctx.cap = scale, steps, kernel, ring, cap
-        ctx.sinks = sinks is not None
+        saved = () if sinks is None else (sinks,)
         if _single_block(steps):  # one rank: one kernel call, nothing to merge
             b = steps[0][0]
             out, lse = kernel.forward(q, k, v, causal=b.causal, scale=scale, **cap)
             if sinks is not None:
-                out, lse = _add_sinks(out, lse.to(acc), sinks)
-                ctx.save_for_backward(q, k, v, out, lse, sinks)
-            else:
-                ctx.save_for_backward(q, k, v, out, lse)
+                out, lse = add_sinks(out, lse.to(acc), sinks)
+            ctx.save_for_backward(q, k, v, out, lse, *saved)
             return out.contiguous()
         out = torch.zeros(q.shape, dtype=acc, device=q.device)
         lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
@@ -178,11 +141,9 @@ class _RingAttention(torch.autograd.Function):
             if comm is not None and step + 1 < n_steps:
                 comm.wait()
         if sinks is not None:
-            out, lse = _add_sinks(out, lse, sinks)
-            ctx.save_for_backward(q, k, v, out.to(q.dtype), lse, sinks)
-            return out.to(q.dtype)
+            out, lse = add_sinks(out, lse, sinks)
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, *saved)
         return out
 
     @staticmethod
@@ -193,7 +154,7 @@ class _RingAttention(torch.autograd.Function):
         cap = ctx.cap
         n_steps, s_loc = len(steps), q.shape[1]
         # the sink's gradient from this rank's rows; summed over the CP group with every other parameter's
-        dsinks = _sink_grad(dout, out, lse, sinks[0]) if sinks and ctx.needs_input_grad[7] else None
+        dsinks = sink_grad(dout, out, lse, sinks[0]) if sinks and ctx.needs_input_grad[7] else None
         if _single_block(steps):
             dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, causal=steps[0][0].causal, scale=ctx.scale, **cap)
             return dq, dk, dv, None, None, None, None, dsinks, None
@@ -264,51 +225,50 @@ class _RingAttention(torch.autograd.Function):
         return dq.to(q.dtype), dk, dv, None, None, None, None, dsinks, None
 
 
-def _check_inputs(
-    q: Tensor, k: Tensor, v: Tensor, size: int, layout: str, dropout_p: float, attn_mask: Tensor | None
-) -> None:
-    """Raise ``ValueError`` for inputs the ring cannot take (this rank's own view)."""
-    if dropout_p:
+def _kernel(backend: str | BlockKernel, q: Tensor, cap: float, steps: Schedule, who: str) -> BlockKernel:
+    """``backend``, or the kernel ``get_kernel`` picks for ``q``, the cap and the schedule's bands."""
+    if isinstance(backend, str):
+        band = any(b.window is not None for blocks in steps for b in blocks)
+        backend = get_kernel(backend, q.device, q.dtype, softcap=bool(cap), window=band, head_dim=q.shape[3])
+    if cap and not getattr(backend, "softcap", False):
         raise ValueError(
-            f"ring_attention: dropout_p={dropout_p} is not supported (attention dropout would need "
-            "the same random mask on every rank); set the model's attention_dropout to 0."
+            f"{who}: softcap={cap} but the block kernel {backend.name!r} has no logit soft-capping; "
+            "pass backend='auto', 'reference' or 'flash_attn'."
         )
-    if attn_mask is not None:
-        raise ValueError(
-            "ring_attention: an explicit attn_mask is not supported; the ring applies the causal "
-            "mask over global positions itself (causal=True). Pad with hf_ring.shard_batch instead "
-            "of masking."
-        )
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise ValueError(
-            f"ring_attention expects q [B, S, Hq, D] and k, v [B, S, Hkv, D]; got q {tuple(q.shape)}, "
-            f"k {tuple(k.shape)}, v {tuple(v.shape)}"
-        )
-    if k.shape != v.shape:
-        raise ValueError(f"ring_attention: k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape")
-    if q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]:
-        raise ValueError(
-            f"ring_attention: q {tuple(q.shape)} and k/v {tuple(k.shape)} must agree on batch, local "
-            "sequence length and head_dim"
-        )
-    if q.shape[2] % k.shape[2]:
-        raise ValueError(
-            f"ring_attention: query heads ({q.shape[2]}) must be a multiple of key/value heads "
-            f"({k.shape[2]}) for grouped-query attention"
-        )
-    if not (q.dtype == k.dtype == v.dtype):
-        raise ValueError(
-            f"ring_attention: q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype}); cast them to one dtype"
-        )
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"ring_attention: q, k, v are on different devices ({q.device}, {k.device}, {v.device})")
-    if size > 1 and layout == "zigzag" and q.shape[1] % 2:
-        raise ValueError(
-            f"ring_attention: local sequence length {q.shape[1]} is odd, but the zigzag layout gives "
-            f"each rank two equal chunks: the full sequence length must be a multiple of 2 * P = "
-            f"{2 * size}. Pad the batch with hf_ring.shard_batch (it pads and masks), or pad to a "
-            f"multiple of {2 * size} yourself."
-        )
+    return backend
+
+
+def block_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    blocks: tuple[Block, ...] | list[Block],
+    *,
+    softmax_scale: float | None = None,
+    backend: str | BlockKernel = "auto",
+    softcap: float | None = None,
+    sinks: Tensor | None = None,
+) -> Tensor:
+    """Attention of query rows over given key rows, as a list of kernel calls: one rank, no ring.
+
+    ``q: [B, Sq, Hq, D]``; ``k, v: [B, Sk, Hkv, D]`` with ``Hq % Hkv == 0`` (``Sk`` may differ from
+    ``Sq`` when ``B == 1``: e.g. a rank's rows with the rows fetched before them, the border route of
+    ``hf_ring.ops.windows``). ``blocks``: the calls, in rows (``Block(..., unit=0)``: query rows of
+    ``q`` meet key rows of ``k``, causal, unmasked or banded); a row in several blocks gets their exact
+    merge, a row in none gets ``0``. ``softcap`` and ``sinks`` (``[Hq]`` or ``[B, Sq, Hq]``) as for
+    ``ring_attention``. Returns ``[B, Sq, Hq, D]`` in ``q``'s dtype, differentiable in ``q``, ``k``,
+    ``v`` and ``sinks``: the ring's autograd Function run for one step.
+    """
+    check_qkv(q, k, v, "block_attention", same_length=False)
+    if q.shape[0] != 1 and q.shape[1] != k.shape[1]:
+        raise ValueError(f"block_attention: q {tuple(q.shape)} and k {tuple(k.shape)} differ in length with B > 1")
+    for b in blocks:
+        if b.unit != 0 or b.q[1] > q.shape[1] or b.kv[1] > k.shape[1] or min(*b.q, *b.kv) < 0:
+            raise ValueError(f"block_attention: {b} is not in rows (unit=0) of q {q.shape[1]} and k {k.shape[1]}")
+    cap = check_extras(q, softcap, sinks, "block_attention")
+    kernel = _kernel(backend, q, cap, [tuple(blocks)], "block_attention")
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[3])
+    return _RingAttention.apply(q, k, v, scale, [tuple(blocks)], kernel, None, sinks, cap)
 
 
 def ring_attention(
@@ -321,7 +281,7 @@ def ring_attention(
     causal: bool = True,
     softmax_scale: float | None = None,
     backend: str | BlockKernel = "auto",
-    layout: str = "zigzag",
+    order: str = "zigzag",
     validate: bool = False,
     dropout_p: float = 0.0,
     attn_mask: Tensor | None = None,
@@ -344,13 +304,13 @@ def ring_attention(
         softmax_scale: defaults to ``1 / sqrt(D)``.
         backend: block kernel: ``"auto"``, ``"torch"``, ``"flash_attn"``, ``"reference"``, or a
             ``BlockKernel`` object.
-        layout: ``"zigzag"`` (rank ``r`` holds chunks ``r`` and ``2P-1-r`` of ``2P``; balanced) or
-            ``"contiguous"`` (rank ``r`` holds chunk ``r`` of ``P``; for comparison).
+        order: how the sequence is dealt to the ranks: ``"zigzag"`` (rank ``r`` holds chunks ``r`` and
+            ``2P-1-r`` of ``2P``; balanced) or ``"contiguous"`` (chunk ``r`` of ``P``; for comparison).
         validate: check that every rank passes the same shapes and options before the ring turns
             (one all-gather of 16 integers per call). A mismatch raises ``ValueError`` on every
             rank instead of deadlocking. ``hf_ring.shard`` always makes this check.
         dropout_p, attn_mask: not supported; anything but the defaults raises ``ValueError``.
-        schedule: the kernel calls of every ring step, instead of the ``layout``'s; for packed
+        schedule: the kernel calls of every ring step, instead of the ``order``'s; for packed
             documents, ``hf_ring.ops.schedule.document_schedule`` (tokens attend only to earlier
             tokens of their own document); for sliding windows and chunked attention,
             ``hf_ring.ops.windows.mask_plan``. Computed once per batch and reused by every layer.
@@ -379,18 +339,9 @@ def ring_attention(
         raise ValueError("ring_attention: pass group or ring, not both")
     size, rank = ring.size, ring.rank
     try:
-        _check_inputs(q, k, v, size, layout if schedule is None else "schedule", dropout_p, attn_mask)
-        cap = _check_extras(q, softcap, sinks)
-        kernel = (
-            get_kernel(backend, q.device, q.dtype, softcap=bool(cap), head_dim=q.shape[3])
-            if isinstance(backend, str)
-            else backend
-        )
-        if cap and not getattr(kernel, "softcap", False):
-            raise ValueError(
-                f"ring_attention: softcap={cap} but the block kernel {kernel.name!r} has no logit soft-capping; "
-                "pass backend='auto', 'reference' or 'flash_attn'."
-            )
+        _check_ring_inputs(q, k, v, size, order if schedule is None else "schedule", dropout_p, attn_mask)
+        cap = check_extras(q, softcap, sinks)
+        kernel = _kernel(backend, q, cap, schedule or [], "ring_attention")
     except ValueError:
         if validate and size > 1:
             # Join the all-gather anyway: ranks whose inputs are fine wait in it. Every rank then
@@ -401,7 +352,7 @@ def ring_attention(
         _validate(q, k, causal, ring.group, bad=False)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[3])
     if schedule is None:
-        schedule = make_schedule(layout, causal, rank, size)
+        schedule = make_schedule(order, causal, rank, size)
     elif max((max(b.q[1], b.kv[1]) for s in schedule for b in s if b.unit == 0), default=0) > q.shape[1]:
         raise ValueError(f"ring_attention: the schedule addresses rows beyond the local length {q.shape[1]}")
     elif not 1 <= len(schedule) <= size or not causal:
@@ -412,19 +363,29 @@ def ring_attention(
     return _RingAttention.apply(q, k, v, scale, schedule, kernel, ring, sinks, cap)
 
 
-def _check_extras(q: Tensor, softcap: float | None, sinks: Tensor | None) -> float:
-    """Validate ``softcap`` and ``sinks``; return the cap as a float (``0.0``: none)."""
-    cap = 0.0 if softcap is None else float(softcap)
-    if not (math.isfinite(cap) and cap >= 0.0):
-        raise ValueError(f"ring_attention: softcap={softcap} must be a positive number (or None: no capping)")
-    if sinks is not None and (sinks.shape not in ((q.shape[2],), q.shape[:3]) or not sinks.is_floating_point()):
+def _check_ring_inputs(
+    q: Tensor, k: Tensor, v: Tensor, size: int, order: str, dropout_p: float, attn_mask: Tensor | None
+) -> None:
+    """Raise ``ValueError`` for inputs the ring cannot take (this rank's own view)."""
+    if dropout_p:
         raise ValueError(
-            f"ring_attention: sinks must be a float tensor [Hq] = [{q.shape[2]}] (one logit per query head) or "
-            f"[B, S_local, Hq] = {list(q.shape[:3])} (one per row), got {sinks.dtype} {tuple(sinks.shape)}"
+            f"ring_attention: dropout_p={dropout_p} is not supported (attention dropout would need "
+            "the same random mask on every rank); set the model's attention_dropout to 0."
         )
-    if sinks is not None and sinks.device != q.device:
-        raise ValueError(f"ring_attention: sinks on {sinks.device}, q on {q.device}")
-    return cap
+    if attn_mask is not None:
+        raise ValueError(
+            "ring_attention: an explicit attn_mask is not supported; the ring applies the causal "
+            "mask over global positions itself (causal=True). Pad with hf_ring.shard_batch instead "
+            "of masking."
+        )
+    check_qkv(q, k, v, "ring_attention")
+    if size > 1 and order == "zigzag" and q.shape[1] % 2:
+        raise ValueError(
+            f"ring_attention: local sequence length {q.shape[1]} is odd, but the zigzag order gives "
+            f"each rank two equal chunks: the full sequence length must be a multiple of 2 * P = "
+            f"{2 * size}. Pad the batch with hf_ring.shard_batch (it pads and masks), or pad to a "
+            f"multiple of {2 * size} yourself."
+        )
 
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)

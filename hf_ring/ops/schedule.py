@@ -2,7 +2,7 @@
 
 At ring step ``s`` rank ``r`` holds the K/V block of rank ``src = (r - s) mod P``. A schedule lists,
 for every step, the kernel calls to make. Rows are counted in halves of the local length, because
-the zigzag layout gives every rank two chunks of the sequence::
+the zigzag order gives every rank two chunks of the sequence::
 
     sequence cut into 2P chunks (P = 3):   c0 c1 c2 c3 c4 c5
     rank 0 holds [c0 | c5], rank 1 holds [c1 | c4], rank 2 holds [c2 | c3]
@@ -14,25 +14,30 @@ the zigzag layout gives every rank two chunks of the sequence::
 Every off-diagonal step is half a block of work and needs no mask, and every rank does the same
 work.
 
+A ``Placement`` says which tokens each rank holds (per rank, ``Segment``s of documents in local
+order): ``zigzag_placement``, ``balanced_placement`` (the zigzag per long document), and
+``placement_schedule`` turns one into a ring schedule. (``layout.ShardLayout`` holds one per batch
+row; ``make_schedule``'s ``order`` names the two placements of one unpacked sequence.)
+
 Packed documents (``document_schedule``): the same zigzag over the packed stream, each chunk pair
 cut along document boundaries. A token attends only to earlier tokens of its own document, so a
 chunk pair contributes one kernel call per document that both chunks hold -- causal on the
 diagonal (the same rows on both sides), unmasked below it -- and chunk pairs that share no document
 make no call at all.
 
-Layer masks (``band_block(s)``, ``chunk_layout``, ``layout_schedule(..., window=W)``): a sliding window
+Layer masks (``band_block(s)``, ``chunk_placement``, ``placement_schedule(..., window=W)``): a sliding window
 keeps key ``j`` for query ``i`` iff ``i - W < j <= i`` (global positions of one document, as
 transformers' ``sliding_window_causal_mask_function``); a block that crosses the band's edge carries
 it as ``Block.window``, a block outside the band is no call, and trailing ring steps in which no
 rank has a call are dropped. Chunked attention (boundaries every ``C`` positions of a document) is
-a document layout cut at the chunk boundaries. This module imports nothing.
+a document placement cut at the chunk boundaries. This module imports nothing.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-LAYOUTS = ("zigzag", "contiguous")
+ORDERS = ("zigzag", "contiguous")  # how a sequence is dealt to the ranks (make_schedule's order)
 
 
 @dataclass(frozen=True)
@@ -64,15 +69,15 @@ class Block:
 ALL, FIRST, SECOND = (0, 2), (0, 1), (1, 2)
 
 
-def make_schedule(layout: str, causal: bool, rank: int, size: int) -> list[tuple[Block, ...]]:
+def make_schedule(order: str, causal: bool, rank: int, size: int) -> list[tuple[Block, ...]]:
     """The kernel calls of each of the ``size`` ring steps for ``rank``.
 
-    ``layout="zigzag"``: rank ``r`` holds chunks ``r`` and ``2P-1-r`` of ``2P``.
-    ``layout="contiguous"``: rank ``r`` holds chunk ``r`` of ``P`` (kept for comparison: causal work
+    ``order="zigzag"``: rank ``r`` holds chunks ``r`` and ``2P-1-r`` of ``2P``.
+    ``order="contiguous"``: rank ``r`` holds chunk ``r`` of ``P`` (kept for comparison: causal work
     is unbalanced across ranks, rank ``P-1`` does ``2P-1`` times the work of rank 0).
     """
-    if layout not in LAYOUTS:
-        raise ValueError(f"unknown layout {layout!r}; choose one of {LAYOUTS}")
+    if order not in ORDERS:
+        raise ValueError(f"unknown order {order!r}; choose one of {ORDERS}")
     steps: list[tuple[Block, ...]] = []
     for s in range(size):
         src = (rank - s) % size
@@ -81,8 +86,8 @@ def make_schedule(layout: str, causal: bool, rank: int, size: int) -> list[tuple
         elif src == rank:
             steps.append((Block(ALL, ALL, True),))
         elif src < rank:
-            steps.append((Block(ALL, FIRST if layout == "zigzag" else ALL, False),))
-        elif layout == "zigzag":
+            steps.append((Block(ALL, FIRST if order == "zigzag" else ALL, False),))
+        elif order == "zigzag":
             steps.append((Block(SECOND, ALL, False),))
         else:
             steps.append(())  # contiguous: a later rank's keys are all in the future
@@ -102,18 +107,20 @@ class Segment:
     local: int
 
 
-Layout = list[list[Segment]]  # per rank, its segments in local order
+Placement = list[list[Segment]]
+"""Which tokens each rank holds: per rank, its ``Segment``s in local order (a ``ShardLayout`` holds one
+per batch row)."""
 
 
 def _documents(starts: list[int], n: int) -> list[tuple[int, int]]:
     return [(s, starts[d + 1] if d + 1 < len(starts) else n) for d, s in enumerate(starts)]
 
 
-def zigzag_layout(starts: list[int], n: int, size: int) -> Layout:
-    """The zigzag layout (rank ``r``: chunks ``r`` and ``2P-1-r`` of ``2P``) cut along the documents
+def zigzag_placement(starts: list[int], n: int, size: int) -> Placement:
+    """The zigzag placement (rank ``r``: chunks ``r`` and ``2P-1-r`` of ``2P``) cut along the documents
     that begin at ``starts`` (sorted, from 0) in a sequence of ``n`` tokens (a multiple of ``2P``)."""
     c = n // (2 * size)
-    layout: Layout = []
+    placement: Placement = []
     for r in range(size):
         segs = []
         for local0, chunk in ((0, r), (c, 2 * size - 1 - r)):
@@ -121,12 +128,12 @@ def zigzag_layout(starts: list[int], n: int, size: int) -> Layout:
             for d, (s, e) in enumerate(_documents(starts, n)):
                 if e > lo and s < hi:
                     segs.append(Segment(d, max(s, lo), min(e, hi), local0 + max(s, lo) - lo))
-        layout.append(segs)
-    return layout
+        placement.append(segs)
+    return placement
 
 
-def balanced_layout(starts: list[int], n: int, size: int, split_from: int | None = None) -> tuple[Layout, int]:
-    """A layout that balances attention work over the ranks without cutting short documents up.
+def balanced_placement(starts: list[int], n: int, size: int, split_from: int | None = None) -> tuple[Placement, int]:
+    """A placement that balances attention work over the ranks without cutting short documents up.
 
     Documents of at least ``split_from`` tokens (default: a quarter of a zigzag chunk, ``n / 8P``;
     ``benchmarks/bench_packed.py`` measured the trade-off between balance and kernel calls) -- the ones
@@ -134,14 +141,14 @@ def balanced_layout(starts: list[int], n: int, size: int, split_from: int | None
     length and rank ``r`` holds pieces ``r`` and ``2P-1-r`` (the zigzag applied per document), so
     every rank holds ``1/P`` of each one's work. The shorter documents, in order, then fill the
     ranks up to the same token count, rank 0 first (a document that crosses from one rank to the
-    next is cut there); each costs one kernel call on the diagonal. Returns the layout and the
+    next is cut there); each costs one kernel call on the diagonal. Returns the placement and the
     local length (the most tokens any rank holds; the others are padded up to it with rows that
     belong to no document, at most ``P - 1`` in all).
     """
     if split_from is None:
         split_from = max(1, n // (8 * size))
     held = [0] * size
-    layout: Layout = [[] for _ in range(size)]
+    placement: Placement = [[] for _ in range(size)]
     short: list[tuple[int, int, int]] = []
     for d, (s, e) in enumerate(_documents(starts, n)):
         length = e - s
@@ -156,7 +163,7 @@ def balanced_layout(starts: list[int], n: int, size: int, split_from: int | None
         for i, k in enumerate(sizes):
             if k:
                 r = i if i < size else 2 * size - 1 - i
-                layout[r].append(Segment(d, pos, pos + k, held[r]))
+                placement[r].append(Segment(d, pos, pos + k, held[r]))
                 held[r] += k
                 pos += k
     target = -(-n // size)
@@ -166,10 +173,10 @@ def balanced_layout(starts: list[int], n: int, size: int, split_from: int | None
             while r < size - 1 and held[r] >= target:
                 r += 1
             k = e - s if r == size - 1 else min(e - s, target - held[r])
-            layout[r].append(Segment(d, s, s + k, held[r]))
+            placement[r].append(Segment(d, s, s + k, held[r]))
             held[r] += k
             s += k
-    return layout, max(held)
+    return placement, max(held)
 
 
 def band_block(
@@ -265,17 +272,17 @@ def band_blocks(
     return out
 
 
-def chunk_layout(layout: Layout, starts: list[int], chunk: int) -> tuple[Layout, list[int]]:
-    """``layout``'s segments cut where chunked attention restarts: every ``chunk`` positions of each
+def chunk_placement(placement: Placement, starts: list[int], chunk: int) -> tuple[Placement, list[int]]:
+    """``placement``'s segments cut where chunked attention restarts: every ``chunk`` positions of each
     document (from the document's start; ``starts``: the documents' global starts). Returns the cut
-    layout, whose segments are numbered by the pieces they belong to, and the pieces' starts."""
+    placement, whose segments are numbered by the pieces they belong to, and the pieces' starts."""
     if chunk < 1:
-        raise ValueError(f"chunk_layout: chunk must be >= 1, got {chunk}")
-    ends = [*starts[1:], max(seg.stop for segs in layout for seg in segs)]
+        raise ValueError(f"chunk_placement: chunk must be >= 1, got {chunk}")
+    ends = [*starts[1:], max(seg.stop for segs in placement for seg in segs)]
     cuts = sorted({s + i * chunk for s, e in zip(starts, ends) for i in range(max(1, -(-(e - s) // chunk)))})
     piece = {c: i for i, c in enumerate(cuts)}
-    out: Layout = []
-    for segs in layout:
+    out: Placement = []
+    for segs in placement:
         mine = []
         for seg in segs:
             doc0 = starts[seg.doc]
@@ -296,10 +303,10 @@ def trim_steps(schedules: list[Schedule]) -> list[Schedule]:
     return [sched[: last + 1] for sched in schedules]
 
 
-def layout_schedule(
-    layout: Layout, rank: int, batch: tuple[int, int] | None = None, window: int | None = None
+def placement_schedule(
+    placement: Placement, rank: int, batch: tuple[int, int] | None = None, window: int | None = None
 ) -> Schedule:
-    """The ring schedule of ``rank`` for ``layout``, as row ranges (``unit=0``).
+    """The ring schedule of ``rank`` for ``placement``, as row ranges (``unit=0``).
 
     At step ``s`` the K/V of rank ``src = (r - s) mod P`` are here. Every pair of segments of the
     same document makes one call: causal when it is the same segment (the diagonal), unmasked when
@@ -309,9 +316,9 @@ def layout_schedule(
     any rank has a call.
     """
     if window is not None:
-        return trim_steps([band_schedule(layout, r, batch, window) for r in range(len(layout))])[rank]
+        return trim_steps([band_schedule(placement, r, batch, window) for r in range(len(placement))])[rank]
     steps: Schedule = []
-    for pairs in _step_pairs(layout, rank):
+    for pairs in _step_pairs(placement, rank):
         blocks = []
         for qs, ks in pairs:
             q_rows, k_rows = (qs.local, qs.local + qs.stop - qs.start), (ks.local, ks.local + ks.stop - ks.start)
@@ -320,28 +327,28 @@ def layout_schedule(
             elif ks.stop <= qs.start:
                 blocks.append(Block(q_rows, k_rows, causal=False, unit=0, batch=batch))
             else:
-                raise ValueError(f"layout_schedule: segments {qs} and {ks} overlap")
+                raise ValueError(f"placement_schedule: segments {qs} and {ks} overlap")
         steps.append(tuple(blocks))
     return steps
 
 
-def _step_pairs(layout: Layout, rank: int) -> list[list[tuple[Segment, Segment]]]:
+def _step_pairs(placement: Placement, rank: int) -> list[list[tuple[Segment, Segment]]]:
     """Per ring step ``s`` (K/V of rank ``(rank - s) mod P`` here): the pairs (query segment of
     ``rank``, key segment of that rank) of one document whose keys start before the queries end."""
-    size = len(layout)
+    size = len(placement)
     return [
         [
             (qs, ks)
-            for qs in layout[rank]
-            for ks in layout[(rank - step) % size]
+            for qs in placement[rank]
+            for ks in placement[(rank - step) % size]
             if ks.doc == qs.doc and ks.start < qs.stop
         ]
         for step in range(size)
     ]
 
 
-def band_schedule(layout: Layout, rank: int, batch: tuple[int, int] | None, window: int) -> Schedule:
-    """``rank``'s ring steps for ``layout`` under a sliding ``window`` (``band_blocks`` per pair of
+def band_schedule(placement: Placement, rank: int, batch: tuple[int, int] | None, window: int) -> Schedule:
+    """``rank``'s ring steps for ``placement`` under a sliding ``window`` (``band_blocks`` per pair of
     segments of one document), all ``P`` of them (``trim_steps`` cuts them over every rank)."""
     return [
         tuple(
@@ -349,12 +356,12 @@ def band_schedule(layout: Layout, rank: int, batch: tuple[int, int] | None, wind
             for qs, ks in pairs
             for b in band_blocks((qs.start, qs.stop), (ks.start, ks.stop), qs.local, ks.local, window, batch)
         )
-        for pairs in _step_pairs(layout, rank)
+        for pairs in _step_pairs(placement, rank)
     ]
 
 
 def document_schedule(starts: list[list[int]], n: int, rank: int, size: int) -> Schedule:
-    """The zigzag ring schedule of ``rank`` for packed documents (``zigzag_layout`` per batch row).
+    """The zigzag ring schedule of ``rank`` for packed documents (``zigzag_placement`` per batch row).
 
     ``starts[b]``: the global start offsets of batch row ``b``'s documents (sorted, beginning with
     0; padding at the end counts as a document of its own); ``n``: the padded sequence length, a
@@ -364,6 +371,6 @@ def document_schedule(starts: list[list[int]], n: int, rank: int, size: int) -> 
     for b, s in enumerate(starts):
         rows.setdefault(tuple(s), []).append(b)
     if len(rows) == 1:
-        return layout_schedule(zigzag_layout(starts[0], n, size), rank)
-    per_row = [layout_schedule(zigzag_layout(starts[b], n, size), rank, (b, b + 1)) for b in range(len(starts))]
+        return placement_schedule(zigzag_placement(starts[0], n, size), rank)
+    per_row = [placement_schedule(zigzag_placement(starts[b], n, size), rank, (b, b + 1)) for b in range(len(starts))]
     return [tuple(blk for row in per_row for blk in row[step]) for step in range(size)]

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .checks import check_qkv
 from .comm import Ring, check_same_across_ranks, group_size_rank
 from .kernels import BlockKernel
 from .ring import ring_attention
@@ -86,30 +87,12 @@ def _dims(x: Tensor) -> list[int]:
 
 
 def _check(q: Tensor, k: Tensor, v: Tensor, ulysses_size: int) -> None:
-    if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape:
-        raise ValueError(
-            f"ulysses_ring_attention expects q [B, S, Hq, D] and k, v [B, S, Hkv, D]; got q {tuple(q.shape)}, "
-            f"k {tuple(k.shape)}, v {tuple(v.shape)}"
-        )
+    check_qkv(q, k, v, "ulysses_ring_attention")
     if q.shape[2] % ulysses_size:
         raise ValueError(
             f"ulysses_ring_attention: ulysses_size={ulysses_size} does not divide the {q.shape[2]} query heads, "
             "so the heads cannot be split evenly across the Ulysses group. Pick a ulysses_size that divides "
             f"{q.shape[2]} in hf_ring.setup_context_parallel (ulysses_size=1 is plain ring attention)."
-        )
-    if q.shape[2] % k.shape[2]:
-        raise ValueError(
-            f"ulysses_ring_attention: query heads ({q.shape[2]}) must be a multiple of key/value heads "
-            f"({k.shape[2]}) for grouped-query attention"
-        )
-    if q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]:
-        raise ValueError(
-            f"ulysses_ring_attention: q {tuple(q.shape)} and k/v {tuple(k.shape)} must agree on batch, local "
-            "sequence length and head_dim"
-        )
-    if not (q.dtype == k.dtype == v.dtype):
-        raise ValueError(
-            f"ulysses_ring_attention: q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype}); cast them to one dtype"
         )
 
 

@@ -18,9 +18,9 @@ layout (``ShardLayout``, ring level: the rows a ring position holds) by one of t
       P = 2, chunks c0 c1 c2 c3, W - 1 <= |chunk|: rank 0 holds [c0 | c3], rank 1 [c1 | c2]
       rank 0 fetches the last W - 1 rows of c2 (for c3); rank 1 those of c0 (c1) and c1 (c2)
 
-- **ring** (longer reach): the zigzag ring with the schedule cut to the mask (``layout_schedule``
+- **ring** (longer reach): the zigzag ring with the schedule cut to the mask (``placement_schedule``
   with ``window``; chunked attention is the layout cut at the chunk boundaries,
-  ``schedule.chunk_layout``): blocks outside the band make no call, blocks across its edge carry
+  ``schedule.chunk_placement``): blocks outside the band make no call, blocks across its edge carry
   it to the kernel, and the ring stops after the last step in which some rank has a call.
 
 This module imports only torch.
@@ -34,12 +34,22 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .checks import check_extras, check_qkv
 from .comm import Ring
 from .exchange import Halo, halo_plan, tie
-from .kernels import BlockKernel, get_kernel
+from .kernels import BlockKernel
 from .layout import ShardLayout
-from .ring import _check_extras, _RingAttention, ring_attention
-from .schedule import Block, Layout, Schedule, band_blocks, band_schedule, chunk_layout, layout_schedule, trim_steps
+from .ring import block_attention, ring_attention
+from .schedule import (
+    Block,
+    Placement,
+    Schedule,
+    band_blocks,
+    band_schedule,
+    chunk_placement,
+    placement_schedule,
+    trim_steps,
+)
 
 __all__ = ["ROUTES", "MaskPlan", "mask_plan", "masked_attention", "ring_level"]
 
@@ -97,24 +107,26 @@ def _chunked(layout: ShardLayout, chunk: int) -> ShardLayout:
     """``layout`` (ring level) with every document cut into pieces of ``chunk`` positions."""
     rows, starts = [], []
     for i, row in enumerate(layout.rows):
-        cut, pieces = chunk_layout(row, list(layout.starts[i if len(layout.starts) > 1 else 0]), chunk)
+        cut, pieces = chunk_placement(row, list(layout.starts[i if len(layout.starts) > 1 else 0]), chunk)
         rows.append(cut)
         starts.append(tuple(pieces))
     return ShardLayout(layout.n, layout.ring, 1, layout.local, tuple(rows), tuple(starts), layout.packed)
 
 
-def _ring_schedule(rows: tuple[Layout, ...], rank: int, window: int | None) -> Schedule:
+def _ring_schedule(rows: tuple[Placement, ...], rank: int, window: int | None) -> Schedule:
     size = len(rows[0])
 
-    def one(layout: Layout, r: int, batch: tuple[int, int] | None) -> Schedule:
-        return band_schedule(layout, r, batch, window) if window is not None else layout_schedule(layout, r, batch)
+    def one(placement: Placement, r: int, batch: tuple[int, int] | None) -> Schedule:
+        if window is not None:
+            return band_schedule(placement, r, batch, window)
+        return placement_schedule(placement, r, batch)
 
     every = []
     for r in range(size):
         if len(rows) == 1:
             every.append(one(rows[0], r, None))
             continue
-        per_row = [one(layout, r, (i, i + 1)) for i, layout in enumerate(rows)]
+        per_row = [one(placement, r, (i, i + 1)) for i, placement in enumerate(rows)]
         every.append([tuple(b for row in per_row for b in row[s]) for s in range(size)])
     return trim_steps(every)[rank]
 
@@ -169,15 +181,6 @@ def mask_plan(
     return MaskPlan(window, chunk, "border", halo=halo, blocks=tuple(blocks), kv_dst=dst)
 
 
-class _OneRank:
-    """The ring of the border route's local step: one rank, never a channel."""
-
-    size, rank, group = 1, 0, None
-
-    def channel(self, tag: int = 0) -> None:  # pragma: no cover - one step opens no channel
-        raise RuntimeError("the border route has no ring channel")
-
-
 def masked_attention(
     q: Tensor,
     k: Tensor,
@@ -204,40 +207,22 @@ def masked_attention(
         ring = Ring(group)
     elif group is not None:
         raise ValueError("masked_attention: pass group or ring, not both")
-    cap = _check_extras(q, softcap, sinks)
-    if isinstance(backend, str):  # a kernel that takes the band when the plan has banded blocks
-        blocks = plan.blocks if plan.route == "border" else [b for step in plan.schedule or () for b in step]
-        band = any(b.window is not None for b in blocks)
-        backend = get_kernel(backend, q.device, q.dtype, softcap=bool(cap), window=band, head_dim=q.shape[3])
     if plan.route == "ring":
         return ring_attention(
-            q,
-            k,
-            v,
-            ring=ring,
-            softmax_scale=softmax_scale,
-            backend=backend,
-            schedule=plan.schedule,
-            softcap=softcap,
-            sinks=sinks,
-        )
-    if k.shape != v.shape or q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3] or q.shape[2] % k.shape[2]:
-        raise ValueError(
-            f"masked_attention expects q [B, S, Hq, D] and k, v [B, S, Hkv, D] with Hq % Hkv == 0; got q "
-            f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
-        )
+            q, k, v, ring=ring, softmax_scale=softmax_scale, backend=backend, schedule=plan.schedule,
+            softcap=softcap, sinks=sinks,
+        )  # fmt: skip
+    check_qkv(q, k, v, "masked_attention")
+    check_extras(q, softcap, sinks, "masked_attention")
     assert plan.halo is not None
     b, s, hq, d = q.shape
-    kernel = backend
-    if cap and not getattr(kernel, "softcap", False):
-        raise ValueError(f"masked_attention: softcap={cap} but the block kernel {kernel.name!r} has no soft-capping")
     if sinks is not None and sinks.dim() == 3:
         sinks = sinks.reshape(1, b * s, hq)  # per-row sinks follow the rows into the one flat block
-    scale = softmax_scale if softmax_scale is not None else 1.0 / d**0.5
     kv = torch.cat((k, v), dim=-1)  # [B, S, Hkv, 2D]: K and V rows travel together
     got = plan.halo.fetch(kv, ring.group)  # [M, Hkv, 2D]
     rows = plan.kv_rows(kv.reshape(b * s, *kv.shape[2:]), got)[None]  # [1, B * S + M, Hkv, 2D]
-    out = _RingAttention.apply(
-        q.reshape(1, b * s, hq, d), rows[..., :d], rows[..., d:], scale, [plan.blocks], kernel, _OneRank(), sinks, cap
-    )
+    out = block_attention(
+        q.reshape(1, b * s, hq, d), rows[..., :d], rows[..., d:], plan.blocks, softmax_scale=softmax_scale,
+        backend=backend, softcap=softcap, sinks=sinks,
+    )  # fmt: skip
     return tie(out, got).view(b, s, hq, d)  # every rank runs the fetch's backward

@@ -6,13 +6,13 @@
 
 ``models``: model shapes and a catalogue of published configs; ``settings``: ``PlanSettings``, every
 input of a plan besides the model; ``terms``: the per-token activation terms and the bytes attention
-sends; ``layouts``: ring, Ulysses and hybrid priced per layer, and ``choose_ulysses_size`` (the rule
-of ``ulysses_size="auto"``); ``plan``: the planner (``plan``, ``smallest_cp``, ``max_seq_len``).
-Recipes: ``hf_ring.recipes``. ``hf-ring plan`` is the command line (``hf_ring.cli``). Background and
-measurements: docs/memory.md.
+sends; ``grids``: the ring, Ulysses and Ulysses x ring grids of a CP group priced per layer, and
+``choose_ulysses_size`` (the rule of ``ulysses_size="auto"``); ``plan``: the planner (``plan``,
+``smallest_cp``, ``max_seq_len``). Recipes: ``hf_ring.recipes``. ``hf-ring plan`` is the command line
+(``hf_ring.cli``). Background and measurements: docs/memory.md.
 """
 
-from .layouts import LayoutCost, choose_ulysses_size, compare_layouts, layout_cost, recommend
+from .grids import GridCost, choose_ulysses_size, compare_grids, grid_cost, recommend
 from .models import KNOWN_MODELS, LORA_TARGETS, MixerShape, ModelShape, known_config, model_shape
 from .plan import GiB, Plan, max_seq_len, plan, smallest_cp
 from .settings import PlanSettings, parse_ulysses_size, tokens
@@ -20,9 +20,9 @@ from .terms import activation_terms, attention_comm_bytes, mixer_comm_bytes, mix
 
 __all__ = [
     "GiB",
+    "GridCost",
     "KNOWN_MODELS",
     "LORA_TARGETS",
-    "LayoutCost",
     "MixerShape",
     "ModelShape",
     "Plan",
@@ -30,9 +30,9 @@ __all__ = [
     "activation_terms",
     "attention_comm_bytes",
     "choose_ulysses_size",
-    "compare_layouts",
+    "compare_grids",
+    "grid_cost",
     "known_config",
-    "layout_cost",
     "max_seq_len",
     "mixer_comm_bytes",
     "mixer_terms",

@@ -22,7 +22,7 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from .layouts import LayoutCost, choose_ulysses_size, compare_layouts, recommend
+from .grids import GridCost, choose_ulysses_size, compare_grids, recommend
 from .models import ModelShape
 from .settings import PlanSettings
 from .terms import (
@@ -49,8 +49,8 @@ SHOWN_SETTINGS = ("mode", "dtype", "checkpointing", "offload", "sharding", "chun
 class Plan:
     """Memory of one rank (bytes). ``rows``: model states and activation components; ``phases``:
     the activation bytes live at each candidate peak of a step; ``peak``: the largest total.
-    ``settings``: those planned for, with ``cp`` and ``ulysses_size`` resolved. ``layouts``: every
-    ring / Ulysses layout of the CP group priced per layer (``hf_ring.planner.layouts``), the
+    ``settings``: those planned for, with ``cp`` and ``ulysses_size`` resolved. ``grids``: every
+    ring / Ulysses grid of the CP group priced per layer (``hf_ring.planner.grids``), the
     recommended one first among equals (``recommended``). ``comm``: the attention bytes one rank
     sends per step, full-attention and windowed layers apart (``attention_comm``)."""
 
@@ -62,7 +62,7 @@ class Plan:
     host: dict[str, float]
     overlap: dict[str, Any]
     notes: list[str] = field(default_factory=list)
-    layouts: list[LayoutCost] = field(default_factory=list)
+    grids: list[GridCost] = field(default_factory=list)
     comm: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -72,8 +72,8 @@ class Plan:
         return u
 
     @property
-    def recommended(self) -> LayoutCost | None:
-        return recommend(self.layouts) if self.layouts else None
+    def recommended(self) -> GridCost | None:
+        return recommend(self.grids) if self.grids else None
 
     @property
     def seq_len(self) -> int:
@@ -141,7 +141,7 @@ class Plan:
             "fits": self.fits,
             "overlap": self.overlap,
             "ulysses_size": self.ulysses,
-            "layouts": [c.as_dict() for c in self.layouts],
+            "grids": [c.as_dict() for c in self.grids],
             "recommended_ulysses_size": self.recommended.ulysses if self.recommended else None,
             "attention_comm": self.comm,
         }
@@ -183,23 +183,23 @@ class Plan:
                     f"{c['windowed_layer_bytes'] / 2**20:.2f} MiB"
                 )
             lines.append(f"  attention sent per step and rank: {c['total'] / GiB:.2f} GiB ({'; '.join(parts)})")
-        lines.extend(self.layout_lines())
+        lines.extend(self.grid_lines())
         lines.extend(f"  note: {n}" for n in self.notes)
         return "\n".join(lines)
 
-    def layout_lines(self) -> list[str]:
-        """The table of ring / Ulysses layouts (per layer and rank: fwd + bwd, + recompute)."""
+    def grid_lines(self) -> list[str]:
+        """The table of ring / Ulysses grids (per layer and rank: fwd + bwd, + recompute)."""
         best = self.recommended
-        if best is None or len(self.layouts) == 1:
+        if best is None or len(self.grids) == 1:
             return []
         s = self.settings
         lines = [
-            f"  attention layouts of the CP group, per layer and rank (forward + backward"
+            f"  attention grids of the CP group, per layer and rank (forward + backward"
             f"{' + recompute' if s.checkpointing else ''}; {s.gpus_per_node} GPUs per node):",
-            f"    {'layout':<12}{'U x R':>8}{'MiB sent':>10}{'comm ms':>10}{'exposed ms':>12}{'compute ms':>12}"
+            f"    {'grid':<12}{'U x R':>8}{'MiB sent':>10}{'comm ms':>10}{'exposed ms':>12}{'compute ms':>12}"
             f"  links (all-to-all / ring)",
         ]
-        for c in self.layouts:
+        for c in self.grids:
             mark = ("  <- recommended" if c is best else "") + ("  (planned)" if c.ulysses == self.ulysses else "")
             lines.append(
                 f"    {c.name:<12}{f'{c.ulysses} x {c.ring}':>8}{c.bytes_sent / 2**20:>10.0f}{c.comm_s * 1e3:>10.2f}"
@@ -401,7 +401,7 @@ def plan(model: ModelShape, settings: PlanSettings) -> Plan:
                      "their gradient is summed over the CP group")  # fmt: skip
     resolved = replace(s, cp=cp, ulysses_size=u)
     comm = attention_comm(m, b, t * cp, cp, u, checkpointing)
-    return Plan(m, resolved, t, rows, phases, host, overlap, notes, compare_layouts(m, resolved, cp), comm)
+    return Plan(m, resolved, t, rows, phases, host, overlap, notes, compare_grids(m, resolved, cp), comm)
 
 
 def attention_comm(m: ModelShape, b: int, tokens: int, cp: int, ulysses: int, recompute: bool) -> dict[str, Any]:

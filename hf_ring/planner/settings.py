@@ -17,7 +17,7 @@ from typing import Any
 
 from .models import LORA_TARGETS
 
-__all__ = ["PlanSettings", "parse_ulysses_size", "tokens"]
+__all__ = ["PlanSettings", "format_tokens", "parse_ulysses_size", "tokens"]
 
 
 def tokens(text: str) -> int:
@@ -25,6 +25,14 @@ def tokens(text: str) -> int:
     t = text.strip().upper()
     mult = {"K": 2**10, "M": 2**20, "G": 2**30}.get(t[-1:], 1)
     return int(float(t[:-1] if mult > 1 else t) * mult)
+
+
+def format_tokens(n: int) -> str:
+    """The inverse of ``tokens`` where exact: ``1024`` -> ``1K``, ``1048576`` -> ``1M``, ``1500`` -> ``1500``."""
+    for unit, size in (("M", 2**20), ("K", 2**10)):
+        if n >= size and n % size == 0:
+            return f"{n // size}{unit}"
+    return str(n)
 
 
 def parse_ulysses_size(value: int | str) -> int | str:

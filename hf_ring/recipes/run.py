@@ -30,11 +30,11 @@ from typing import Any
 
 from ..data.passkey import VOCAB as PASSKEY_VOCAB
 from ..errors import RecipeError, reports
+from ..plots import plot_loss
 from ..trainer import RingTrainer
 from ..trainer.checks import earlier_run
 from .data import StagedDataset, collate, load_documents, pack, passkey_stage, stages_of, tokenize
 from .evaluate import passkey_accuracy
-from .plots import plot_loss
 from .recipe import Recipe, build_model, check_local, check_ring_model, model_config, parse_recipe
 
 __all__ = ["build_train_dataset", "check_layout", "check_ulysses", "main", "prepare_output_dir", "run"]

@@ -23,9 +23,6 @@ through ``report_to``, progress bar, checkpoints and resume, FSDP2, PEFT models,
 from __future__ import annotations
 
 import os
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -33,13 +30,14 @@ import torch.distributed as dist
 from torch import nn
 from transformers import Trainer, TrainingArguments
 
-from ..data.loader import count_targets, prepare_dataloader
+from ..data.loader import count_targets
 from ..parallel import ContextParallel, context_parallel_state, setup_context_parallel
-from ..planner.layouts import choose_ulysses_size
+from ..planner.grids import choose_ulysses_size
 from ..transformers.batch import next_token_targets, shard_batch
 from ..transformers.context import KEY
 from ..transformers.support import check_model
 from .arguments import RingTrainingArguments, apply_model_options
+from .replicas import ReplicaMixin, Throughput
 from .saving import CheckpointMixin
 from .timeouts import exit_after_timeout, explain, is_timeout
 
@@ -85,7 +83,7 @@ def _launched() -> bool:
     return dist.is_available() and (dist.is_initialized() or "WORLD_SIZE" in os.environ)
 
 
-class RingTrainer(CheckpointMixin, Trainer):
+class RingTrainer(CheckpointMixin, ReplicaMixin, Trainer):
     """``transformers.Trainer`` with context parallelism over ``cp_size`` processes per sequence.
 
     Takes ``Trainer``'s arguments, plus ``cp_size`` (default: ``args.cp_size`` when ``args`` is a
@@ -187,26 +185,7 @@ class RingTrainer(CheckpointMixin, Trainer):
         # compute_loss normalises by the targets of the whole accumulation window itself.
         self.loss_is_scaled_for_ga = True
         self._unshard_logits = False
-        self._window = _Throughput()
-
-    # --- layout -------------------------------------------------------------------------------
-    @property
-    def cp_size(self) -> int:
-        """Processes per sequence (1 when not launched)."""
-        return self._cp.cp_size if self._cp is not None else 1
-
-    @property
-    def dp_size(self) -> int:
-        """Data-parallel replicas: world size / cp_size."""
-        return self._cp.dp_size if self._cp is not None else 1
-
-    @property
-    def _cp_group(self) -> dist.ProcessGroup | None:
-        return self._cp.cp_group if self._cp is not None else None
-
-    @property
-    def _dp_group(self) -> dist.ProcessGroup | None:
-        return self._cp.dp_group if self._cp is not None and self._cp.dp_size > 1 else None
+        self._window = Throughput()
 
     def _check_attention(self, model: nn.Module) -> None:
         attn = _attn_implementation(model)
@@ -231,63 +210,6 @@ class RingTrainer(CheckpointMixin, Trainer):
     def get_total_train_batch_size(self, args: TrainingArguments) -> int:
         """Samples per optimizer step: the CP ranks of a replica share their batch."""
         return self._train_batch_size * args.gradient_accumulation_steps * self.dp_size
-
-    # --- data: split over the DP replicas only --------------------------------------------------
-    @contextmanager
-    def _split_over_dp_replicas(self) -> Iterator[None]:
-        """While active, ``self.accelerator`` prepares data loaders for ``dp_size`` replicas
-        (rank ``dp_rank``) instead of all processes: the ranks of a CP group get the same batches."""
-        cp = self._cp
-        if cp is None or cp.cp_size == 1:
-            yield
-            return
-        acc = self.accelerator
-        if acc.dispatch_batches:
-            raise ValueError(
-                "RingTrainer: accelerator_config.dispatch_batches=True is not supported with cp_size > 1 "
-                "(process 0 would deal batches to all processes); leave it unset."
-            )
-        if acc._prepare_device_mesh() is not None:
-            raise ValueError("RingTrainer: an accelerate device mesh is not supported with cp_size > 1.")
-
-        def prepare(data_loader: Any, device_placement: bool | None = None, slice_fn_for_dispatch: Any = None) -> Any:
-            if getattr(data_loader, "_is_accelerate_prepared", False):
-                return data_loader
-            prepared = prepare_dataloader(
-                data_loader,
-                cp,
-                device=acc.device,
-                split_batches=acc.split_batches,
-                put_on_device=acc.device_placement if device_placement is None else device_placement,
-                rng_types=acc.rng_types.copy(),
-                # every rank reads the data itself (an iterable dataset must yield the same order on every rank)
-                dispatch_batches=False,
-                even_batches=acc.even_batches,
-                use_seedable_sampler=acc.use_seedable_sampler,
-                data_seed=acc.dataloader_config.data_seed,
-                non_blocking=acc.non_blocking,
-                use_stateful_dataloader=acc.use_stateful_dataloader,
-            )
-            acc._dataloaders.append(prepared)
-            return prepared
-
-        acc.prepare_data_loader = prepare  # instance attribute: shadows Accelerator.prepare_data_loader
-        try:
-            yield
-        finally:
-            del acc.prepare_data_loader
-
-    def get_train_dataloader(self) -> Any:
-        with self._split_over_dp_replicas():
-            return super().get_train_dataloader()
-
-    def get_eval_dataloader(self, eval_dataset: Any = None) -> Any:
-        with self._split_over_dp_replicas():
-            return super().get_eval_dataloader(eval_dataset)
-
-    def get_test_dataloader(self, test_dataset: Any) -> Any:
-        with self._split_over_dp_replicas():
-            return super().get_test_dataloader(test_dataset)
 
     # --- loss ---------------------------------------------------------------------------------
     def _get_num_items_in_batch(self, batch_samples: list, device: torch.device) -> torch.Tensor | None:
@@ -363,31 +285,6 @@ class RingTrainer(CheckpointMixin, Trainer):
         finally:
             self._unshard_logits = False
 
-    def _gather_over_dp(self, data: Any, **_: Any) -> Any:
-        """``gather_for_metrics`` over the DP replicas: the ranks of a CP group hold the same values."""
-        from accelerate.utils import recursively_apply
-
-        group, size = self._cp.dp_group, self._cp.dp_size
-
-        def gather(t: torch.Tensor) -> torch.Tensor:
-            t = t.contiguous()
-            if size == 1:
-                return t
-            parts = [torch.empty_like(t) for _ in range(size)]
-            dist.all_gather(parts, t, group=group)
-            return torch.cat(parts, dim=0)
-
-        data = recursively_apply(gather, data, error_on_other_type=True)
-        state = self.accelerator.gradient_state
-        if state.end_of_dataloader and state.remainder > 0:
-            data = recursively_apply(lambda t: t[: state.remainder], data)
-        return data
-
-    def evaluation_loop(self, *args: Any, **kwargs: Any) -> Any:
-        if self._cp is not None and self._cp.cp_size > 1:
-            self.gather_function = self._gather_over_dp  # Trainer resets it after the loop
-        return super().evaluation_loop(*args, **kwargs)
-
     # --- training, logging ---------------------------------------------------------------------
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
         """``Trainer.train``, with checkpoints that a kill cannot break (docs/trainer.md, "Checkpoints").
@@ -408,54 +305,10 @@ class RingTrainer(CheckpointMixin, Trainer):
         resume_from_checkpoint = self._resolve_checkpoint(resume_from_checkpoint)
         if dist.is_initialized() and dist.get_world_size() > 1:
             exit_after_timeout()
-        self._window = _Throughput()
+        self._window = Throughput()
         try:
             return super().train(resume_from_checkpoint, *args, **kwargs)
         except Exception as e:
             if not is_timeout(e):
                 raise
             raise explain(e, self._cp, self.args.ddp_timeout_delta) from e
-
-    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        """``Trainer.log``, with ``seq_len`` (of the last training batch) and ``tokens_per_second``
-        (all DP replicas, each CP group's tokens once, since the previous log) added to training logs."""
-        if "loss" in logs and self._window.tokens:
-            tokens, seconds, seq_len = self._window.take()
-            if self.dp_size > 1:
-                t = torch.tensor([tokens], dtype=torch.float64, device=self.args.device)
-                dist.all_reduce(t, group=self._dp_group)
-                tokens = int(t.item())
-            logs["seq_len"] = seq_len
-            logs["tokens_per_second"] = round(tokens / max(seconds, 1e-9), 1)
-        super().log(logs, start_time)
-
-    # --- bookkeeping --------------------------------------------------------------------------
-    def floating_point_ops(self, inputs: dict[str, Any]) -> int:
-        """This rank's share: Trainer sums the estimate over all processes."""
-        return super().floating_point_ops(inputs) // self.cp_size
-
-    def _track_num_input_tokens(self, inputs: dict[str, Any]) -> None:
-        before = self.state.num_input_tokens_seen
-        super()._track_num_input_tokens(inputs)  # gathered over all processes: cp_size copies of each batch
-        self.state.num_input_tokens_seen = before + (self.state.num_input_tokens_seen - before) // self.cp_size
-
-
-class _Throughput:
-    """Tokens of this replica's training batches since the last log, and the last sequence length."""
-
-    def __init__(self) -> None:
-        self.start = time.perf_counter()
-        self.tokens = 0
-        self.seq_len = 0
-
-    def add(self, inputs: dict[str, Any]) -> None:
-        x = inputs.get("input_ids", inputs.get("inputs_embeds"))
-        if x is not None:
-            self.tokens += int(x.shape[0] * x.shape[1])
-            self.seq_len = int(x.shape[1])
-
-    def take(self) -> tuple[int, float, int]:
-        now = time.perf_counter()
-        out = (self.tokens, now - self.start, self.seq_len)
-        self.start, self.tokens = now, 0
-        return out

@@ -17,7 +17,7 @@ from torch import Tensor
 from ..ops.comm import check_same_across_ranks, fingerprint, group_size_rank
 from ..ops.cross_entropy import IGNORE_INDEX
 from ..ops.layout import ShardLayout, sequence_layout
-from ..ops.schedule import balanced_layout, layout_schedule
+from ..ops.schedule import balanced_placement, placement_schedule
 from ..ops.zigzag import hybrid, hybrid_multiple
 from ..parallel import ContextParallel, context_parallel_state
 from .context import KEY, RingContext
@@ -237,9 +237,9 @@ def shard_batch(
 
         ring_pos = rank // ulysses_size
         if len({tuple(s) for s in starts}) == 1:
-            schedule = layout_schedule(layout.rows[0], ring_pos)
+            schedule = placement_schedule(layout.rows[0], ring_pos)
         else:
-            per_row = [layout_schedule(rows, ring_pos, (i, i + 1)) for i, rows in enumerate(layout.rows)]
+            per_row = [placement_schedule(rows, ring_pos, (i, i + 1)) for i, rows in enumerate(layout.rows)]
             schedule = [tuple(blk for row in per_row for blk in row[step]) for step in range(len(per_row[0]))]
     else:
         n_pad = -(-n // multiple) * multiple
@@ -293,16 +293,16 @@ def _targets(
 
 
 def _packed_layout(starts: list[list[int]], n: int, size: int, u_size: int) -> tuple[ShardLayout, Tensor]:
-    """The per-document layout of packed rows (``balanced_layout``: each ring position holds ``1/R``
+    """The per-document layout of packed rows (``balanced_placement``: each ring position holds ``1/R``
     of every long document's work, no padding but at most ``R - 1`` rows) over the ``R = P / U``
     ring positions, each position's rows (padded to a multiple of ``U``) cut into ``U`` contiguous
     pieces, one per rank of its Ulysses group; and ``[P, B, S_local]``, the global position of every
     local row (``n`` for padding rows)."""
     ring = size // u_size
-    layouts = [balanced_layout(s, n, ring) for s in starts]
-    local = -(-max(length for _, length in layouts) // u_size) * u_size
+    placements = [balanced_placement(s, n, ring) for s in starts]
+    local = -(-max(length for _, length in placements) // u_size) * u_size
     shared = len({tuple(s) for s in starts}) == 1
-    rows = tuple(layout for layout, _ in (layouts[:1] if shared else layouts))
+    rows = tuple(placement for placement, _ in (placements[:1] if shared else placements))
     tops = tuple(tuple(s) for s in (starts[:1] if shared else starts))
     layout = ShardLayout(n, ring, u_size, local // u_size, rows, tops, packed=True)
     return layout, layout.index(len(starts))

@@ -92,7 +92,7 @@ class RingContext:
         real: ``[B, S_local]`` bool, the local rows that hold tokens of the batch (not padding that
             ``shard_batch`` added nor right padding of an ``attention_mask``).
         schedule: for packed documents, this rank's ring schedule cut along the document
-            boundaries (``hf_ring.ops.schedule.layout_schedule``); ``None``: one sequence per row
+            boundaries (``hf_ring.ops.schedule.placement_schedule``); ``None``: one sequence per row
             (the ring's own zigzag schedule).
         cross_rank_calls: the forward calls of ring attention and of the context-parallel token
             mixers made with this context (``CrossRankCalls``).

@@ -1,5 +1,5 @@
-"""Ring, Ulysses or both: the attention layouts of a CP group, their communication time per layer,
-and the choice of ``ulysses_size``.
+"""Ring, Ulysses or both: the grids (``ulysses x ring``) of a CP group, their communication time per
+layer, and the choice of ``ulysses_size``.
 
 A CP group of ``P = U * R`` ranks runs Ulysses inside groups of ``U`` consecutive ranks (an
 all-to-all that trades sequence for heads) and the zigzag ring over ``R`` ring positions
@@ -8,7 +8,7 @@ all-to-all that trades sequence for heads) and the zigzag ring over ``R`` ring p
 (K/V heads are repeated ``U / g`` times, ``Hkv -> Hkv U / g``, when ``U`` does not divide ``Hkv``):
 
 - attention compute: forward ``2 N^2 Hq d / P`` FLOPs (causal), backward 2.5x that, the forward
-  again in backward under activation checkpointing. The same for every layout.
+  again in backward under activation checkpointing. The same for every grid.
 - ring: ``R`` steps of equal work; each forward hop moves the K/V of ``N / R`` tokens on
   ``Hkv / g`` heads (this rank's ``1 / U`` of ``Hkv U / g``; ``2 Hkv/g d N/R b`` bytes) while the
   step computes ``2 (N/R)^2 Hq/U d`` FLOPs, so it is hidden when
@@ -20,7 +20,7 @@ all-to-all that trades sequence for heads) and the zigzag ring over ``R`` ring p
 - all-to-all: ``(U - 1) / U`` of the rank's q, k, v (``N / P`` tokens) before attention and of
   its output after, the gradients back in backward; nothing runs beside it, so all of it is exposed.
 
-``compare_layouts`` prices every ``U`` dividing ``P`` and ``Hq`` for a plan's settings and
+``compare_grids`` prices every ``U`` dividing ``P`` and ``Hq`` for a plan's settings and
 ``recommend`` picks the least exposed time; ``choose_ulysses_size`` is the rule for
 ``ulysses_size="auto"`` when the sequence length is not known (``RingTrainer``).
 
@@ -37,7 +37,7 @@ from .models import ModelShape
 from .settings import PlanSettings
 from .terms import DTYPE_BYTES, attention_comm_bytes
 
-__all__ = ["LayoutCost", "choose_ulysses_size", "compare_layouts", "layout_cost", "recommend"]
+__all__ = ["GridCost", "choose_ulysses_size", "compare_grids", "grid_cost", "recommend"]
 
 
 def choose_ulysses_size(num_heads: int, num_kv_heads: int, cp_size: int, gpus_per_node: int) -> int:
@@ -53,8 +53,8 @@ def choose_ulysses_size(num_heads: int, num_kv_heads: int, cp_size: int, gpus_pe
       ``gcd(Hkv, U)`` only (module docstring): a larger ``U`` replicates K/V heads and sends more
       all-to-all bytes for no overlap gain. ``Hkv`` divides ``Hq``, so ``U`` divides ``Hq`` too.
 
-    This is the layout with the widest overlap margin, so the ring hides at the shortest lengths.
-    At a known length ``hf-ring plan`` prices every layout (``compare_layouts``) and may recommend a
+    This is the grid with the widest overlap margin, so the ring hides at the shortest lengths.
+    At a known length ``hf-ring plan`` prices every grid (``compare_grids``) and may recommend a
     smaller ``U`` that already hides the ring, or ``1`` (at 1M tokens even a cross-node ring hides);
     the difference is then the all-to-all, under 1% of attention compute for Llama-3.1-8B at 128K+.
 
@@ -73,8 +73,8 @@ def choose_ulysses_size(num_heads: int, num_kv_heads: int, cp_size: int, gpus_pe
 
 
 @dataclass(frozen=True)
-class LayoutCost:
-    """One layout of a CP group (``ulysses x ring = cp``) priced per decoder layer and rank: bytes
+class GridCost:
+    """One grid of a CP group (``ulysses x ring = cp``) priced per decoder layer and rank: bytes
     sent, seconds of transfer (``comm_s``), of transfer nothing hides (``exposed_s``), and of
     attention compute (``compute_s``), for forward + backward (+ the recomputed forward under
     checkpointing). ``kv_replication``: copies of each K/V head (``U / gcd(Hkv, U)``)."""
@@ -108,8 +108,8 @@ def _link(s: PlanSettings, inside_node: bool) -> tuple[str, float]:
     return ("NVLink", s.intra_GBps * 1e9) if inside_node else ("inter-node", s.inter_GBps * 1e9)
 
 
-def layout_cost(m: ModelShape, s: PlanSettings, cp: int, ulysses: int) -> LayoutCost:
-    """``LayoutCost`` of ``ulysses x (cp / ulysses)`` for ``m`` at ``s.seq_len`` tokens (padded to a
+def grid_cost(m: ModelShape, s: PlanSettings, cp: int, ulysses: int) -> GridCost:
+    """``GridCost`` of ``ulysses x (cp / ulysses)`` for ``m`` at ``s.seq_len`` tokens (padded to a
     multiple of ``2 cp``), ``s.micro_batch`` sequences, ``s.flops`` FLOP/s, the link bandwidths and
     ``s.gpus_per_node``. Ulysses groups are consecutive ranks, so they stay inside a node when
     ``U`` divides the GPUs per node; the ring crosses nodes when the CP group does."""
@@ -137,19 +137,19 @@ def layout_cost(m: ModelShape, s: PlanSettings, cp: int, ulysses: int) -> Layout
         a2a_s = (passes * comm["all_to_all_forward"] + comm["all_to_all_backward"]) / a2a_bw
         exposed += a2a_s
     sent = comm["total"] + (passes - 1) * (comm["ring_forward"] + comm["all_to_all_forward"])
-    return LayoutCost(ulysses, r, ring_link if r > 1 else "none", a2a_link if ulysses > 1 else "none",
+    return GridCost(ulysses, r, ring_link if r > 1 else "none", a2a_link if ulysses > 1 else "none",
                       ulysses // g, sent, ring_s, a2a_s, exposed, compute)  # fmt: skip
 
 
-def compare_layouts(m: ModelShape, s: PlanSettings, cp: int | None = None) -> list[LayoutCost]:
-    """Every layout of a CP group of ``cp`` ranks (default ``s.cp``, else ``s.gpus``): each
+def compare_grids(m: ModelShape, s: PlanSettings, cp: int | None = None) -> list[GridCost]:
+    """Every grid of a CP group of ``cp`` ranks (default ``s.cp``, else ``s.gpus``): each
     ``U`` dividing ``cp`` and the model's query heads, ``U = 1`` (ring) first."""
     cp = cp or s.cp or s.gpus
-    return [layout_cost(m, s, cp, u) for u in range(1, cp + 1) if cp % u == 0 and m.heads % u == 0]
+    return [grid_cost(m, s, cp, u) for u in range(1, cp + 1) if cp % u == 0 and m.heads % u == 0]
 
 
-def recommend(costs: list[LayoutCost]) -> LayoutCost:
-    """The layout with the least exposed communication time; within 1% (or 10 us) of it, the
+def recommend(costs: list[GridCost]) -> GridCost:
+    """The grid with the least exposed communication time; within 1% (or 10 us) of it, the
     smallest ``U`` (the least all-to-all traffic and K/V replication)."""
     best = min(c.exposed_s for c in costs)
     return next(c for c in costs if c.exposed_s <= best * 1.01 + 1e-5)

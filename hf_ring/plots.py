@@ -1,11 +1,16 @@
-"""Pictures of the evaluations (matplotlib is optional: without it every function returns ``False``
-and draws nothing; the JSON is the result, the PNG a view of it).
+"""Every picture hf_ring draws (matplotlib is optional: without it each function returns ``False`` and
+draws nothing; the JSON or log is the result, the PNG a view of it).
 
+- ``plot_loss``: a run's loss per optimizer step, a rolling median per stage (``hf-ring train``'s
+  ``loss.png``);
 - ``needle_png``: the length x depth heatmap in the style of EasyContext / the needle-in-a-haystack
   test (red 0 -> yellow -> green 1, lengths along x, depths down y);
 - ``needle_comparison_png``: several heatmaps side by side (before / after fine-tuning) and their
   accuracy vs length;
 - ``ppl_png``: loss by position bucket.
+
+Figures are drawn on ``matplotlib.figure.Figure`` (no pyplot state). Standard library and the
+planner's token formatting only.
 """
 
 from __future__ import annotations
@@ -14,9 +19,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .runtime import format_tokens
+from .planner.settings import format_tokens
 
-__all__ = ["have_matplotlib", "model_name", "needle_comparison_png", "needle_png", "ppl_png"]
+__all__ = ["have_matplotlib", "model_name", "needle_comparison_png", "needle_png", "plot_loss", "ppl_png", "smooth"]
 
 COLOURS = ["#F0496E", "#EBB839", "#0CD79F"]  # the needle-in-a-haystack palette: 0 red, 0.5 yellow, 1 green
 
@@ -132,6 +137,47 @@ def ppl_png(result: dict[str, Any], path: str | Path) -> bool:
     ax.set_ylabel("loss (nats per token)")
     at = format_tokens(result["seq_len"])
     ax.set_title(f"{model_name(result)}: loss by position at {at} tokens ({result['documents']} documents)")
+    ax.grid(alpha=0.3)
+    fig.savefig(path, dpi=120)
+    return True
+
+
+def smooth(values: list[float], window: int = 9) -> list[float]:
+    """Centred rolling median over ``window`` points (fewer at the ends): single spikes -- one
+    sample the model gets wrong -- drop out, the trend stays."""
+    half = window // 2
+    out = []
+    for i in range(len(values)):
+        part = sorted(values[max(0, i - half) : i + half + 1])
+        m = len(part) // 2
+        out.append(part[m] if len(part) % 2 else (part[m - 1] + part[m]) / 2)
+    return out
+
+
+def plot_loss(history: list[dict[str, Any]], path: str | Path, title: str) -> bool:
+    """Plot ``loss`` per logged step, one smoothed curve (``smooth``) per stage (``seq_len``) over
+    the raw values; returns False (and writes nothing) when matplotlib is not installed."""
+    if not have_matplotlib():
+        return False
+    from matplotlib.figure import Figure
+
+    rows = [h for h in history if "loss" in h and "step" in h]
+    stages: list[list[dict[str, Any]]] = []
+    for h in rows:
+        if not stages or h.get("seq_len") != stages[-1][-1].get("seq_len"):
+            stages.append([])
+        stages[-1].append(h)
+    fig = Figure(figsize=(7, 4), layout="tight")
+    ax = fig.add_subplot()
+    for k, stage in enumerate(stages):
+        steps, loss = [h["step"] for h in stage], [h["loss"] for h in stage]
+        color = f"C{k}"
+        ax.plot(steps, loss, color=color, alpha=0.25, lw=0.8)
+        label = f"{stage[0]['seq_len']} tokens" if stage[0].get("seq_len") else None
+        ax.plot(steps, smooth(loss), color=color, lw=2, label=label)
+    ax.set(xlabel="optimizer step", ylabel="loss (mean over target tokens)", title=title, yscale="log")
+    if any(s[0].get("seq_len") for s in stages):
+        ax.legend(title="rolling median, per stage")
     ax.grid(alpha=0.3)
     fig.savefig(path, dpi=120)
     return True

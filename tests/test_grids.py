@@ -1,4 +1,4 @@
-"""Ring, Ulysses and hybrid layouts in the planner (``hf_ring.planner.layouts``): the rule of
+"""Ring, Ulysses and Ulysses x ring grids in the planner (``hf_ring.planner.grids``): the rule of
 ``ulysses_size="auto"``, the per-layer communication and compute times against hand-worked figures,
 the recommendation, ``plan``/``hf-ring plan`` with ``ulysses_size``, and ``"auto"`` through
 ``RingTrainingArguments`` and ``RingTrainer``'s resolution."""
@@ -16,8 +16,8 @@ from hf_ring.planner import (
     PlanSettings,
     attention_comm_bytes,
     choose_ulysses_size,
-    compare_layouts,
-    layout_cost,
+    compare_grids,
+    grid_cost,
     model_shape,
     parse_ulysses_size,
     plan,
@@ -61,9 +61,9 @@ def test_choose_ulysses_size_rejects_bad_inputs() -> None:
 
 def test_auto_keeps_the_widest_overlap_margin_at_the_fewest_bytes() -> None:
     """Across nodes, per hop compute / transfer grows with gcd(Hkv, U) only: the rule's U has the
-    largest margin of all layouts, and any larger U sends more all-to-all bytes for none."""
+    largest margin of all grids, and any larger U sends more all-to-all bytes for none."""
     s = PlanSettings(seq_len=2**16, gpus=32, cp=32)
-    costs = {c.ulysses: c for c in compare_layouts(L8, s)}
+    costs = {c.ulysses: c for c in compare_grids(L8, s)}
     u = choose_ulysses_size(L8.heads, L8.kv_heads, 32, s.gpus_per_node)
     assert u == 8
     margin = {k: math.gcd(L8.kv_heads, k) for k in costs}
@@ -82,13 +82,13 @@ def test_parse_ulysses_size_rejects(bad: object) -> None:
         parse_ulysses_size(bad)  # type: ignore[arg-type]
 
 
-# ------------------------------------------------------------------------------------- layout costs
-def test_layout_cost_by_hand() -> None:
+# --------------------------------------------------------------------------------------- grid costs
+def test_grid_cost_by_hand() -> None:
     """Llama-3.1-8B, 128K tokens, CP 16 on 2 nodes, bf16, checkpointing: each term worked out."""
     s = PlanSettings(seq_len=2**17, gpus=16, cp=16)
     n, d, b, f = 2**17, 128, 2, 400e12
     fwd = 2 * n * n * 32 * d / 16  # causal forward FLOPs per rank
-    ring = layout_cost(L8, s, 16, 1)
+    ring = grid_cost(L8, s, 16, 1)
     assert ring.compute_s == pytest.approx(fwd * (2 + 2.5) / f)
     hop = 2 * 8 * d * n / 16  # K/V elements per hop
     inter = 45e9
@@ -97,23 +97,23 @@ def test_layout_cost_by_hand() -> None:
     step = fwd / 16 / f
     assert hop * b / inter < step and hop * (b + 4) / inter < 2.5 * step  # 8K tokens per rank: hidden
     assert ring.exposed_s == pytest.approx(hop * 4 / inter)  # only the last dK/dV hop
-    hyb = layout_cost(L8, s, 16, 8)
+    hyb = grid_cost(L8, s, 16, 8)
     comm = attention_comm_bytes(L8, b, n, 16, 8)
     assert (hyb.ring, hyb.a2a_link, hyb.ring_link) == (2, "NVLink", "inter-node")
     assert hyb.all_to_all_s == pytest.approx(3 * comm["all_to_all_forward"] / 300e9)  # fwd, recompute, bwd
-    assert hyb.compute_s == ring.compute_s  # the same attention work in every layout
+    assert hyb.compute_s == ring.compute_s  # the same attention work in every grid
     assert hyb.bytes_sent == pytest.approx(comm["total"] + comm["ring_forward"] + comm["all_to_all_forward"])
-    no_ckpt = layout_cost(L8, replace(s, checkpointing=False), 16, 8)
+    no_ckpt = grid_cost(L8, replace(s, checkpointing=False), 16, 8)
     assert no_ckpt.bytes_sent == pytest.approx(comm["total"])
 
 
 def test_recommendation_follows_the_overlap() -> None:
     # 1M tokens in one node: the ring hides, Ulysses would only add exposed all-to-all time
-    in_node = compare_layouts(L8, PlanSettings(seq_len=2**20, gpus=8, cp=8))
+    in_node = compare_grids(L8, PlanSettings(seq_len=2**20, gpus=8, cp=8))
     assert [c.name for c in in_node] == ["ring", "U2 x R4", "U4 x R2", "ulysses"]
     assert recommend(in_node).ulysses == 1
     # 64K tokens on 2 nodes: 4K tokens per rank do not hide across nodes; Ulysses 2 inside a node does
-    short = compare_layouts(L8, PlanSettings(seq_len=2**16, gpus=16, cp=16))
+    short = compare_grids(L8, PlanSettings(seq_len=2**16, gpus=16, cp=16))
     assert recommend(short).ulysses == 2 and short[0].exposed_s > 3 * recommend(short).exposed_s
     # pure Ulysses over 2 nodes: its all-to-all crosses the slow link
     assert short[-1].name == "ulysses" and short[-1].a2a_link == "inter-node"
@@ -123,7 +123,7 @@ def test_recommendation_follows_the_overlap() -> None:
 
 def test_only_divisors_of_the_query_heads() -> None:
     qwen = model_shape("Qwen2.5-7B")  # 28 query heads
-    assert [c.ulysses for c in compare_layouts(qwen, PlanSettings(seq_len=2**17, gpus=16, cp=16))] == [1, 2, 4]
+    assert [c.ulysses for c in compare_grids(qwen, PlanSettings(seq_len=2**17, gpus=16, cp=16))] == [1, 2, 4]
 
 
 # ----------------------------------------------------------------------------- plan and hf-ring plan
@@ -151,13 +151,13 @@ def test_plan_with_ulysses() -> None:
 def test_cli_plan_prints_the_layouts(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli_main(["plan", "Llama-3.1-8B", "--seq-len", "64K", "--gpus", "16", "--cp", "16"]) == 0
     out = capsys.readouterr().out
-    assert "attention layouts of the CP group" in out and "U8 x R2" in out
+    assert "attention grids of the CP group" in out and "U8 x R2" in out
     assert "recommended: ulysses_size=2" in out and "ulysses_size=auto gives 8" in out
     args = ["plan", "Llama-3.1-8B", "--seq-len", "64K", "--gpus", "16", "--cp", "16", "--ulysses-size", "auto"]
     assert cli_main([*args, "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["ulysses_size"] == 8 and data["recommended_ulysses_size"] == 2
-    assert [x["ulysses"] for x in data["layouts"]] == [1, 2, 4, 8, 16]
+    assert [x["ulysses"] for x in data["grids"]] == [1, 2, 4, 8, 16]
     # smallest_cp with an int ulysses_size tries its multiples only
     assert cli_main(["plan", "Llama-3.1-8B", "--seq-len", "128K", "--gpus", "8", "--ulysses-size", "4"]) == 0
     assert "smallest CP size that fits: 4" in capsys.readouterr().out

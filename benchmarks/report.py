@@ -1,0 +1,230 @@
+"""The figures of README.md and docs/*.md, written from the results files, so that none can drift.
+
+A document marks each generated part ``<!-- name:start -->`` ... ``<!-- name:end -->``; ``render(name)``
+writes it from its results file (``RENDERERS``): the long tables of ``benchmarks/results/*.jsonl``
+(``benchmarks.report_measured``), ``docs/demo/seeds.json`` and the demo's ``needle.json`` files,
+``docs/models.json`` (the model sweep), the recipes' ``memory_gb`` and the planner itself. Every
+measured figure says on which machine it was measured, as its results file records it ("a machine
+not recorded" where it does not). ``fill(text)`` renders every region of a document;
+``scripts/render_docs.py`` writes them (``--check``: only compares), and ``tests/test_docs.py`` fails
+when a committed document differs from what this renders.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+from . import report_measured as measured
+from .harness import machine_text
+from .report_measured import pct, table, tokens
+
+__all__ = ["DOCUMENTS", "RENDERERS", "documents", "fill", "regions", "render", "update"]
+
+ROOT = Path(__file__).resolve().parent.parent
+DEMO = ROOT / "docs" / "demo"
+DOCUMENTS = ("README.md", "docs/*.md")
+REGION = re.compile(r"<!-- ([\w-]+):start -->\n(.*?)<!-- \1:end -->", re.S)
+
+
+# ---------------------------------------------------------------------------------------- the demo
+def _seeds() -> dict:
+    return json.loads((DEMO / "seeds.json").read_text())
+
+
+def _demo_machine(runs: list[dict]) -> str:
+    m = runs[0].get("machine")
+    if m:
+        return machine_text(m)
+    return f"{runs[0]['cpus']} CPUs (CPU model not recorded)"
+
+
+def demo_summary() -> str:
+    runs = _seeds()["runs"]
+    ev = runs[0]["eval"]
+    seeds = ", ".join(str(r["seed"]) for r in runs)
+    before = " / ".join(pct(r["accuracy_before"]) for r in runs)
+    after = " / ".join(pct(r["accuracy_after"]) for r in runs)
+    cpu = [r["cpu_seconds"] for r in runs]
+    return (
+        f"Passkey retrieval at {tokens(ev['seq_len'])} tokens ({ev['samples']} held-out samples), seeds {seeds}: "
+        f"{before} for the short-context model, **{after}** after ring-attention fine-tuning; "
+        f"{min(cpu):.0f}-{max(cpu):.0f} s of CPU time per run, measured on {_demo_machine(runs)}."
+    )
+
+
+def demo_seeds() -> str:
+    data = _seeds()
+    runs = data["runs"]
+    ev = runs[0]["eval"]
+    head = ["", *(f"seed {r['seed']}" for r in runs)]
+    rows = [
+        [f"passkey retrieval at {tokens(ev['seq_len'])} ({ev['samples']} held-out samples), short-context model "
+         f"({runs[0]['pretrain_steps']} steps)", *(pct(r["accuracy_before"]) for r in runs)],
+        [f"after ring-attention fine-tuning ({runs[0]['finetune_steps']} steps)",
+         *(f"**{pct(r['accuracy_after'])}**" for r in runs)],
+        ["last logged fine-tuning loss", *(f"{r['final_loss']:.4f}" for r in runs)],
+        ["pretraining / fine-tuning, seconds", *(f"{r['pretrain_seconds']:.0f} / {r['finetune_seconds']:.0f}"
+                                                 for r in runs)],
+        ["whole demo, CPU seconds", *(f"{r['cpu_seconds']:.0f}" for r in runs)],
+        ["whole demo, wall seconds (load average at the end)",
+         *(f"{r['wall_seconds']:.0f} ({r['load_average_1min_at_end']:g})" for r in runs)],
+    ]  # fmt: skip
+    return table(head, rows) + f"\n\n`{data['command']}`; measured on {_demo_machine(runs)}."
+
+
+def demo_heatmaps() -> str:
+    res = {w: json.loads((DEMO / f"needle-{w}" / "needle.json").read_text()) for w in ("before", "after")}
+    b = res["before"]
+    st = b["settings"]
+
+    def by_length(r: dict) -> str:
+        return ", ".join(f"{tokens(int(n))} {pct(v)}" for n, v in r["summary"]["accuracy_by_length"].items())
+
+    lengths = b["lengths"]
+    return (
+        f"{tokens(lengths[0])} to {tokens(lengths[-1])} tokens, {len(b['depths'])} depths, {st['samples']} keys per "
+        f"cell, CP = {st['cp_size']} prefill. Accuracy by length, short-context model: {by_length(b)}; after "
+        f"fine-tuning: {by_length(res['after'])}. Evaluation time {b['seconds']:.0f} s and "
+        f"{res['after']['seconds']:.0f} s, measured on {machine_text(b.get('machine'))}."
+    )
+
+
+# ------------------------------------------------------------------------------------- the models
+def _models() -> list[dict]:
+    return json.loads((ROOT / "docs" / "models.json").read_text())
+
+
+def models() -> str:
+    from testkit.sweep_table import render_table
+
+    return render_table(_models())
+
+
+def models_summary() -> str:
+    from testkit.sweep_table import PATHS, path_record
+
+    records = _models()
+    swept = [r for r in records if r["status"] != "skipped"]
+    exact = [r for r in swept if all(path_record(r, p)["status"] == "exact" for p in PATHS)]
+    refused = [r for r in swept if any(path_record(r, p)["status"] == "refused" for p in PATHS)]
+    families = {r["family"] for r in exact}
+    return (
+        f"{len(exact)} of the {len(swept)} family/variant records the sweep ran ({len(families)} families) are "
+        f"exact on every path, {len(refused)} are refused with `RingNotSupported`, none is wrong; "
+        f"{len(records) - len(swept)} model types are not swept (why: in the table)."
+    )
+
+
+# ------------------------------------------------------------------------------ memory and planner
+def planner_grid() -> str:
+    from .memory import planner_grid as grid
+
+    return grid()
+
+
+def planner_longest() -> str:
+    from .memory import planner_longest as longest
+
+    return longest()
+
+
+# ------------------------------------------------------------------------------------------ recipes
+RECIPES = {  # what each packaged recipe trains, in words; its memory is the recipe's own memory_gb
+    "tiny-cpu-demo": ("tiny Llama, full fine-tune", "4 CPU processes", "4 x 1"),
+    "llama-3.1-8b-128k": ("Llama-3.1-8B, LoRA r16, FSDP2", "8 x 80 GB", "8 x 1"),
+    "qwen2.5-7b-256k": ("Qwen2.5-7B, LoRA r16, YaRN x8, FSDP2", "8 x 80 GB", "8 x 1"),
+    "gpt-oss-20b-128k": ("GPT-OSS-20B (MoE, 128-token windows, sinks), LoRA r16 on attention, router loss on, FSDP2",
+                         "8 x 80 GB", "8 x 1"),
+    "gemma-3-27b-128k": ("Gemma 3 27B language model (1K-token windows on 5 of 6 layers), LoRA r16, FSDP2",
+                         "8 x 80 GB", "8 x 1"),
+    "llama-3.1-8b-1m": ("Llama-3.1-8B, LoRA r16, YaRN x8, offload, tiled MLP, FSDP2", "2 nodes x 8 x 80 GB",
+                        "8 x 2 (ring: `ulysses_size: 1`, the planner's choice)"),
+    "qwen3.5-9b-1m": ("Qwen3.5-9B's language model (no vision tower), LoRA r16 on attention, MLP and Gated DeltaNet "
+                      "projections, YaRN x4, offload, tiled MLP, FSDP2", "8 x 80 GB", "8 x 1"),
+}  # fmt: skip
+
+
+def recipes() -> str:
+    import yaml
+
+    cells = []
+    for name, (model, gpus, grid) in RECIPES.items():
+        recipe = yaml.safe_load((ROOT / "hf_ring" / "recipes" / f"{name}.yaml").read_text())
+        data, mem = recipe["data"], recipe["memory_gb"]
+        n = max([data.get("seq_len", 0), *(stage["seq_len"] for stage in data.get("stages", []))])
+        gib = f"{mem['total']:.2f}" + (f" (+{mem['host']:.0f} host)" if mem.get("host") else "")
+        cells.append([f"`{name}`", model, tokens(n), gpus, grid, gib])
+    head = ["recipe", "model", "tokens per sequence", "GPUs", "CP x DP", "planner: GiB per GPU"]
+    return table(head, cells) + (
+        "\n\nThe memory column is `hf-ring plan RECIPE` as each recipe records it in `memory_gb` (a test fails when a "
+        "recipe drifts from the planner)."
+    )
+
+
+RENDERERS: dict[str, Callable[[], str]] = {
+    "demo-summary": demo_summary,
+    "demo-seeds": demo_seeds,
+    "demo-heatmaps": demo_heatmaps,
+    "models": models,
+    "models-summary": models_summary,
+    "recipes": recipes,
+    "memory-grid": measured.memory_grid,
+    "memory-variants": measured.memory_variants,
+    "planner-grid": planner_grid,
+    "planner-longest": planner_longest,
+    "attention-speed": measured.attention_speed,
+    "training-step": measured.training_step,
+    "mixers": measured.mixers,
+    "windows": measured.windows,
+    "packed": measured.packed,
+    "ulysses": measured.ulysses,
+    "gptoss": measured.gptoss,
+}
+
+
+def render(name: str) -> str:
+    """The text of region ``name`` (no markers)."""
+    if name not in RENDERERS:
+        raise KeyError(f"no renderer for region {name!r}; known: {', '.join(RENDERERS)}")
+    return RENDERERS[name]().strip() + "\n"
+
+
+def regions(text: str) -> list[str]:
+    """The region names marked in ``text``, in order."""
+    return [m.group(1) for m in REGION.finditer(text)]
+
+
+def fill(text: str, cache: dict[str, str] | None = None) -> str:
+    """``text`` with every marked region rendered (``cache``: regions rendered already)."""
+    cache = {} if cache is None else cache
+
+    def one(m: re.Match) -> str:
+        name = m.group(1)
+        if name not in cache:
+            cache[name] = render(name)
+        return f"<!-- {name}:start -->\n{cache[name]}<!-- {name}:end -->"
+
+    return REGION.sub(one, text)
+
+
+def documents() -> list[Path]:
+    """README.md and docs/*.md."""
+    return sorted(p for pattern in DOCUMENTS for p in ROOT.glob(pattern))
+
+
+def update(check: bool = False) -> list[Path]:
+    """Render every region of every document; write the ones that change (``check``: write none).
+    Returns the documents that were (or would be) changed."""
+    cache: dict[str, str] = {}
+    changed = []
+    for path in documents():
+        text = path.read_text()
+        new = fill(text, cache)
+        if new != text:
+            changed.append(path)
+            if not check:
+                path.write_text(new)
+    return changed
