@@ -158,8 +158,8 @@ def test_varlen_calls_one_per_mask_kind() -> None:
 
 
 def test_cudnn_standin_refuses_what_torch_refuses() -> None:
-    """[C1] cuDNN 9+, sm_80-sm_121; [C2] fp16/bf16; [C3] head dims multiples of 8, at most 128 (256 only in d256
-    builds on sm_90/sm_10x, their backward <= 128, (192, 128), (256, 256)); [C4] no key sequence of one row."""
+    """[D1] cuDNN 9+, sm_80-sm_121; [D2] fp16/bf16; [D3] head dims multiples of 8, at most 128 (256 only in d256
+    builds on sm_90/sm_10x, their backward <= 128, (192, 128), (256, 256)); [D4] no key sequence of one row."""
     q, k, v = (t.transpose(1, 2) for t in _qkv(8, 8, 16))
     args = (None, True, 0.0, True, False)
     CudnnStandIn()._scaled_dot_product_cudnn_attention(q, k, v, *args, scale=0.25)
@@ -181,8 +181,8 @@ def test_cudnn_standin_refuses_what_torch_refuses() -> None:
 
 
 def test_cudnn_kernel_layouts_and_one_key_blocks() -> None:
-    """[C5] K/V keep their heads, dK/dV come back with them; [C6] the output in the query's memory order and
-    ``logsumexp [B, H, Sq, 1]`` float32, which the backward gets back; [C4] a block of one key runs on the
+    """[D5] K/V keep their heads, dK/dV come back with them; [D6] the output in the query's memory order and
+    ``logsumexp [B, H, Sq, 1]`` float32, which the backward gets back; [D4] a block of one key runs on the
     reference kernel (exact), never on cuDNN."""
     ops = CudnnStandIn(allow_fp32=True)
     kernel = CudnnKernel(ops=ops, version=ops.version)

@@ -18,7 +18,7 @@ are those torch checks before it picks this op (``sdp_utils.cpp`` ``can_use_cudn
 sm_121, fp16/bf16, head dims that are multiples of 8 and at most 128 (the larger ones only some builds
 have, so they are refused here), no key block of one row, cuDNN 9 or newer. Causal is aligned top-left
 (``set_causal_mask``); the ring asks for it on square blocks only. There is no band and no soft-capping.
-The rows and file lines: ``docs/standins.md`` (C1-C9).
+The rows and file lines: ``docs/standins.md`` (D1-D9).
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ same positional arguments and the window as keywords. ``softmax_lse`` is ``[B, H
 ``Sk - 1`` / ``Sq - 1``) never change a band, so any ``(left, right)`` is exact. GPUs: sm_8x (its Ampere
 path) and sm_90; the sm_90 kernels are built for sm_90a only, so sm_100 and newer are refused. A build may
 leave out head dims, local (band) masks, soft-capping or varlen (``flash_attn_config.CONFIG["build_flags"]``):
-``refuses`` reads them. Rules, files and lines: ``docs/standins.md`` (H1-H10).
+``refuses`` reads them. Rules, files and lines: ``docs/standins.md`` (H1-H11).
 """
 
 from __future__ import annotations
