@@ -40,7 +40,7 @@ def worker(rank: int, size: int, cfg: dict) -> dict:
 
     import hf_ring
     from hf_ring.ops.ring import ring_attention
-    from hf_ring.ops.ulysses import ulysses_attention
+    from hf_ring.ops.ulysses import ulysses_ring_attention
     from hf_ring.ops.zigzag import shard
 
     groups = {name: hf_ring.setup_context_parallel(size, ulysses_size=u or size) for name, u in PROVIDERS.items()}
@@ -55,7 +55,7 @@ def worker(rank: int, size: int, cfg: dict) -> dict:
         def attend(cp, q, k, v):
             if cp.ulysses_size == 1:
                 return ring_attention(q, k, v, group=cp.cp_group)
-            return ulysses_attention(q, k, v, ulysses_group=cp.ulysses_group, ring_group=cp.ring_group)
+            return ulysses_ring_attention(q, k, v, ulysses_group=cp.ulysses_group, ring_group=cp.ring_group)
 
         def one_iteration(inputs: dict = inputs) -> dict:
             times = {}

@@ -1,6 +1,6 @@
 """How long the command line takes to answer, and what ``import hf_ring`` adds to its dependencies.
 
-    python -m benchmarks.startup --out benchmarks/results/startup.jsonl --before db3a2df   # ~4 min
+    python -m benchmarks.startup --out benchmarks/results/startup.jsonl --before 055246b   # ~4-7 min
 
 Each sample is a fresh interpreter, timed from start to exit (what a user waits for):
 
@@ -12,6 +12,10 @@ Each sample is a fresh interpreter, timed from start to exit (what a user waits 
 * ``import hf_ring`` alone, timed inside an interpreter that has imported the others (the least
   noisy figure of what it adds: no second interpreter start to subtract).
 
+Each sample is taken twice: ``seconds`` (wall clock, what a user waits for) and ``cpu_seconds``
+(user + system CPU time of the process, ``getrusage``), which other processes on a shared machine
+disturb far less than the wall clock; the overheads are given in both.
+
 ``--before REV`` measures the same commands on the sources of that commit too (``git archive`` into
 a temporary folder, put first on ``PYTHONPATH``), interleaved with this checkout's in every
 repetition so both see the same machine load. Rows: ``name`` the command, ``provider`` the code
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import subprocess
 import sys
 import tarfile
@@ -45,22 +50,36 @@ IMPORTS = {
 }
 
 
+METRICS = ("seconds", "cpu_seconds")  # wall clock; user + system CPU time
+
 # in one interpreter: the seconds of `import hf_ring` alone, once its dependencies are loaded
 IN_PROCESS = "import hf_ring, in-process, after the others"
-TIME_IT = f"{DEPS}; import time; t = time.perf_counter(); import hf_ring; print(time.perf_counter() - t)"
+TIME_IT = (
+    f"{DEPS}; import time; t, c = time.perf_counter(), time.process_time(); import hf_ring; "
+    "print(time.perf_counter() - t, time.process_time() - c)"
+)
 
 
-def timed(cmd: list[str], pythonpath: str | None) -> float:
-    """Seconds from start to exit of ``cmd`` (which must succeed); for ``TIME_IT``, the time it prints."""
+def _cpu_of_children() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def timed(cmd: list[str], pythonpath: str | None) -> tuple[float, float]:
+    """(wall, CPU) seconds from start to exit of ``cmd`` (which must succeed); for ``TIME_IT``, the
+    times it prints."""
     env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
     if pythonpath:
         env["PYTHONPATH"] = pythonpath
-    t = time.perf_counter()
+    t, c = time.perf_counter(), _cpu_of_children()
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tempfile.gettempdir(), timeout=300)
-    seconds = time.perf_counter() - t
+    seconds, cpu = time.perf_counter() - t, _cpu_of_children() - c
     if out.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed: {out.stderr[-2000:]}")
-    return float(out.stdout.split()[-1]) if cmd[-1] == TIME_IT else seconds
+    if cmd[-1] == TIME_IT:
+        wall, inside = out.stdout.split()[-2:]
+        return float(wall), float(inside)
+    return seconds, cpu
 
 
 def sources_of(rev: str, into: Path) -> Path:
@@ -85,23 +104,28 @@ def main() -> None:
         if args.before:
             variants[f"before {args.before}"] = str(sources_of(args.before, Path(tmp)))
         jobs = {**COMMANDS, **IMPORTS, IN_PROCESS: [sys.executable, "-c", TIME_IT]}
-        samples: dict[tuple[str, str], list[float]] = {(v, name): [] for v in variants for name in jobs}
+        samples: dict[tuple[str, str, str], list[float]] = {
+            (v, name, m): [] for v in variants for name in jobs for m in METRICS
+        }
         for rep in range(args.reps):
             for name, cmd in jobs.items():
                 for variant, path in variants.items():
-                    samples[(variant, name)].append(timed(cmd, path))
+                    for metric, value in zip(METRICS, timed(cmd, path)):
+                        samples[(variant, name, metric)].append(value)
             print(f"repetition {rep + 1}/{args.reps} done", flush=True)
-    for (variant, name), xs in samples.items():
-        table.add(name, variant, "seconds", 1, 0, H.stats(xs), "s", x=0, note=" ".join(jobs[name][1:]))
+    for (variant, name, metric), xs in samples.items():
+        table.add(name, variant, metric, 1, 0, H.stats(xs), "s", x=0, note=" ".join(jobs[name][1:]))
     base = "import torch, transformers, accelerate, peft"
     for variant in variants:
-        for order, where in (("... then import hf_ring", "after"), ("import hf_ring, then ...", "before")):
-            diffs = [a - b for a, b in zip(samples[(variant, order)], samples[(variant, base)])]
-            table.add(f"import hf_ring overhead, hf_ring {where} the others", variant, "seconds", 1, 0, H.stats(diffs),
-                      "s", x=0, note=f"{order!r} minus {base!r}, paired per repetition")  # fmt: skip
+        for metric in METRICS:
+            for order, where in (("... then import hf_ring", "after"), ("import hf_ring, then ...", "before")):
+                diffs = [a - b for a, b in zip(samples[(variant, order, metric)], samples[(variant, base, metric)])]
+                name, note = f"import hf_ring overhead, hf_ring {where} the others", f"{order!r} minus {base!r}"
+                table.add(name, variant, metric, 1, 0, H.stats(diffs), "s", x=0, note=f"{note}, paired per repetition")
     H.write_rows(args.out, table.rows)
     for r in table.rows:
-        print(f"{r['provider']:<16} {r['name']:<55} {r['median']:6.2f} s  (p20 {r['p20']:.2f}, p80 {r['p80']:.2f})")
+        print(f"{r['provider']:<16} {r['metric']:<12} {r['name']:<55} {r['median']:6.2f} s  "
+              f"(p20 {r['p20']:.2f}, p80 {r['p80']:.2f})")  # fmt: skip
 
 
 if __name__ == "__main__":

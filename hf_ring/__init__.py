@@ -2,8 +2,11 @@
 
 ``import hf_ring`` makes ``attn_implementation="ring"`` available to transformers: at once when
 transformers is imported already, else as soon as ``import transformers`` (or the import of any of
-its modules) has finished. It imports neither torch nor transformers itself: the public names below
-load their modules on first use, so ``hf-ring --help`` and ``hf-ring plan`` start quickly.
+its modules) has finished. Registering is cheap: two registry entries and one build hook; what a
+model needs is installed when it is built, for its own modeling module only
+(``hf_ring.transformers.install``, which lists every change; ``hf_ring.uninstall()`` undoes them).
+It imports neither torch nor transformers itself: the public names below load their modules on
+first use, so ``hf-ring --help`` and ``hf-ring plan`` start quickly.
 
 The layers, from the bottom: ``hf_ring.ops`` (kernels, schedules, the ring, zigzag sharding,
 chunked cross-entropy, tiled MLP, offload; torch only), ``hf_ring.parallel`` (process groups and
@@ -25,7 +28,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "ContextParallel": "hf_ring.parallel",
     "RingContext": "hf_ring.transformers.context",
-    "RingNotSupported": "hf_ring.transformers.support",
+    "RingNotSupported": "hf_ring.errors",
     "RingTrainer": "hf_ring.trainer",
     "RingTrainingArguments": "hf_ring.trainer",
     "chunked_causal_lm_loss": "hf_ring.ops.cross_entropy",
@@ -44,6 +47,7 @@ _EXPORTS = {
     "shard": "hf_ring.parallel",
     "shard_batch": "hf_ring.transformers.batch",
     "ulysses_attention": "hf_ring.parallel",
+    "uninstall": "hf_ring.transformers",
     "unshard": "hf_ring.parallel",
 }
 _SUBPACKAGES = ("cli", "data", "errors", "evaluation", "ops", "parallel", "planner", "recipes", "trainer",
@@ -71,11 +75,13 @@ __all__ = [
     "shard",
     "shard_batch",
     "ulysses_attention",
+    "uninstall",
     "unshard",
 ]
 
 if TYPE_CHECKING:
     from .data.loader import count_targets, dp_sampler, prepare_dataloader
+    from .errors import RingNotSupported
     from .ops.cross_entropy import chunked_causal_lm_loss
     from .parallel import (
         ContextParallel,
@@ -87,7 +93,7 @@ if TYPE_CHECKING:
         unshard,
     )
     from .trainer import RingTrainer, RingTrainingArguments
-    from .transformers import register
+    from .transformers import register, uninstall
     from .transformers.batch import shard_batch
     from .transformers.context import RingContext
     from .transformers.patches import (
@@ -97,7 +103,6 @@ if TYPE_CHECKING:
         enable_chunked_loss,
         enable_tiled_mlp,
     )
-    from .transformers.support import RingNotSupported
 
 
 def __getattr__(name: str) -> Any:
@@ -124,7 +129,10 @@ class _RegisterAfterImport(importlib.abc.MetaPathFinder):
     loader wrapped so that ``hf_ring.transformers.register()`` runs once that module has finished
     executing. The package ``transformers`` is the first module of any transformers import (a
     submodule's import runs its package first), and when it has finished no other transformers
-    module is half-loaded, so ``register`` may import any of them."""
+    module is half-loaded, so ``register`` may import any of them. ``hf_ring.uninstall()`` removes
+    it from ``sys.meta_path`` (it looks for ``hf_ring_registers``)."""
+
+    hf_ring_registers = True
 
     def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
         if fullname != "transformers":

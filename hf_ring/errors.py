@@ -6,12 +6,12 @@ refuses, a context-parallel layout -- and its message names the field, the value
 and exits with status 1; ``HF_RING_DEBUG=1`` shows the traceback instead. Any other exception is a
 fault of hf_ring or of the machine and keeps its traceback.
 
-The user errors are ``UserError`` and its subclasses (``RecipeError``, ``RecipeNotFound``), and the
-classes named in ``USER_ERRORS``, which live beside the code that raises them: ``RingNotSupported``
-(a model or input the ring does not compute exactly), ``CheckpointError`` (a checkpoint that cannot
-be resumed from) and ``EvalError`` (bad input to ``hf-ring eval``). ``is_user_error`` looks those
-up in ``sys.modules`` only: an exception of a class can exist only once its module is loaded, so
-deciding imports nothing.
+The user errors are ``UserError`` and its subclasses -- ``RecipeError``, ``RecipeNotFound``, and
+``RingNotSupported`` (a model, option or input the ring does not compute exactly) with its kinds
+``RingMaskUsed`` and ``RingNeverRan`` --, and the classes named in ``USER_ERRORS``, which live beside
+the code that raises them: ``CheckpointError`` (a checkpoint that cannot be resumed from) and
+``EvalError`` (bad input to ``hf-ring eval``). ``is_user_error`` looks those up in ``sys.modules``
+only: an exception of a class can exist only once its module is loaded, so deciding imports nothing.
 
 This module imports only the standard library: every floor of hf_ring may use it.
 """
@@ -31,6 +31,9 @@ __all__ = [
     "USER_ERRORS",
     "RecipeError",
     "RecipeNotFound",
+    "RingMaskUsed",
+    "RingNeverRan",
+    "RingNotSupported",
     "UserError",
     "closest",
     "debug",
@@ -47,7 +50,6 @@ QUIET_RANK_DELAY_S = 3.0  # how long a rank that does not report waits before it
 
 # user errors defined elsewhere, as "module.Class" (their modules import torch or transformers)
 USER_ERRORS = (
-    "hf_ring.transformers.support.RingNotSupported",
     "hf_ring.trainer.checkpoints.CheckpointError",
     "hf_ring.evaluation.runtime.EvalError",
 )
@@ -63,6 +65,20 @@ class RecipeError(UserError):
 
 class RecipeNotFound(RecipeError, FileNotFoundError):
     """A recipe name or path that names no recipe (also a ``FileNotFoundError``)."""
+
+
+class RingNotSupported(UserError):
+    """A model, option or input that ring attention does not compute exactly (``hf_ring.transformers.support``
+    says what and why); the message names the model, the reason and the alternative."""
+
+
+class RingMaskUsed(RingNotSupported, TypeError):
+    """A model used the ring's mask object as a tensor (it bypasses transformers' attention registry)."""
+
+
+class RingNeverRan(RingNotSupported, RuntimeError):
+    """A forward of a sharded batch ran neither ring attention nor a context-parallel token mixer
+    (``hf_ring.transformers.guard``): every rank computed its tokens from its own shard."""
 
 
 def is_user_error(exc: BaseException) -> bool:

@@ -16,10 +16,12 @@ the all-to-all traffic, kept closest) x ``R = P / U`` (the ring); CP rank ``= ri
 
 This is the one place that holds process-wide defaults: the CP group of the last
 ``setup_context_parallel``, and the attention backend of ``set_attention_backend`` ("auto" unless a user
-pins one). The public ``ring_attention``, ``shard`` and ``unshard`` resolve ``group=None`` (and an
-unspecified ``backend``) to them and call the ops in ``hf_ring.ops``, which always take both as arguments;
-the transformers attention function of ``attn_implementation="ring"`` reads the backend here too. This
-module imports only torch.
+pins one). The public ``ring_attention``, ``ulysses_attention``, ``shard`` and ``unshard``
+(``hf_ring.ring_attention``, ...) resolve ``group=None`` (and an unspecified ``backend``) to them and call
+the ops in ``hf_ring.ops``, which always take their groups and backend as arguments:
+``ops.ring.ring_attention`` (the ring over one given group) and ``ops.ulysses.ulysses_ring_attention`` (a
+given Ulysses x ring grid); the transformers attention function of ``attn_implementation="ring"`` reads the
+backend here too. This module imports only torch.
 """
 
 from __future__ import annotations
@@ -260,7 +262,7 @@ def ring_attention(
 
 def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, **options: Any) -> Tensor:
     """Exact attention over the default CP group's Ulysses x ring grid (``setup_context_parallel``
-    with ``ulysses_size``): ``hf_ring.ops.ulysses.ulysses_attention`` with its groups filled in.
+    with ``ulysses_size``): ``hf_ring.ops.ulysses.ulysses_ring_attention`` with its groups filled in.
 
     ``q: [B, S_local, Hq, D]``, ``k, v: [B, S_local, Hkv, D]`` (this rank's piece, from ``shard``) ->
     ``[B, S_local, Hq, D]``. Options: ``causal``, ``softmax_scale``, ``backend``, ``validate``, ``softcap``,
@@ -272,7 +274,8 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, **options: Any) -> Tensor
         raise ValueError("ulysses_attention: call hf_ring.setup_context_parallel(cp_size, ulysses_size=...) first")
     if cp.ulysses_size == 1:  # no Ulysses: the ring over the whole CP group
         return _ring.ring_attention(q, k, v, group=cp.cp_group, **options)
-    return _ulysses.ulysses_attention(q, k, v, ulysses_group=cp.ulysses_group, ring_group=cp.ring_group, **options)
+    groups = {"ulysses_group": cp.ulysses_group, "ring_group": cp.ring_group}
+    return _ulysses.ulysses_ring_attention(q, k, v, **groups, **options)
 
 
 def shard(x: Tensor, *, dim: int = 1, group: dist.ProcessGroup | None = None) -> Tensor:

@@ -254,7 +254,7 @@ def float64_kernels() -> Iterator[None]:
     """Within: every routed modeling module's kernel named in ``FLOAT64_KERNELS`` is the float64
     stand-in, for direct calls and under hf_ring's dispatcher alike (a float64 check that rounds
     to float32 inside the kernel cannot tell the ring from rounding)."""
-    from hf_ring.transformers import mixers
+    from hf_ring.transformers import install, mixers
 
     saved = []
     for short, family in mixers.FAMILIES.items():
@@ -262,6 +262,7 @@ def float64_kernels() -> Iterator[None]:
             module = importlib.import_module("transformers.models." + short)
         except ImportError:
             continue
+        install.install_module(module)  # what is restored on the way out: hf_ring's dispatchers
         for name, route in family.functions.items():
             if name in FLOAT64_KERNELS and hasattr(module, name):
                 saved.append((module, name, getattr(module, name)))

@@ -241,15 +241,22 @@ def rank_check(
 
 def _step(model: Any, batch: dict, counter: _CountRingCalls) -> tuple[float, list, bool]:
     """One ring training step on this rank's shard: (loss, gradients, whether the model computed
-    its loss itself -- calls left on the context after hf_ring's loss took them)."""
+    its loss itself -- the ring ran, but the model's ``loss_function`` was never called)."""
     import hf_ring
 
     model.zero_grad(set_to_none=True)
     kwargs = hf_ring.shard_batch(batch)
     context = kwargs["ring_context"]
-    with counter:
-        loss = model(**kwargs).loss
-    own_loss = context.attention_calls + context.mixer_calls > 0
+    loss_function, losses = model.__dict__.get("_loss_function"), []
+    if loss_function is not None:
+        model._loss_function = lambda *args, **kw: losses.append(1) or loss_function(*args, **kw)
+    try:
+        with counter:
+            loss = model(**kwargs).loss
+    finally:
+        if loss_function is not None:
+            model._loss_function = loss_function
+    own_loss = context.cross_rank_calls.total > 0 and not losses
     loss.backward()
     return float(loss), _grads(model), own_loss
 

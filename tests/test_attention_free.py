@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 import hf_ring
-from hf_ring.transformers.support import RingNotSupported
+from hf_ring.errors import RingNotSupported
 from testkit.families import causal_lm_class, tiny_config
 from testkit.mixers import float64_kernels, widened_casts
 from testkit.models import cp_grad_error, documents_alone_loss, packed_batch, tiny_batch
@@ -77,7 +77,7 @@ def step_errors(model_type: str, packed: bool = False, lora: bool = False, ckpt:
             kwargs = hf_ring.shard_batch(prefill)
             logits = kwargs["ring_context"].unshard(ring(**kwargs).logits)[:, : batch["input_ids"].shape[1]]
             alone = _alone_logits(ref, batch["input_ids"], DOCS) if packed else ref(**prefill, use_cache=False).logits
-    calls = kwargs["ring_context"].mixer_calls
+    calls = kwargs["ring_context"].cross_rank_calls.mixers
     return {"loss": rel_err(out.loss, want), "grads": cp_grad_error(ring, ref), "logits": rel_err(logits, alone),
             "mixer_calls": calls, "world": dist.get_world_size()}  # fmt: skip
 

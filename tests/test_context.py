@@ -1,9 +1,9 @@
 """The per-batch RingContext: made by shard_batch, read by the attention function and the loss.
 
 The "a sharded batch never reached ring attention (or a context-parallel mixer)" guard is per
-batch: it holds after a forward without labels, under activation-checkpoint recompute, and when a
-context is reused; the hidden states the chunked loss sets aside live on the batch's context and
-are freed by the loss.
+forward: it holds after a forward without labels, under activation-checkpoint recompute, and when a
+context is reused; the hidden states the chunked loss keeps belong to the model's chunked loss,
+not to the context, and are freed by the loss.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def guard_cases() -> dict[str, str]:
     ckpt.train()
     kwargs = hf_ring.shard_batch(batch)
     out["checkpointed ring"] = _loss_or_error(ckpt, kwargs)
-    out["calls after backward"] = str(kwargs[KEY].attention_calls)
+    out["calls after backward"] = str(kwargs[KEY].cross_rank_calls.attention)
     out["after recompute"] = _loss_or_error(sdpa, hf_ring.shard_batch(batch))
     # a context that already saw ring attention does not vouch for another model
     reused = hf_ring.shard_batch(batch)
@@ -63,7 +63,7 @@ def test_never_ran_guard_is_per_batch() -> None:
     for r in run_ranks(2, guard_cases):
         assert NEVER_RAN in r["after unlabelled forward"]
         assert r["checkpointed ring"] == "no error"
-        assert r["calls after backward"] == "0"  # the loss took the forward's count; recompute adds none
+        assert r["calls after backward"] == "2"  # one per layer in forward; the recompute adds none
         assert NEVER_RAN in r["after recompute"]
         assert NEVER_RAN in r["reused context"]
 
@@ -73,12 +73,12 @@ def chunked_hidden_states_freed() -> list[bool]:
     hf_ring.enable_chunked_loss(model)
     kwargs = hf_ring.shard_batch(tiny_batch(2, 20))
     out = model(**kwargs)
-    return [out.logits.shape[1] == 0, kwargs[KEY].take_chunked() is None]
+    return [out.logits.shape[1] == 0, len(model._hf_ring_chunked.kept) == 0, not hasattr(kwargs[KEY], "_chunked")]
 
 
-def test_chunked_loss_takes_the_hidden_states_off_the_context() -> None:
+def test_chunked_loss_takes_the_hidden_states_it_kept() -> None:
     for r in run_ranks(2, chunked_hidden_states_freed):
-        assert r == [True, True]
+        assert r == [True, True, True]
 
 
 def test_context_is_only_read_from_kwargs() -> None:
@@ -87,7 +87,7 @@ def test_context_is_only_read_from_kwargs() -> None:
     ids = {"input_ids": tiny_batch(1, 9)["input_ids"]}  # no labels: no loss takes the count
     a, b = hf_ring.shard_batch(ids), hf_ring.shard_batch(ids)
     model(**a)
-    assert a[KEY].attention_calls == 2 and b[KEY].attention_calls == 0
+    assert a[KEY].cross_rank_calls.attention == 2 and b[KEY].cross_rank_calls.total == 0
 
 
 @pytest.mark.parametrize("labelled", [True, False])

@@ -14,7 +14,7 @@ from torch import Tensor
 from hf_ring.ops.kernels import ReferenceKernel, TorchCPUKernel, band_mask
 from hf_ring.ops.layout import ShardLayout, sequence_layout
 from hf_ring.ops.schedule import balanced_layout
-from hf_ring.ops.ulysses import ulysses_attention
+from hf_ring.ops.ulysses import ulysses_ring_attention
 from hf_ring.ops.windows import mask_plan, masked_attention
 from testkit.spawn import run_ranks
 
@@ -159,7 +159,7 @@ def _mask_errors(
                 (sink.clone() if sink.dim() == 1 else take(sink[..., None])[..., 0]).to(dt).requires_grad_()
             )
         if ulysses > 1:
-            out = ulysses_attention(*loc[:3], ulysses_group=groups[0], ring_group=groups[1], mask=plan, **extra)
+            out = ulysses_ring_attention(*loc[:3], ulysses_group=groups[0], ring_group=groups[1], mask=plan, **extra)
         else:
             out = masked_attention(*loc[:3], plan, **extra)
         out.backward(loc[3])

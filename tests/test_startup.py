@@ -57,11 +57,10 @@ def test_commands_that_answer_at_once_import_no_torch(argv: list[str]) -> None:
 
 RING_MODEL = """
 import torch
-from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM
-from transformers.loss import loss_utils
+from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM, PreTrainedModel
 import hf_ring
 assert "ring" in AttentionInterface._global_mapping
-assert hasattr(loss_utils.ForCausalLMLoss, "hf_ring_original")
+assert hasattr(PreTrainedModel._check_and_adjust_attn_implementation, "hf_ring_original")  # the build hook
 config = LlamaConfig(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
                      num_key_value_heads=2, max_position_embeddings=128)
 torch.manual_seed(0)
@@ -72,6 +71,8 @@ ids = torch.randint(0, 61, (2, 37), generator=torch.Generator().manual_seed(1))
 got = ring(**hf_ring.shard_batch({"input_ids": ids, "labels": ids})).loss
 want = sdpa(input_ids=ids, labels=ids).loss
 assert torch.allclose(got, want, rtol=1e-5, atol=1e-6), (got, want)
+from hf_ring.transformers.loss import CausalLMLoss
+assert isinstance(ring.loss_function, CausalLMLoss)
 print("ok")
 """
 
@@ -83,7 +84,7 @@ print("ok")
 )
 def test_ring_is_registered_whichever_import_comes_first(first: str) -> None:
     """After ``first``, a model built with ``attn_implementation="ring"`` trains on a sharded batch
-    with the loss of SDPA, and the causal-LM loss is the wrapped one."""
+    with the loss of SDPA, and its causal-LM loss is hf_ring's."""
     assert _python(f"{first}\n{RING_MODEL}").strip() == "ok"
 
 
@@ -102,10 +103,10 @@ def test_the_import_hook_leaves_transformers_as_it_was() -> None:
 
 
 def _ring_registered() -> bool:
-    from transformers import AttentionInterface
-    from transformers.loss import loss_utils
+    from transformers import AttentionInterface, PreTrainedModel
 
-    return "ring" in AttentionInterface._global_mapping and hasattr(loss_utils.ForCausalLMLoss, "hf_ring_original")
+    hook = PreTrainedModel._check_and_adjust_attn_implementation
+    return "ring" in AttentionInterface._global_mapping and hasattr(hook, "hf_ring_original")
 
 
 def test_spawned_ranks_see_ring_registered() -> None:

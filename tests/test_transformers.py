@@ -3,62 +3,81 @@ documented error."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
-from transformers import AttentionInterface, AutoModelForCausalLM, BloomConfig
-from transformers.loss.loss_utils import LOSS_MAPPING
+from transformers import AttentionInterface, AutoModelForCausalLM, BloomConfig, PreTrainedModel
+from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
 
 import hf_ring
+from hf_ring.transformers import install
 from hf_ring.transformers.attention import ring_attention_forward
+from hf_ring.transformers.loss import CausalLMLoss
 from testkit.models import tiny_batch, tiny_config, tiny_model
 from testkit.oracle import rel_err
 from testkit.spawn import run_ranks
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_register_is_idempotent_and_leaves_other_losses_alone() -> None:
     hf_ring.register()
     hf_ring.register()
-    assert AttentionInterface._global_mapping["ring"] is ring_attention_forward
-    wrapped = LOSS_MAPPING["ForCausalLM"]
-    assert not hasattr(wrapped.hf_ring_original, "hf_ring_original")
+    entry = AttentionInterface._global_mapping["ring"]
+    assert entry is install.ring_attention and not hasattr(entry, "hf_ring_original")
+    hook = PreTrainedModel._check_and_adjust_attn_implementation
+    assert not hasattr(hook.hf_ring_original, "hf_ring_original")  # wrapped once
+    assert LOSS_MAPPING["ForCausalLM"] is ForCausalLMLoss  # the registry of losses is not touched
     batch = tiny_batch(2, 20)
     model = tiny_model("llama", "sdpa")
+    assert isinstance(model.loss_function, CausalLMLoss) and model.loss_function.original() is ForCausalLMLoss
     logits = model(input_ids=batch["input_ids"]).logits
     want = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), batch["labels"][:, 1:].flatten())
     assert torch.allclose(model(**batch).loss, want, rtol=1e-6)
 
 
+def test_ring_attention_is_the_registered_function() -> None:
+    """The registry's entry is ``ring_attention_forward``, imported on its first call."""
+    module = tiny_model("llama", "ring").model.layers[0].self_attn
+    q, k = torch.randn(1, 4, 6, 8, dtype=torch.float64), torch.randn(1, 2, 6, 8, dtype=torch.float64)
+    got, _ = AttentionInterface._global_mapping["ring"](module, q, k, k, None, scaling=0.25)
+    want, _ = ring_attention_forward(module, q, k, k, None, scaling=0.25)
+    assert torch.equal(got, want)
+
+
 def test_trainer_still_sees_a_causal_lm_loss(tmp_path) -> None:
     """Trainer decides by identity (``LOSS_MAPPING[loss_type] is ForCausalLMLoss``) that position 0
-    of a row is no target; the wrapped loss must keep that answer, or plain Trainer and TRL's
-    SFTTrainer would count one extra target per row and scale every loss down."""
+    of a row is no target; hf_ring's loss lives on the model, so that answer is transformers' own,
+    or plain Trainer and TRL's SFTTrainer would count one extra target per row and scale every
+    loss down."""
     from transformers import Trainer, TrainingArguments
-    from transformers.loss import loss_utils
 
-    wrapped = LOSS_MAPPING["ForCausalLM"]
-    assert hasattr(wrapped, "hf_ring_original")
     for key in ("ForCausalLM", "ForConditionalGeneration", "CsmForConditionalGeneration"):
-        assert LOSS_MAPPING[key] is wrapped, key
-    assert loss_utils.ForCausalLMLoss is wrapped
+        assert LOSS_MAPPING[key] is ForCausalLMLoss, key
     args = TrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True)
-    trainer = Trainer(model=tiny_model("llama", "sdpa"), args=args)
+    trainer = Trainer(model=tiny_model("llama", "ring"), args=args)
     assert trainer._loss_shifts_labels
     labels = torch.tensor([[5, 6, 7, -100], [8, -100, 9, 10]])
     assert trainer._get_num_items_in_batch([{"labels": labels}], torch.device("cpu")) == 4
 
 
-def test_register_after_transformers_trainer_was_imported() -> None:
-    """``import hf_ring`` after ``transformers.trainer``: the name the trainer imported is rebound."""
+def test_models_built_before_transformers_trainer_was_imported_keep_their_loss() -> None:
+    """``import hf_ring``, a model, then ``transformers.trainer``: the trainer's name is the original
+    loss, and the model's loss is hf_ring's."""
     import subprocess
     import sys
 
     code = (
-        "import transformers.trainer as t, hf_ring\n"
-        "from transformers.loss.loss_utils import LOSS_MAPPING\n"
-        "assert hasattr(t.ForCausalLMLoss, 'hf_ring_original')\n"
-        "assert LOSS_MAPPING['ForCausalLM'] is t.ForCausalLMLoss\n"
+        "import hf_ring, torch\n"
+        "from testkit.models import tiny_model\n"
+        "model = tiny_model('llama', 'ring')\n"
+        "import transformers.trainer as t\n"
+        "from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss\n"
+        "assert t.ForCausalLMLoss is ForCausalLMLoss is LOSS_MAPPING['ForCausalLM']\n"
+        "assert type(model.loss_function).__name__ == 'CausalLMLoss'\n"
     )
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300, cwd=ROOT)
 
 
 # --- shard_batch -------------------------------------------------------------------------------

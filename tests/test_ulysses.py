@@ -77,7 +77,7 @@ def ulysses_errors(cases: list[dict], ulysses_size: int, direct: bool = False) -
         ref = _grads(partial(attention, causal=causal), [q, k, v], dout)
         sdpa = _grads(partial(_sdpa, causal=causal), [x.to(dtype) for x in (q, k, v)], dout)
         if direct:
-            fn = partial(ops_ulysses.ulysses_attention, ulysses_group=None, causal=causal, validate=True)
+            fn = partial(ops_ulysses.ulysses_ring_attention, ulysses_group=None, causal=causal, validate=True)
         else:
             fn = partial(hf_ring.ring_attention, causal=causal, validate=True)
         got = _grads(fn, [hf_ring.shard(x.to(dtype)) for x in (q, k, v)], hf_ring.shard(dout))

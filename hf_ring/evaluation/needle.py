@@ -205,7 +205,7 @@ def score_answer(
     j = pos[local] - (answer_at - 1)  # which answer token each one predicts
     with torch.no_grad():
         logits = model(**kwargs, logits_to_keep=local).logits[0].float()  # [k, V]
-    if ctx.calls == 0:
+    if ctx.cross_rank_calls.total == 0:
         raise EvalError(
             "the model never ran ring attention or a context-parallel token mixer (it computes attention "
             "itself); load a model that uses transformers' attention registry with attn_implementation='ring'"

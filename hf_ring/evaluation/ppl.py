@@ -18,12 +18,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from ..errors import RingNotSupported
 from ..ops.cross_entropy import default_chunk_size
 from ..transformers.batch import shard_batch
 from ..transformers.context import KEY as CONTEXT_KEY
 from ..transformers.logits import logits_transform
 from ..transformers.patches import causal_lm, decoder
-from ..transformers.support import RingNotSupported
 from .runtime import EvalError, Runtime, check_ring, progress, read_jsonl
 
 __all__ = ["bucket_table", "documents", "evaluate_ppl", "position_nll"]
@@ -127,7 +127,7 @@ def position_nll(
             model(**kwargs)
     finally:
         hook.handle.remove()
-    if ctx.calls == 0 or hook.hidden is None:
+    if ctx.cross_rank_calls.total == 0 or hook.hidden is None:
         raise EvalError(
             "the model never ran ring attention or a context-parallel token mixer (it computes attention "
             "itself); load a model that uses transformers' attention registry with attn_implementation='ring'"

@@ -135,6 +135,7 @@ class _ChunkedLinearCE(torch.autograd.Function):
                 z = F.linear(x, wc, bc)
                 if ctx.transform is None:
                     p = z.float().sub_(lse[s : s + n, None]).exp_()
+                    del z  # one [chunk, vocab] buffer of the head's dtype fewer while the gradient is formed
                 else:
                     z.requires_grad_()
                     with torch.enable_grad():

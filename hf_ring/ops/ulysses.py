@@ -32,7 +32,7 @@ from .ring import ring_attention
 from .schedule import Schedule
 from .windows import MaskPlan, masked_attention
 
-__all__ = ["all_to_all", "kv_replication", "ulysses_attention"]
+__all__ = ["all_to_all", "kv_replication", "ulysses_ring_attention"]
 
 
 class _AllToAll(torch.autograd.Function):
@@ -88,32 +88,32 @@ def _dims(x: Tensor) -> list[int]:
 def _check(q: Tensor, k: Tensor, v: Tensor, ulysses_size: int) -> None:
     if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape:
         raise ValueError(
-            f"ulysses_attention expects q [B, S, Hq, D] and k, v [B, S, Hkv, D]; got q {tuple(q.shape)}, "
+            f"ulysses_ring_attention expects q [B, S, Hq, D] and k, v [B, S, Hkv, D]; got q {tuple(q.shape)}, "
             f"k {tuple(k.shape)}, v {tuple(v.shape)}"
         )
     if q.shape[2] % ulysses_size:
         raise ValueError(
-            f"ulysses_attention: ulysses_size={ulysses_size} does not divide the {q.shape[2]} query heads, "
+            f"ulysses_ring_attention: ulysses_size={ulysses_size} does not divide the {q.shape[2]} query heads, "
             "so the heads cannot be split evenly across the Ulysses group. Pick a ulysses_size that divides "
             f"{q.shape[2]} in hf_ring.setup_context_parallel (ulysses_size=1 is plain ring attention)."
         )
     if q.shape[2] % k.shape[2]:
         raise ValueError(
-            f"ulysses_attention: query heads ({q.shape[2]}) must be a multiple of key/value heads "
+            f"ulysses_ring_attention: query heads ({q.shape[2]}) must be a multiple of key/value heads "
             f"({k.shape[2]}) for grouped-query attention"
         )
     if q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]:
         raise ValueError(
-            f"ulysses_attention: q {tuple(q.shape)} and k/v {tuple(k.shape)} must agree on batch, local "
+            f"ulysses_ring_attention: q {tuple(q.shape)} and k/v {tuple(k.shape)} must agree on batch, local "
             "sequence length and head_dim"
         )
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(
-            f"ulysses_attention: q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype}); cast them to one dtype"
+            f"ulysses_ring_attention: q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype}); cast them to one dtype"
         )
 
 
-def ulysses_attention(
+def ulysses_ring_attention(
     q: Tensor,
     k: Tensor,
     v: Tensor,
@@ -169,7 +169,7 @@ def ulysses_attention(
     """
     u_size, _ = group_size_rank(ulysses_group)
     if ring is not None and ring_group is not None:
-        raise ValueError("ulysses_attention: pass ring_group or ring, not both")
+        raise ValueError("ulysses_ring_attention: pass ring_group or ring, not both")
     if ring is None:
         ring = Ring(ring_group) if ring_group is not None else _NoRing()
     if validate:  # before the all-to-all, which would fail or hang on ranks that disagree
@@ -190,10 +190,12 @@ def ulysses_attention(
     elif sinks is not None and sinks.shape == (b, s, hq):  # per-row sinks travel as the queries do
         sinks = all_to_all(sinks, ulysses_group, scatter_dim=2, gather_dim=1)
     elif sinks is not None:
-        raise ValueError(f"ulysses_attention: sinks must be [Hq] or [B, S, Hq], got {tuple(sinks.shape)}")
+        raise ValueError(f"ulysses_ring_attention: sinks must be [Hq] or [B, S, Hq], got {tuple(sinks.shape)}")
     if mask is not None:
         if dropout_p or attn_mask is not None or schedule is not None or not causal:
-            raise ValueError("ulysses_attention: a mask plan takes no dropout_p, attn_mask or schedule, and is causal")
+            raise ValueError(
+                "ulysses_ring_attention: a mask plan takes no dropout_p, attn_mask or schedule, and is causal"
+            )
         out = masked_attention(
             ql, kl, vl, mask, ring=ring, softmax_scale=softmax_scale, backend=backend, softcap=softcap, sinks=sinks
         )
@@ -220,7 +222,7 @@ def _validate(meta: list[int], ulysses_group: dist.ProcessGroup | None, ring: Ri
     """Raise ``ValueError`` on every rank of the Ulysses x ring grid unless all pass the same ``meta``:
     one check inside the Ulysses group, then one along the ring that also carries whether the first
     failed (every ring meets every Ulysses group, so a mismatch anywhere reaches every rank)."""
-    what = "ulysses_attention inputs [q, k, v shapes, causal]"
+    what = "ulysses_ring_attention inputs [q, k, v shapes, causal]"
     err: ValueError | None = None
     try:
         check_same_across_ranks(meta, ulysses_group, what)

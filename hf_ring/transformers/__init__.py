@@ -1,16 +1,21 @@
 """The transformers glue: the only part of hf_ring that imports transformers.
 
+- ``install``: every change hf_ring makes to transformers, in one table; ``register``,
+  ``uninstall``, ``installed`` (docs/architecture.md shows the table);
 - ``attention``: the ``"ring"`` attention function and mask function;
-- ``loss``: the causal-LM loss of a sharded batch, summed over the CP group;
+- ``loss``: the causal-LM loss of a sharded batch, summed over the CP group (a model's ``loss_function``);
 - ``batch``: ``shard_batch``, a full batch -> this rank's model arguments and its ``RingContext``;
 - ``context``: ``RingContext``, the per-batch object that carries everything above;
+- ``carry``: the context of the forward running now, for functions transformers calls without it;
 - ``patches``: opt-in model changes (chunked loss, tiled MLP, activation checkpointing + offload);
 - ``mixers``: the token mixers of hybrid models routed through their context-parallel forms;
 - ``router``: the MoE router load-balancing loss of a sharded batch, over the CP group;
 - ``temperature``: Llama 4's NoPE query temperature from global positions;
-- ``support``: what ring attention computes exactly, and ``RingNotSupported`` for the rest;
+- ``support``: what ring attention computes exactly (the exceptions live in ``hf_ring.errors``);
 - ``guard``: a forward of a sharded batch that never reached across the CP group is refused;
 - ``logits``: a model's logits as a function of its LM head's output (for chunked logits).
+
+This package's ``__init__`` imports nothing heavy: ``register`` and the rest import on call.
 """
 
 from __future__ import annotations
@@ -18,60 +23,31 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-NAME = "ring"
+__all__ = ["installed", "register", "uninstall"]
 
 
 def register() -> None:
-    """Make ``attn_implementation="ring"`` available to transformers (idempotent).
+    """Make ``attn_implementation="ring"`` available to transformers (idempotent): the ``"ring"``
+    entries of its attention and mask registries, and the build hook that gives every model built
+    from then on what it needs to run a batch of ``hf_ring.shard_batch`` (``install``). Runs at
+    ``import hf_ring``."""
+    from .install import register as register_
 
-    Registers the attention function and the mask function under "ring", and wraps the causal-LM
-    loss so that batches from ``shard_batch`` (which carry a ``ring_context``) get their loss summed
-    over the CP group; every other call of that loss is unchanged. Routes the token mixers of hybrid
-    models (``mixers.FAMILIES``) through their context-parallel forms, and the MoE router
-    load-balancing loss (``router.install``) over the CP group, for calls that carry a
-    ``ring_context``; and watches every model built with (or switched to) the ring for forwards of
-    sharded batches that never ran ring attention or a context-parallel mixer (``guard.install``).
-    Runs at ``import hf_ring``.
-    """
-    from transformers import AttentionInterface
-    from transformers.loss.loss_utils import LOSS_MAPPING
-    from transformers.masking_utils import AttentionMaskInterface
-
-    from .attention import ring_attention_forward, ring_mask
-    from .guard import install as install_guard
-    from .loss import wrap_causal_lm_loss
-    from .mixers import install
-    from .router import install as install_router
-    from .support import refuse_at_build
-
-    AttentionInterface.register(NAME, ring_attention_forward)
-    AttentionMaskInterface.register(NAME, ring_mask)
-    refuse_at_build(NAME)
-    install()
-    install_router()
-    install_guard(NAME)
-    _wrap_causal_lm_loss(LOSS_MAPPING, wrap_causal_lm_loss)
+    register_()
 
 
-def _wrap_causal_lm_loss(mapping: dict, wrap: Any) -> None:
-    """Put the wrapped causal-LM loss wherever transformers refers to ``ForCausalLMLoss``.
+def uninstall() -> None:
+    """Undo ``register`` and everything it led to: transformers as it was (``install.uninstall``); a
+    later ``import transformers`` registers nothing (``register()`` installs anew)."""
+    sys.meta_path[:] = [f for f in sys.meta_path if not getattr(f, "hf_ring_registers", False)]
+    if "transformers" in sys.modules:
+        from .install import uninstall as uninstall_
 
-    Every ``LOSS_MAPPING`` entry that is ``ForCausalLMLoss`` (``ForCausalLM``,
-    ``ForConditionalGeneration``, ...) gets the wrapper, and so does the name ``ForCausalLMLoss``
-    itself, in ``transformers.loss.loss_utils`` and in every transformers module that imported it
-    already. Identity checks such as ``Trainer``'s ``LOSS_MAPPING[loss_type] is ForCausalLMLoss``
-    (which decides that position 0 of each row is not a target) keep their answer.
-    """
-    from transformers.loss import loss_utils
+        uninstall_()
 
-    original = loss_utils.ForCausalLMLoss
-    if hasattr(original, "hf_ring_original"):
-        return
-    wrapped = wrap(original)
-    for key, fn in list(mapping.items()):
-        if fn is original:
-            mapping[key] = wrapped
-    for name, module in list(sys.modules.items()):
-        # __dict__, not getattr: transformers' lazy modules import on attribute access
-        if name.startswith("transformers") and vars(module).get("ForCausalLMLoss") is original:
-            module.ForCausalLMLoss = wrapped
+
+def installed() -> list[Any]:
+    """The changes to transformers in effect now (``install.Applied``, each with what it replaced)."""
+    from .install import installed as installed_
+
+    return installed_()

@@ -5,9 +5,9 @@ The attention function follows transformers' ``AttentionInterface`` contract: it
 and returns ``(out [B, S, Hq, D], None)``. It is a function of its arguments: the batch's
 ``RingContext`` (keyword ``ring_context``, from ``hf_ring.shard_batch``) says which CP group to
 run on -- with Ulysses (``ulysses_size > 1``), its Ulysses and ring groups, and the call goes to
-``hf_ring.ops.ulysses.ulysses_attention`` --, and the call is counted on it for the loss's "ring
-attention never ran" guard. Everything
-it cannot compute exactly raises ``RingNotSupported`` (``support.py`` says what and why).
+``hf_ring.ops.ulysses.ulysses_ring_attention`` --, and the call is counted on it
+(``RingContext.cross_rank_calls``, for the "ring attention never ran" guard). Everything it
+cannot compute exactly raises ``RingNotSupported`` (``support.py`` says what and why).
 
 Sliding windows and chunked attention come from the model's own mask: transformers builds each
 layer's mask through the mask function registered for "ring" (``ring_mask``), and its
@@ -27,13 +27,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..errors import RingMaskUsed, RingNotSupported
 from ..ops.layout import sequence_layout
 from ..ops.ring import ring_attention
-from ..ops.ulysses import ulysses_attention
+from ..ops.ulysses import ulysses_ring_attention
 from ..ops.windows import MaskPlan, mask_plan, masked_attention
 from ..parallel import attention_backend, context_parallel_state, default_group
 from .context import RingContext
-from .support import RingMaskUsed, RingNotSupported, check_layer
+from .support import check_layer
 from .temperature import global_temperature
 
 _MASK_USED = (
@@ -147,7 +148,7 @@ def ring_attention_forward(
     this rank's zigzag shard (see ``hf_ring.shard_batch``). Returns ``([B, S_local, Hq, Dv], None)``.
     The CP group is the batch's (``ring_context``); without one (a shard made by hand), the default
     CP group. With Ulysses (``setup_context_parallel(..., ulysses_size=U)``) the shard is in the
-    hybrid layout and the call runs ``ulysses_attention``, which needs ``U`` to divide ``Hq``
+    hybrid layout and the call runs ``ulysses_ring_attention``, which needs ``U`` to divide ``Hq``
     (``ValueError`` otherwise). Under autocast, q/k/v are cast to the autocast dtype, as SDPA's are. A value head dim
     that differs from the query/key one (multi-head latent attention) is zero-padded, which leaves
     scores and outputs unchanged. ``softcap`` (Gemma 2) caps the scores in every block kernel call;
@@ -204,12 +205,12 @@ def ring_attention_forward(
     plan = _mask_plan(mask, n_global, causal, ring_context, query.shape[0], query.shape[2], size)
     softcap, sinks = kwargs.get("softcap"), _sinks(kwargs, query.shape[1], query.shape[2])
     if ring_context is not None:
-        ring_context.count("attention")  # forward calls only: a checkpoint recompute does not count
+        ring_context.cross_rank_calls.attention_ran()  # forward calls only: a checkpoint recompute does not count
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)  # (B, S, H, D)
     backend = attention_backend()  # "auto", or the kernel hf_ring.set_attention_backend pinned
     with torch.autocast(device, enabled=False):
         if ulysses is not None:
-            out = ulysses_attention(
+            out = ulysses_ring_attention(
                 q, k, v, ulysses_group=ulysses[0], ring_group=ulysses[1], causal=causal, softmax_scale=scaling,
                 schedule=schedule if plan is None else None, mask=plan, softcap=softcap, sinks=sinks, backend=backend,
             )  # fmt: skip

@@ -1,12 +1,14 @@
-"""The batch's ``ring_context`` for token-mixer kernels that transformers calls without it.
+"""The batch's ``ring_context`` for functions that transformers calls without it.
 
 Most hybrid mixers hand their ``**kwargs`` -- the batch's ``ring_context`` among them -- to the
 kernel functions that ``mixers`` routes. Some do not: the Mamba, Mamba2 and Falcon-Mamba causal LMs
 call their model without them (and Mamba's model its blocks), Jamba's decoder layer calls its mixer
-without them, Zamba's mixer calls its scan and convolution without them. ``carry_context`` (a
-``mixers.Family`` adapter on such a model's or mixer's ``forward``) makes the context of the call
-visible to the routes below it (``context_of``), also when activation checkpointing recomputes a
-layer in backward, after that forward returned.
+without them, Zamba's mixer calls its scan and convolution without them, RecurrentGemma's block its
+RG-LRU scan; and the MoE causal LMs call the router load-balancing loss without them.
+``carry_context`` (an adapter on such a model's, mixer's or causal LM's ``forward``, bound by
+``install``) makes the context of the call the one of the forward running now, ``ACTIVE`` -- the
+one context variable of hf_ring -- for the functions below it (``context_of``), also when
+activation checkpointing recomputes a layer in backward, after that forward returned.
 """
 
 from __future__ import annotations

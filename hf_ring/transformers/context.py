@@ -4,13 +4,13 @@ need for one batch.
 ``shard_batch`` makes one ``RingContext`` per batch and hands it to the model as the keyword
 argument ``ring_context``. transformers passes model keyword arguments down to every attention
 call, to the token mixers of hybrid models and to the loss function, so all of them read it from
-their kwargs: no thread-locals, no module globals, nothing keyed by identity. The walk of one batch
-is in ``docs/architecture.md``.
+their kwargs (the few functions transformers calls without them see the context of the forward
+running now, ``carry.ACTIVE``). The walk of one batch is in ``docs/architecture.md``.
 
 What travels in it:
 
 - the CP group (size and rank read once), and with Ulysses (``ulysses_size > 1``) its Ulysses
-  and ring groups: the attention then runs ``hf_ring.ops.ulysses.ulysses_attention``;
+  and ring groups: the attention then runs ``hf_ring.ops.ulysses.ulysses_ring_attention``;
 - ``layout`` (``hf_ring.ops.layout.ShardLayout``): which global token every local row of every rank
   holds, and where documents begin. The ring's schedules and the halo exchanges of the
   context-parallel token mixers are derived from it, once per batch (``cached``);
@@ -18,9 +18,14 @@ What travels in it:
 - the loss policy: this rank's share of the loss is summed over the CP group and multiplied by
   ``dp_size``; its backward is scaled by ``size * dp_size`` (``reduce_loss``);
 - ``full_logits``: the chunked loss (``enable_chunked_loss``) leaves this batch alone;
-- filled while the batch runs: how many times ring attention and the context-parallel token mixers
-  ran on it (the guard against a model that computed its tokens from its own shard only), and the
-  LM head's input that the chunked-loss hook sets aside for the loss (taken, and so freed, by the loss).
+- ``cross_rank_calls``: how many forward calls of ring attention and of the context-parallel token
+  mixers ran on this batch -- the only thing written to the context while the batch runs, each
+  count by its one writer (the attention function, the mixer routes); the guard against a model
+  that computed its tokens from its own shard reads it (``guard.py``).
+
+Nothing else travels on the context: the hidden states of the chunked loss belong to that model's
+chunked-loss object (``patches.enable_chunked_loss``), and functions transformers calls without
+the forward's keyword arguments see the context through ``carry.ACTIVE``.
 
 This module imports only torch.
 """
@@ -33,25 +38,37 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import Tensor, nn
+from torch import Tensor
 
 from ..ops.layout import ShardLayout
 from ..ops.reduce import sum_over_group
 from ..ops.schedule import Schedule
 
-__all__ = ["RingContext", "KEY"]
+__all__ = ["CrossRankCalls", "RingContext", "KEY"]
 
 KEY = "ring_context"  # the model keyword argument that carries it
 
 
 @dataclass(eq=False)
-class ChunkedLossInput:
-    """What the chunked-loss hook set aside for the loss of one batch."""
+class CrossRankCalls:
+    """The forward calls of one batch in which its tokens met across the CP group. Counts only grow;
+    a reader takes ``total`` before and after what it watches (``guard.py``). Each count has one
+    writer; the recompute of activation checkpointing in backward does not count."""
 
-    hidden: Tensor  # [B, S_local, H], the LM head's input (the last hidden states)
-    head: nn.Module  # the LM head
-    chunk_size: int | None
-    transform: Callable[[Tensor], Tensor] | None = None  # the model's logits from the head's output
+    attention: int = 0  # ring attention (written by ``attention.ring_attention_forward`` only)
+    mixers: int = 0  # context-parallel token mixers (written by the routes of ``mixers`` only)
+
+    @property
+    def total(self) -> int:
+        return self.attention + self.mixers
+
+    def attention_ran(self) -> None:
+        if not _in_backward():
+            self.attention += 1
+
+    def mixer_ran(self) -> None:
+        if not _in_backward():
+            self.mixers += 1
 
 
 @dataclass(eq=False)
@@ -77,10 +94,8 @@ class RingContext:
         schedule: for packed documents, this rank's ring schedule cut along the document
             boundaries (``hf_ring.ops.schedule.layout_schedule``); ``None``: one sequence per row
             (the ring's own zigzag schedule).
-        attention_calls: ring attention calls made with this context since its last loss (forward
-            calls only; the recompute of activation checkpointing in backward does not count).
-        mixer_calls: the same for the context-parallel token mixers (``hf_ring.transformers.mixers``).
-        calls: ring attention and mixer calls made with this context, never reset (``count``).
+        cross_rank_calls: the forward calls of ring attention and of the context-parallel token
+            mixers made with this context (``CrossRankCalls``).
     """
 
     group: dist.ProcessGroup | None
@@ -96,10 +111,7 @@ class RingContext:
     ulysses_size: int = 1
     ulysses_group: dist.ProcessGroup | None = field(default=None, repr=False)
     ring_group: dist.ProcessGroup | None = field(default=None, repr=False)
-    attention_calls: int = 0
-    mixer_calls: int = 0
-    calls: int = 0
-    _chunked: ChunkedLossInput | None = field(default=None, repr=False)
+    cross_rank_calls: CrossRankCalls = field(default_factory=CrossRankCalls, repr=False)
     _cache: dict[Any, Any] = field(default_factory=dict, repr=False)
 
     @property
@@ -123,37 +135,6 @@ class RingContext:
         if key not in self._cache:
             self._cache[key] = make()
         return self._cache[key]
-
-    def count(self, kind: str) -> None:
-        """Count a forward call of ring attention (``kind="attention"``) or of a context-parallel token
-        mixer (``"mixer"``) on this batch; the recompute of activation checkpointing in backward
-        does not count."""
-        if _in_backward():
-            return
-        self.calls += 1
-        if kind == "attention":
-            self.attention_calls += 1
-        else:
-            self.mixer_calls += 1
-
-    def take_calls(self) -> int:
-        """Ring attention and mixer calls since the last loss of this batch, and start counting anew
-        (the loss's side: one forward's calls)."""
-        calls = self.attention_calls + self.mixer_calls
-        self.attention_calls = self.mixer_calls = 0
-        return calls
-
-    def set_aside(
-        self, hidden: Tensor, head: nn.Module, chunk_size: int | None, transform: Callable | None = None
-    ) -> None:
-        """Keep the LM head's input for the chunked loss of this batch (the hook's side)."""
-        self._chunked = ChunkedLossInput(hidden, head, chunk_size, transform)
-
-    def take_chunked(self) -> ChunkedLossInput | None:
-        """The hidden states set aside for the loss, once (the loss's side); ``None`` when the model
-        computed full logits for this batch."""
-        taken, self._chunked = self._chunked, None
-        return taken
 
     def unshard(self, x: Tensor) -> Tensor:
         """Gather this batch's shards of ``x [B, S_local, ...]`` from the CP group and restore global

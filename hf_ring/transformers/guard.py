@@ -14,29 +14,46 @@ submodule that takes ``position_ids`` but is handed others -- numbered from the 
 length, as the decoders of BART, mBART, Marian, Pegasus, Blenderbot and PLBart do -- would place
 every rank's tokens wrong, and is refused too.
 
-- ``check_ran(ctx, calls, what)``: the rule, for ``calls`` counted on the context (the loss applies
-  it to labelled batches, ``loss.py``);
+And the ``kernels`` hub: transformers >= 5.25 loads models with ``use_kernels`` on by default where
+the ``kernels`` package is installed, and ``kernelize`` may replace a whole layer's forward with a
+hub kernel (``module.forward`` and ``_kernel_repo`` set on the instance:
+``kernels/_internals/layer/layer.py`` ``_replace_forward``), or a function the layer calls (its
+private ``_kernel_funcs``). A hub kernel behind a function hf_ring routes is the local compute of its
+context-parallel form, as the installed package's would be; one that replaces a token mixer, or a
+function of the mixer around the routed ones, would scan each rank's shard alone, and is refused.
+
+- ``check_ran(ctx, calls, what)``: the rule, for the calls counted on the batch's context
+  (``RingContext.cross_rank_calls``) while ``what`` ran;
 - ``watch(model)``: forward hooks that apply both after every forward of ``model`` with a
-  ``ring_context``, labelled or not (prefill, evaluation, logits for a custom loss);
-- ``install()``: wraps ``PreTrainedModel.post_init`` and ``PreTrainedModel.set_attn_implementation``
-  so that every model built with, or switched to, ``attn_implementation="ring"`` is watched (the
-  model and its decoder: PEFT calls the model's ``forward`` directly, past its hooks).
+  ``ring_context``, labelled or not (training, prefill, evaluation, logits for a custom loss). The
+  build hook (``install``) watches every model built while hf_ring is installed -- the causal LM and
+  its decoder (PEFT calls the causal LM's ``forward`` directly, past its hooks) --, so a sharded
+  batch given to a model that does not run the ring (``attn_implementation="sdpa"``) is refused
+  too; the positions are checked on models that run the ring. These hooks are the one reader of
+  the counts.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
+import sys
 from typing import Any
 
 from torch import Tensor, nn
 
+from ..errors import RingNeverRan, RingNotSupported
 from .carry import context_of
 from .context import RingContext
-from .support import RingNeverRan, RingNotSupported, model_name
+from .install import original
+from .mixers import family_of
+from .support import model_name
 
-__all__ = ["check_ran", "install", "watch"]
+__all__ = ["check_hub_kernels", "check_ran", "unwatch", "watch"]
 
+# kernels of one decoding step (they run only with a cache, which hf_ring refuses under CP)
+DECODE_STEP = frozenset({"causal_conv1d_update", "fused_recurrent_gated_delta_rule", "fused_recurrent_kda",
+                         "selective_state_update"})  # fmt: skip
 ROUTED = "Gated DeltaNet, KDA, Mamba, Mamba2, short convolutions, lightning attention, RG-LRU"
 
 
@@ -55,6 +72,40 @@ def check_ran(ctx: RingContext, calls: int, what: str) -> None:
 
 
 @functools.cache
+def _routed_layer_names(modeling_module: str) -> frozenset[str]:
+    """The ``kernels`` layer names of the functions hf_ring routes in ``modeling_module``, and of the
+    decoding-step kernels."""
+    family, module = family_of(modeling_module), sys.modules.get(modeling_module)
+    if family is None or module is None:
+        return DECODE_STEP
+    names = (getattr(original(module, name), "kernel_layer_name", None) for name in family.functions)
+    return frozenset(n for n in names if isinstance(n, str)) | frozenset(family.functions) | DECODE_STEP
+
+
+def check_hub_kernels(model: nn.Module) -> None:
+    """Refuse a token mixer that hf_ring runs under context parallelism when a ``kernels`` hub kernel
+    replaced its forward, or a function it calls other than the ones hf_ring routes."""
+    for sub in model.modules():
+        cls = type(sub)
+        family = family_of(cls.__module__)
+        if family is None or cls.__name__ not in family.classes:
+            continue
+        replaced = [cls.__name__] if "_kernel_repo" in sub.__dict__ else []
+        allowed = _routed_layer_names(cls.__module__)
+        for name, fn in (sub.__dict__.get("_kernel_funcs") or {}).items():
+            if "_kernel_repo" in getattr(fn, "__dict__", {}) and name not in allowed:
+                replaced.append(f"{cls.__name__}'s {name}")
+        if replaced:
+            raise RingNotSupported(
+                f"a hub kernel from the kernels package replaced {', '.join(replaced)} "
+                f"(use_kernels, {model_name(getattr(model, 'config', None))}); under context parallelism hf_ring "
+                "runs this token mixer through its context-parallel form, which a kernel in its place would skip "
+                "(each rank would scan its own shard alone). Load the model with use_kernels=False, or leave this "
+                "layer out of the kernel_config's mapping."
+            )
+
+
+@functools.cache
 def _signature(cls: type) -> inspect.Signature | None:
     """``cls.forward``'s signature when it takes ``position_ids`` by name, else ``None``."""
     try:
@@ -66,34 +117,56 @@ def _signature(cls: type) -> inspect.Signature | None:
 
 class _Guard:
     """Hooks of one model: after its forward, the calls counted on the batch's context since its
-    start must not be zero (the count at the start lives on the context: it goes with the batch);
-    and its submodules that take ``position_ids`` must get the positions the model was given."""
+    start must not be zero (the count at its start is kept here, per forward); and, on a model that
+    runs the ring, its submodules that take ``position_ids`` must get the positions the model was
+    given (hooked at its first forward at CP > 1)."""
 
     def __init__(self, module: nn.Module) -> None:
         self.what = f"{type(module).__name__} ({model_name(getattr(module, 'config', None))})"
-        self.key = ("guard", id(self))
+        self.start: tuple[RingContext, int] | None = None  # the forward running now: its context, count at start
         self.given: Tensor | None = None  # the position_ids of the forward running now, at CP > 1
         self.handles = [
             module.register_forward_pre_hook(self.before, with_kwargs=True),
             module.register_forward_hook(self.after, with_kwargs=True),
         ]
-        for sub in module.modules():  # the innermost guarded model checks a submodule
+        self.claimed: list[nn.Module] = []  # submodules whose positions this guard checks
+        self.scanned = False
+
+    def _claim_positions(self, module: nn.Module) -> None:
+        """Hook the submodules that take ``position_ids`` (those no guard of an inner model claimed)."""
+        self.scanned = True
+        if getattr(getattr(module, "config", None), "_attn_implementation", None) != "ring":
+            return
+        for sub in module.modules():
             if sub is not module and _signature(type(sub)) is not None and "_hf_ring_positions" not in sub.__dict__:
                 sub._hf_ring_positions = True
+                self.claimed.append(sub)
                 self.handles.append(sub.register_forward_pre_hook(self.positions, with_kwargs=True))
 
     def before(self, module: nn.Module, args: Any, kwargs: dict) -> None:
         ctx = context_of(kwargs)  # its own, or the one its causal LM carries (Mamba)
         given = kwargs.get("position_ids")
         self.given = given if isinstance(ctx, RingContext) and ctx.size > 1 and isinstance(given, Tensor) else None
-        if isinstance(ctx, RingContext):
-            ctx._cache[self.key] = ctx.calls
+        if self.given is not None and not self.scanned:
+            for inner in reversed(list(module.modules())):  # the innermost guarded model checks a submodule
+                guard = inner.__dict__.get("_hf_ring_guard")
+                if guard is not None and not guard.scanned:
+                    guard._claim_positions(inner)
+        self.start = (ctx, ctx.cross_rank_calls.total) if isinstance(ctx, RingContext) else None
+        if isinstance(ctx, RingContext) and ctx.size > 1 and "kernels" in sys.modules:
+            check_hub_kernels(module)
 
     def after(self, module: nn.Module, args: Any, kwargs: dict, output: Any) -> None:
-        self.given = None
+        self.given, start, self.start = None, self.start, None
         ctx = context_of(kwargs)
-        if isinstance(ctx, RingContext) and self.key in ctx._cache:
-            check_ran(ctx, ctx.calls - ctx._cache.pop(self.key), self.what)
+        if start is not None and start[0] is ctx:
+            check_ran(ctx, ctx.cross_rank_calls.total - start[1], self.what)
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        for sub in self.claimed:
+            sub.__dict__.pop("_hf_ring_positions", None)
 
     def positions(self, module: nn.Module, args: Any, kwargs: dict) -> None:
         """A submodule that takes ``position_ids`` gets the model's own (or a view of them)."""
@@ -123,24 +196,8 @@ def watch(model: nn.Module) -> None:
         model._hf_ring_guard = _Guard(model)
 
 
-def _watching(method: Any, name: str) -> Any:
-    @functools.wraps(method)
-    def wrapped(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        out = method(self, *args, **kwargs)
-        if getattr(getattr(self, "config", None), "_attn_implementation", None) == name:
-            watch(self)
-        return out
-
-    wrapped.hf_ring_original = method  # type: ignore[attr-defined]
-    return wrapped
-
-
-def install(name: str) -> None:
-    """Watch every transformers model built with, or switched to, ``attn_implementation=name``
-    (idempotent)."""
-    from transformers import PreTrainedModel
-
-    for method in ("post_init", "set_attn_implementation"):
-        fn = getattr(PreTrainedModel, method)
-        if not hasattr(fn, "hf_ring_original"):
-            setattr(PreTrainedModel, method, _watching(fn, name))
+def unwatch(model: nn.Module) -> None:
+    """Undo ``watch``."""
+    guard = model.__dict__.pop("_hf_ring_guard", None)
+    if guard is not None:
+        guard.remove()

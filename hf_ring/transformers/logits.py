@@ -32,8 +32,9 @@ from torch import Tensor, nn
 from transformers import PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
+from ..errors import RingNotSupported
 from ..ops.tail import Recorder, Replay
-from .support import RingNotSupported, model_name
+from .support import model_name
 
 __all__ = ["logits_transform"]
 

@@ -1,25 +1,42 @@
 """The causal-LM loss of a sharded batch: this rank's share, summed over the CP group.
 
-``register()`` wraps transformers' ``ForCausalLM`` loss once. Calls that carry a labelled
-``RingContext`` (keyword ``ring_context``, from ``hf_ring.shard_batch``) compute this rank's share
-of the loss -- from the hidden states the chunked-loss hook set aside on the context, or from the
-logits as usual -- and sum it over the CP group (``RingContext.reduce_loss``, the one place of the
-loss policy), after checking that the forward ran ring attention or a context-parallel token mixer
-(``guard.check_ran``); every other call of the loss is unchanged.
+transformers' causal LMs compute their loss with ``self.loss_function(logits, labels, vocab_size,
+**kwargs)``, and ``PreTrainedModel.loss_function`` returns the model's own ``_loss_function`` when
+it has one. ``install`` gives every model built while hf_ring is installed its ``CausalLMLoss``
+there (``enable_chunked_loss`` gives one to the model it is called on): a call that carries a
+labelled ``RingContext`` (keyword ``ring_context``, from ``hf_ring.shard_batch``) computes this
+rank's share of the loss -- from the LM head's input that the model's chunked loss kept for this
+call (``ChunkedLossInput``), or from the logits as usual -- and sums it over the CP group
+(``RingContext.reduce_loss``, the one place of the loss policy). Every other call is the loss
+transformers would use (``LOSS_MAPPING[model.loss_type]``), unchanged; ``LOSS_MAPPING`` itself is
+not touched, so ``Trainer``'s check that a model's loss is ``ForCausalLMLoss`` keeps its answer.
 """
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
+from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
 
 from ..ops.cross_entropy import IGNORE_INDEX, chunked_causal_lm_loss
-from .context import ChunkedLossInput, RingContext
-from .guard import check_ran
+from .context import RingContext
 
-__all__ = ["wrap_causal_lm_loss"]
+__all__ = ["CausalLMLoss", "ChunkedLossInput"]
+
+
+@dataclass(eq=False)
+class ChunkedLossInput:
+    """What the chunked loss of a model kept, for one call, for the loss of that call."""
+
+    hidden: Tensor  # [B, S_local, H], the LM head's input (the last hidden states)
+    head: nn.Module  # the LM head
+    chunk_size: int | None
+    transform: Callable[[Tensor], Tensor] | None = None  # the model's logits from the head's output
 
 
 def _chunked_loss(
@@ -45,16 +62,33 @@ def _chunked_loss(
     )
 
 
-def wrap_causal_lm_loss(original: Any) -> Any:
-    """The ``ForCausalLM`` loss ``original``, made aware of ``ring_context`` (see the module docstring)."""
+class CausalLMLoss:
+    """The ``loss_function`` of one model: transformers' own (``LOSS_MAPPING[model.loss_type]``, read at
+    every call as ``PreTrainedModel.loss_function`` reads it), made aware of ``ring_context`` when it
+    is ``ForCausalLMLoss`` (see the module docstring). Holds its model weakly; copies of the model
+    (``copy.deepcopy``, pickling) get one of their own."""
 
-    def loss(*args: Any, ring_context: RingContext | None = None, **kwargs: Any) -> Tensor:
-        chunked = ring_context.take_chunked() if ring_context is not None else None
-        local = original(*args, **kwargs) if chunked is None else _chunked_loss(chunked, **kwargs)
-        if ring_context is None or not ring_context.labelled:
+    def __init__(self, model: nn.Module) -> None:
+        self.model = weakref.ref(model)
+
+    def __reduce__(self) -> tuple:
+        return (type(self), (self.model(),))
+
+    def original(self) -> Callable:
+        """The loss transformers would give the model."""
+        loss_type = getattr(self.model(), "loss_type", None)
+        return LOSS_MAPPING[loss_type if loss_type in LOSS_MAPPING else "ForCausalLM"]
+
+    def __call__(self, *args: Any, ring_context: RingContext | None = None, **kwargs: Any) -> Tensor:
+        original = self.original()
+        if ring_context is None or original is not ForCausalLMLoss:
+            if ring_context is not None:
+                kwargs["ring_context"] = ring_context
+            return original(*args, **kwargs)
+        model = self.model()
+        chunked = model.__dict__.get("_hf_ring_chunked") if model is not None else None
+        taken = chunked.take(ring_context) if chunked is not None else None
+        local = original(*args, **kwargs) if taken is None else _chunked_loss(taken, **kwargs)
+        if not ring_context.labelled:
             return local
-        check_ran(ring_context, ring_context.take_calls(), "the model")  # the calls of this forward
         return ring_context.reduce_loss(local)
-
-    loss.hf_ring_original = original  # type: ignore[attr-defined]
-    return loss

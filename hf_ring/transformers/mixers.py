@@ -3,8 +3,9 @@
 In transformers 5 the hybrid mixers (Gated DeltaNet, KDA, Mamba, Mamba2, short convolutions, ...)
 call module-level kernel functions of their modeling module (``causal_conv1d_fn``,
 ``torch_chunk_gated_delta_rule``, ...) and pass them their ``**kwargs``, which carry the batch's
-``ring_context`` from ``shard_batch``. ``install()`` rebinds those names, module by module
-(``FAMILIES``), to dispatchers:
+``ring_context`` from ``shard_batch``. ``FAMILIES`` names, module by module, the dispatchers those
+names get (``hf_ring.transformers.install`` binds them, for the modeling module of a model being
+built):
 
 - a call with a ``ring_context`` goes to the op's context-parallel form (``hf_ring.ops.mixers``),
   which calls the original function -- the installed fla / causal-conv1d / mamba-ssm kernel, or
@@ -16,14 +17,13 @@ Adding a family is one entry: its modeling module, the function names with their
 (``ROUTES``: ``"conv"``, ``"delta"``, ``"ssd"``, ``"selective"``, ``"unfused"``), the mixer classes
 the routes make exact (what ``support.check_layer`` stops refusing), and ``adapters`` for mixers
 that call a kernel without their ``**kwargs`` (``carry_context``) or compute inline
-(``lightning_forward``, ``recurrent_block_forward``, ``rnn_scan_method``). Rebinding is idempotent;
-``original(module, name)`` gives back what transformers had. Every rebinding is listed in docs/architecture.md.
+(``lightning_forward``, ``recurrent_block_forward``, ``rnn_scan_method``). This module rebinds
+nothing itself; every rebinding is a row of ``install.CHANGES`` (listed in docs/architecture.md).
 """
 
 from __future__ import annotations
 
 import functools
-import importlib
 import math
 import sys
 from collections.abc import Callable
@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..errors import RingNotSupported
 from ..ops.mixers.conv import causal_conv1d, conv_plan
 from ..ops.mixers.delta import delta_plan, delta_rule
 from ..ops.mixers.diagonal import diagonal_plan, diagonal_recurrence
@@ -44,17 +45,27 @@ from .carry import carry_context
 from .carry import context_of as _context
 from .carry import needs_cp as _needs_cp
 from .context import RingContext
-from .support import RingNotSupported
 
-__all__ = ["FAMILIES", "ROUTES", "Family", "install", "original", "routed_classes"]
+__all__ = ["FAMILIES", "ROUTES", "Family", "family_of", "routed_classes"]
 
 Route = Callable[[Callable], Callable]  # the original function -> its dispatcher
 _MODELS = "transformers.models."
 
 
+def _name(fn: Callable) -> str:
+    """The name of a kernel function; transformers >= 5.25 hands out ``kernels`` hub wrappers (an
+    ``nn.Module`` per function, named ``Func``) that hold the function they wrap in their forward."""
+    if hasattr(fn, "__name__"):
+        return fn.__name__
+    cells = getattr(getattr(type(fn), "forward", None), "__closure__", None) or ()
+    names = [getattr(c.cell_contents, "__name__", None) for c in cells if callable(c.cell_contents)]
+    names = [n for n in names if isinstance(n, str)]
+    return names[0] if names else type(fn).__name__
+
+
 def _check_rows(ctx: RingContext, rows: int, what: str) -> None:
-    """Refuse a call that does not see the whole local shard; count the call (the guard's)."""
-    ctx.count("mixer")
+    """Refuse a call that does not see the whole local shard; count the call (the guard reads it)."""
+    ctx.cross_rank_calls.mixer_ran()
     if rows != ctx.layout.local:
         raise RingNotSupported(
             f"{what}: got {rows} tokens per row under a ring_context whose shard holds {ctx.layout.local}; "
@@ -65,7 +76,7 @@ def _check_rows(ctx: RingContext, rows: int, what: str) -> None:
 def _no_cache(fn: Callable, has_cache: bool) -> None:
     if has_cache:
         raise RingNotSupported(
-            f"{fn.__name__} under context parallelism runs the whole sharded sequence from a zero state; "
+            f"{_name(fn)} under context parallelism runs the whole sharded sequence from a zero state; "
             "a cache (initial or final recurrent state) is not supported. Pass use_cache=False "
             "(shard_batch does) and generate without context parallelism."
         )
@@ -107,7 +118,7 @@ def delta_route(fn: Callable) -> Callable:
                       output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
                       **kwargs)  # fmt: skip
         _no_cache(fn, initial_state is not None or output_final_state)
-        _check_rows(ctx, query.shape[1], fn.__name__)
+        _check_rows(ctx, query.shape[1], _name(fn))
         b, dev = query.shape[0], query.device
         plan = ctx.cached(("delta", b, dev), lambda: delta_plan(ctx.layout, b, ctx.rank, dev))
 
@@ -139,10 +150,10 @@ def ssd_route(fn: Callable) -> Callable:
         _no_cache(fn, initial_states is not None or return_final_states)
         if kwargs.get("z") is not None:
             raise RingNotSupported(
-                f"{fn.__name__} with a gate z inside the scan is not supported under context parallelism "
+                f"{_name(fn)} with a gate z inside the scan is not supported under context parallelism "
                 "(the transformers mixers gate in their norm); run this model without context parallelism."
             )
-        _check_rows(ctx, hidden_states.shape[1], fn.__name__)
+        _check_rows(ctx, hidden_states.shape[1], _name(fn))
         b, dev = hidden_states.shape[0], hidden_states.device
         plan = ctx.cached(("ssd", b, dev), lambda: ssd_plan(ctx.layout, b, ctx.rank, dev))
 
@@ -169,7 +180,7 @@ def selective_route(fn: Callable) -> Callable:
             return fn(hidden_states, dt, A, B, C, D=D, z=z, delta_bias=delta_bias, delta_softplus=delta_softplus,
                       return_last_state=return_last_state, **kwargs)  # fmt: skip
         _no_cache(fn, return_last_state)
-        _check_rows(ctx, hidden_states.shape[-1], fn.__name__)
+        _check_rows(ctx, hidden_states.shape[-1], _name(fn))
         b, dev = hidden_states.shape[0], hidden_states.device
         plan = ctx.cached(("selective", b, dev), lambda: selective_plan(ctx.layout, b, ctx.rank, dev))
         options = {k: v for k, v in kwargs.items() if k in ("use_mambapy", "use_associative_scan")}
@@ -346,42 +357,12 @@ FAMILIES: dict[str, Family] = {
 }
 
 
+def family_of(modeling_module: str) -> Family | None:
+    """The routes of a modeling module (its full name, ``transformers.models.jamba.modeling_jamba``)."""
+    return FAMILIES.get(modeling_module.removeprefix(_MODELS))
+
+
 def routed_classes(modeling_module: str) -> tuple[str, ...]:
     """The mixer classes of a modeling module that run exactly under context parallelism."""
-    family = FAMILIES.get(modeling_module.removeprefix(_MODELS))
+    family = family_of(modeling_module)
     return family.classes if family is not None else ()
-
-
-def original(module: Any, name: str) -> Callable:
-    """What transformers had under ``module.name`` before ``install`` rebound it."""
-    fn = getattr(module, name)
-    return getattr(fn, "hf_ring_original", fn)
-
-
-def install() -> list[str]:
-    """Rebind every function of ``FAMILIES`` to its dispatcher (idempotent); returns the rebound
-    ``module.name``s. Modules this transformers lacks are skipped."""
-    done = []
-    for short, family in FAMILIES.items():
-        try:
-            module = importlib.import_module(_MODELS + short)
-        except ImportError:
-            continue
-        for name, route in family.functions.items():
-            fn = getattr(module, name, None)
-            if fn is None:
-                continue
-            if not hasattr(fn, "hf_ring_original"):
-                dispatcher = ROUTES[route](fn)
-                dispatcher.hf_ring_original = fn  # type: ignore[attr-defined]
-                setattr(module, name, dispatcher)
-            done.append(f"{short}.{name}")
-        for target, adapter in family.adapters.items():
-            cls_name, _, method = target.partition(".")
-            cls = getattr(module, cls_name, None)
-            fn = getattr(cls, method or "forward", None)
-            if fn is not None and not hasattr(fn, "hf_ring_original"):
-                wrapped = adapter(fn)
-                wrapped.hf_ring_original = fn
-                setattr(cls, method or "forward", wrapped)
-    return done

@@ -13,13 +13,15 @@ from typing import Any
 from torch import Tensor, nn
 from transformers import PreTrainedModel
 
+from ..errors import RingNotSupported
 from ..ops.cross_entropy import Transform
 from ..ops.offload import OffloadActivations
 from ..ops.tiled_mlp import tiled_forward
 from .carry import context_of
 from .context import RingContext
+from .install import give_loss
 from .logits import logits_transform
-from .support import RingNotSupported
+from .loss import ChunkedLossInput
 
 __all__ = [
     "enable_chunked_loss",
@@ -55,16 +57,20 @@ def decoder(lm: PreTrainedModel, caller: str) -> nn.Module:
 # --- chunked loss --------------------------------------------------------------------------------
 
 
-class _SetAsideHiddenStates:
-    """Hooks of the chunked loss: after the decoder ran with a labelled ``RingContext`` (and no
-    ``full_logits``), the LM head's input goes on the context (the loss takes it from there, with the
-    model's logits transform) and the head computes zero positions. The head is looked up at every
-    forward, so a head wrapped later (LoRA on ``lm_head``) is the one hooked."""
+class ChunkedLoss:
+    """The chunked loss of one causal LM: its hooks, and the LM head's input of each labelled call in
+    flight, kept here for that call's loss (``take``), keyed weakly by the call's ``RingContext``.
+
+    After the decoder ran with a labelled ``ring_context`` (and no ``full_logits``), the LM head's
+    input is kept and the head computes zero positions; the model's ``CausalLMLoss`` takes it.
+    The head is looked up at every such forward, so a head wrapped later (LoRA on ``lm_head``) is
+    the one hooked."""
 
     def __init__(self, lm: PreTrainedModel, chunk_size: int | None, transform: Transform | None) -> None:
         self.lm = weakref.ref(lm)
         self.chunk_size, self.transform = chunk_size, transform
-        self.pending: RingContext | None = None  # the batch whose head call comes next
+        self.pending: RingContext | None = None  # the call whose head call comes next
+        self.kept: weakref.WeakKeyDictionary[RingContext, ChunkedLossInput] = weakref.WeakKeyDictionary()
         self.head: nn.Module | None = None
         self.head_handle: Any = None
         self.handle = decoder(lm, "enable_chunked_loss").register_forward_hook(self.after_decoder, with_kwargs=True)
@@ -89,13 +95,19 @@ class _SetAsideHiddenStates:
         if ctx is None:
             return None
         hidden: Tensor = args[0]
-        ctx.set_aside(hidden, module, self.chunk_size, self.transform)
+        self.kept[ctx] = ChunkedLossInput(hidden, module, self.chunk_size, self.transform)
         return (hidden[..., :0, :], *args[1:])  # the model computes logits of zero positions
+
+    def take(self, ctx: RingContext) -> ChunkedLossInput | None:
+        """What was kept for the call of ``ctx``, once (the loss's side); ``None`` when that call
+        computed full logits."""
+        return self.kept.pop(ctx, None)
 
     def remove(self) -> None:
         self.handle.remove()
         if self.head_handle is not None:
             self.head_handle.remove()
+        self.kept.clear()
 
 
 def enable_chunked_loss(model: nn.Module, chunk_size: int | None = None) -> nn.Module:
@@ -103,8 +115,9 @@ def enable_chunked_loss(model: nn.Module, chunk_size: int | None = None) -> nn.M
 
     ``model``: a transformers causal LM, possibly wrapped by PEFT, DDP or FSDP (call it before or
     after wrapping). For every call that carries a labelled ``ring_context`` (a batch from
-    ``hf_ring.shard_batch`` with labels), the LM head's input ``[B, S_local, H]`` goes to the loss
-    through the context, which computes it with ``chunked_causal_lm_loss``; the LM head sees zero
+    ``hf_ring.shard_batch`` with labels), the LM head's input ``[B, S_local, H]`` is kept for that
+    call's loss (the model's ``loss_function``, ``hf_ring.transformers.loss.CausalLMLoss``, given
+    to the model here if it has none), which computes it with ``chunked_causal_lm_loss``; the LM head sees zero
     positions, so ``out.logits`` is ``[B, 0, V]``. Calls without labels, and batches from
     ``shard_batch(..., full_logits=True)``, return the full logits as before. Returns ``model``.
 
@@ -124,7 +137,8 @@ def enable_chunked_loss(model: nn.Module, chunk_size: int | None = None) -> nn.M
             "chunked_loss: false), or do not call hf_ring.enable_chunked_loss."
         ) from None
     disable_chunked_loss(model)
-    lm._hf_ring_chunked = _SetAsideHiddenStates(lm, chunk_size, transform)
+    give_loss(lm)
+    lm._hf_ring_chunked = ChunkedLoss(lm, chunk_size, transform)
     return model
 
 

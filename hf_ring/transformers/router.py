@@ -3,52 +3,57 @@
 transformers' MoE causal LMs (Mixtral, Qwen2/3-MoE, OLMoE, GPT-OSS, ...) add
 ``router_aux_loss_coef * load_balancing_loss_func(router_logits, E, top_k, attention_mask)`` to
 the language-model loss, a module-level function of their modeling module called from the
-``ForCausalLM`` forward. On a CP rank that would be the loss of its own shard. ``install()``
-rebinds, in every modeling module whose ``load_balancing_loss_func`` computes the Switch loss
-(checked on a small input against ``hf_ring.ops.router_loss`` before anything is rebound):
+``ForCausalLM`` forward. On a CP rank that would be the loss of its own shard. For a modeling
+module whose ``load_balancing_loss_func`` computes the Switch loss (checked on a small input
+against ``hf_ring.ops.router_loss``, ``routed``), ``hf_ring.transformers.install`` binds, when a
+model of that module is built:
 
-- ``load_balancing_loss_func`` to a dispatcher: inside a forward that carries a ``ring_context``
-  it returns ``ops.router_loss.load_balancing_loss`` over the CP group -- the expert counts, router
-  probabilities and token counts of every rank summed, padding excluded (the context's ``real``
-  rows: the tokens of the batch, as transformers' ``attention_mask`` excludes them), the backward
-  scaled by the CP size; every other call goes to the original;
-- the ``forward`` of the module's classes that call it, to carry the call's ``ring_context`` to the
-  dispatcher (a ``ContextVar`` set for the duration of that forward, nothing kept after it).
+- ``load_balancing_loss_func`` to ``dispatcher(fn)``: inside a forward that carries a
+  ``ring_context`` it returns ``ops.router_loss.load_balancing_loss`` over the CP group -- the
+  expert counts, router probabilities and token counts of every rank summed, padding excluded (the
+  context's ``real`` rows: the tokens of the batch, as transformers' ``attention_mask`` excludes
+  them), the backward scaled by the CP size; every other call goes to the original;
+- the ``forward`` of the module's classes that call it (``callers``) to ``carry.carry_context``,
+  which makes the call's ``ring_context`` the one of the forward running now (``carry.ACTIVE``)
+  for the dispatcher, which transformers calls without the forward's keyword arguments.
 
-``routed(modeling_module)`` says whether a module's loss is routed (``support.check_layer``
-refuses the router loss at CP > 1 for the others). Every rebinding is listed in
-docs/architecture.md.
+``routed(modeling_module)`` says whether a module's loss has that form (``support.check_layer``
+refuses the router loss at CP > 1 for the others). This module rebinds nothing itself.
 """
 
 from __future__ import annotations
 
-import contextvars
 import functools
-import importlib
 import inspect
 import math
+import sys
 from collections.abc import Callable
-from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from ..errors import RingNotSupported
 from ..ops.router_loss import load_balancing_loss
-from .context import RingContext
-from .support import RingNotSupported
+from .carry import ACTIVE
 
-__all__ = ["install", "routed"]
+__all__ = ["FUNCTION", "callers", "dispatcher", "routed"]
 
 FUNCTION = "load_balancing_loss_func"
-_ACTIVE: contextvars.ContextVar[RingContext | None] = contextvars.ContextVar("hf_ring_router_context", default=None)
-_ROUTED: set[str] = set()
+_ROUTED: dict[str, bool] = {}  # modeling module -> its router loss has a context-parallel form
 _CHECKED: dict[tuple, bool] = {}  # bytecode of a load-balancing function -> it computes the Switch loss
 
 
 def routed(modeling_module: str) -> bool:
-    """``modeling_module``'s router load-balancing loss is computed over the CP group."""
-    return modeling_module in _ROUTED
+    """``modeling_module`` (imported) defines the Switch load-balancing loss and calls it from a
+    ``forward``: hf_ring computes it over the CP group. Decided once per module."""
+    if modeling_module not in _ROUTED:
+        module = sys.modules.get(modeling_module)
+        fn = getattr(module, FUNCTION, None) if module is not None else None
+        fn = getattr(fn, "hf_ring_original", fn)
+        _ROUTED[modeling_module] = fn is not None and _same_loss(fn) and bool(callers(module))
+    return _ROUTED[modeling_module]
 
 
 def _same_loss(fn: Callable) -> bool:
@@ -80,12 +85,14 @@ def _same_value(fn: Callable) -> bool:
     return True
 
 
-def _dispatcher(fn: Callable) -> Callable:
+def dispatcher(fn: Callable) -> Callable:
+    """``load_balancing_loss_func`` over the CP group under the forward's ``ring_context``; ``fn`` otherwise."""
+
     @functools.wraps(fn)
     def load_balancing_loss_func(
         gate_logits: Any, num_experts: int | None = None, top_k: int = 2, attention_mask: Tensor | None = None
     ) -> Any:
-        ctx = _ACTIVE.get()
+        ctx = ACTIVE.get()
         if ctx is None or gate_logits is None or not isinstance(gate_logits, tuple) or num_experts is None:
             return fn(gate_logits, num_experts, top_k, attention_mask)
         real = ctx.real
@@ -103,22 +110,7 @@ def _dispatcher(fn: Callable) -> Callable:
     return load_balancing_loss_func
 
 
-def _carrier(forward: Callable) -> Callable:
-    @functools.wraps(forward)
-    def carrying_forward(self: Any, *args: Any, **kwargs: Any) -> Any:
-        ctx = kwargs.get("ring_context")
-        if ctx is None:
-            return forward(self, *args, **kwargs)
-        token = _ACTIVE.set(ctx)
-        try:
-            return forward(self, *args, **kwargs)
-        finally:
-            _ACTIVE.reset(token)
-
-    return carrying_forward
-
-
-def _callers(module: Any) -> list[type]:
+def callers(module: ModuleType) -> list[type]:
     """Classes of ``module`` whose own ``forward`` calls the load-balancing loss (names it as a global)."""
     out = []
     for obj in vars(module).values():
@@ -128,47 +120,3 @@ def _callers(module: Any) -> list[type]:
         if code is not None and FUNCTION in code.co_names:
             out.append(obj)
     return out
-
-
-def _modules() -> list[str]:
-    """transformers modeling modules that define the load-balancing loss (read from source, not imported)."""
-    import transformers
-
-    root = Path(transformers.__file__).parent / "models"
-    found = []
-    for path in sorted(root.glob("*/modeling_*.py")):
-        try:
-            text = path.read_text(encoding="utf-8")
-        except OSError:
-            continue
-        if f"def {FUNCTION}(" in text:
-            found.append(f"transformers.models.{path.parent.name}.{path.stem}")
-    return found
-
-
-def install() -> list[str]:
-    """Route the load-balancing loss of every modeling module that computes the Switch loss
-    (idempotent); returns the routed modules. Modules that fail to import are skipped."""
-    for name in _modules():
-        if name in _ROUTED:
-            continue
-        try:
-            module = importlib.import_module(name)
-        except Exception:  # noqa: BLE001 - optional dependencies of some models
-            continue
-        fn = getattr(module, FUNCTION, None)
-        if fn is None or hasattr(fn, "hf_ring_original") or not _same_loss(fn):
-            continue
-        callers = _callers(module)
-        if not callers:
-            continue
-        dispatcher = _dispatcher(fn)
-        dispatcher.hf_ring_original = fn  # type: ignore[attr-defined]
-        setattr(module, FUNCTION, dispatcher)
-        for cls in callers:
-            if not hasattr(cls.forward, "hf_ring_original"):
-                wrapped = _carrier(cls.forward)
-                wrapped.hf_ring_original = cls.forward  # type: ignore[attr-defined]
-                cls.forward = wrapped
-        _ROUTED.add(name)
-    return sorted(_ROUTED)

@@ -20,13 +20,16 @@ raises ``RingNotSupported`` -- naming the model, the reason and the alternative 
   soft-capping and attention sinks are computed exactly inside the ring, windowed layers included).
 
 ``check_layer`` also refuses, at CP > 1, causal LMs that compute their loss themselves (hf_ring sums
-the loss over the CP group through transformers' loss registry), and RoBERTa-style models that
+the loss over the CP group through the model's ``loss_function``), and RoBERTa-style models that
 number positions from the padding index when ``shard_batch`` had to number them.
-``refuse_at_build`` covers models that pick their attention class from their own table and would
-fail with ``KeyError: 'ring'`` while they are built, and the few that call neither registry (XLM,
-XLNet, CPM-Ant, ProphetNet): their ``__init__`` raises when the config asks for the ring. The sweep
-in ``tests/test_model_sweep.py`` builds every causal-LM family of the installed transformers and
-holds each to "exact or refused".
+``REFUSED_AT_BUILD`` names the models that cannot run the ring at all -- those that pick their
+attention class from a table of their own, and the few that call neither the attention nor the loss
+registry -- which ``install`` refuses while they are built. The sweep in
+``tests/test_model_sweep.py`` builds every causal-LM family of the installed transformers and holds
+each to "exact or refused".
+
+The exceptions (``RingNotSupported``, ``RingMaskUsed``, ``RingNeverRan``) live in ``hf_ring.errors``
+and are re-exported here.
 """
 
 from __future__ import annotations
@@ -39,20 +42,12 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["RingNotSupported", "check_layer", "refuse_at_build"]
+from ..errors import RingMaskUsed, RingNeverRan, RingNotSupported
+from .mixers import routed_classes
+from .router import routed
 
-
-class RingNotSupported(ValueError):
-    """Raised for a model, option or input that ring attention does not compute exactly."""
-
-
-class RingMaskUsed(RingNotSupported, TypeError):
-    """Raised when a model uses the ring's mask object as a tensor (it bypasses the registry)."""
-
-
-class RingNeverRan(RingNotSupported, RuntimeError):
-    """Raised for a forward of a sharded batch that ran neither ring attention nor a context-parallel
-    token mixer (``guard.check_ran``): every rank computed its tokens from its own shard."""
+__all__ = ["REFUSED_AT_BUILD", "RingMaskUsed", "RingNeverRan", "RingNotSupported", "check_layer", "check_model",
+           "refuse_at_build"]  # fmt: skip
 
 
 def model_name(config: Any) -> str:
@@ -213,10 +208,8 @@ def _check_mask(module: nn.Module, config: Any, name: str, kwargs: dict[str, Any
 def _check_mixers(name: str, modeling_module: str, mixers: tuple[str, ...], context: bool) -> None:
     """Mixers routed through their context-parallel form (``mixers.FAMILIES``) are exact on batches from
     ``shard_batch``; any other mixer class is refused."""
-    from .mixers import routed_classes  # the routes import this module
-
-    routed = set(routed_classes(modeling_module))
-    unrouted = [m for m in mixers if m not in routed]
+    routed_here = set(routed_classes(modeling_module))
+    unrouted = [m for m in mixers if m not in routed_here]
     if unrouted:
         raise RingNotSupported(
             f'attn_implementation="ring": {name} mixes tokens outside attention ({", ".join(unrouted)}); those '
@@ -233,10 +226,8 @@ def _check_mixers(name: str, modeling_module: str, mixers: tuple[str, ...], cont
 
 
 def _check_router_loss(name: str, modeling_module: str, coef: float, context: bool) -> None:
-    """The router load-balancing loss is exact over the CP group where ``router.install`` routed it
-    and the call carries the batch's ``ring_context``; refused otherwise."""
-    from .router import routed  # the route imports this module
-
+    """The router load-balancing loss is exact over the CP group where ``router.routed`` says it has a
+    context-parallel form and the call carries the batch's ``ring_context``; refused otherwise."""
     if not routed(modeling_module):
         raise RingNotSupported(
             f'attn_implementation="ring": {name} adds the router load-balancing loss '
@@ -321,69 +312,33 @@ def check_layer(
         )
 
 
-# Models that choose their attention class from a table of their own, keyed by the implementation
-# name: without an entry they fail with KeyError: 'ring' while being built.
-_OWN_TABLES = {
-    "transformers.models.falcon.modeling_falcon": "FALCON_ATTENTION_CLASSES",
-    "transformers.models.gpt_neo.modeling_gpt_neo": "GPT_NEO_ATTENTION_CLASSES",
+_OWN_CODE = (
+    "computes attention itself instead of calling transformers' attention registry (AttentionInterface), so it "
+    "cannot run ring attention. Use a model that calls the registry (Llama, Qwen, Mistral, Gemma, ...)."
+)
+_NEITHER = (
+    "computes attention and its loss itself, outside transformers' registries, so ring attention cannot run it. "
+    "Use a model that calls the attention registry (Llama, Qwen, Mistral, Gemma, ...)."
+)
+# modeling module -> why a model of it cannot be built with attn_implementation="ring". Falcon and
+# GPT-Neo pick their attention class from a table of their own (and would fail with KeyError:
+# 'ring'); the others call neither the attention nor the loss registry.
+REFUSED_AT_BUILD = {
+    "transformers.models.falcon.modeling_falcon": _OWN_CODE,
+    "transformers.models.gpt_neo.modeling_gpt_neo": _OWN_CODE,
+    "transformers.models.xlm.modeling_xlm": _NEITHER,
+    "transformers.models.xlnet.modeling_xlnet": _NEITHER,
+    "transformers.models.cpmant.modeling_cpmant": _NEITHER,
+    "transformers.models.prophetnet.modeling_prophetnet": _NEITHER,
 }
-# Models that call neither the attention nor the loss registry: nothing of hf_ring would run in
-# their forward, so they are refused when they are built with the ring.
-_BYPASS_BOTH = {
-    "transformers.models.xlm.modeling_xlm": ("XLMWithLMHeadModel",),
-    "transformers.models.xlnet.modeling_xlnet": ("XLNetLMHeadModel",),
-    "transformers.models.cpmant.modeling_cpmant": ("CpmAntForCausalLM",),
-    "transformers.models.prophetnet.modeling_prophetnet": ("ProphetNetForCausalLM",),
-}
 
 
-def _refusing_class(model: str) -> type:
-    class NotRing:
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            raise RingNotSupported(
-                f'attn_implementation="ring": {model} computes attention itself instead of calling '
-                "transformers' attention registry (AttentionInterface), so it cannot run ring attention. "
-                "Use a model that calls the registry (Llama, Qwen, Mistral, Gemma, ...)."
-            )
-
-    return NotRing
-
-
-def refuse_at_build(name: str) -> None:
-    """Give the models of ``_OWN_TABLES`` an entry for ``name`` that raises ``RingNotSupported``."""
-    import importlib
-
-    for module_name, table in _OWN_TABLES.items():
-        try:
-            classes = getattr(importlib.import_module(module_name), table)
-        except (ImportError, AttributeError):  # a transformers without that model or table
-            continue
-        if isinstance(classes, dict):
-            classes.setdefault(name, _refusing_class(module_name.rsplit(".", 1)[-1].removeprefix("modeling_")))
-    for module_name, class_names in _BYPASS_BOTH.items():
-        try:
-            mod = importlib.import_module(module_name)
-        except ImportError:
-            continue
-        for cls_name in class_names:
-            cls = getattr(mod, cls_name, None)
-            if cls is not None and not getattr(cls.__init__, "_hf_ring_refuses", False):
-                cls.__init__ = _refusing_init(cls.__init__, name, cls_name)
-
-
-def _refusing_init(init: Any, name: str, cls_name: str) -> Any:
-    @functools.wraps(init)
-    def __init__(self: Any, config: Any, *args: Any, **kwargs: Any) -> None:
-        if getattr(config, "_attn_implementation", None) == name:
-            raise RingNotSupported(
-                f'attn_implementation="ring": {cls_name} computes attention and its loss itself, outside '
-                "transformers' registries, so ring attention cannot run it. Use a model that calls the "
-                "attention registry (Llama, Qwen, Mistral, Gemma, ...)."
-            )
-        init(self, config, *args, **kwargs)
-
-    __init__._hf_ring_refuses = True  # type: ignore[attr-defined]
-    return __init__
+def refuse_at_build(model: nn.Module) -> None:
+    """Raise ``RingNotSupported`` for a model of ``REFUSED_AT_BUILD`` that asks for the ring."""
+    why = REFUSED_AT_BUILD.get(type(model).__module__)
+    if why is not None:
+        name = type(model).__module__.rsplit(".", 1)[-1].removeprefix("modeling_")
+        raise RingNotSupported(f'attn_implementation="ring": {name} {why}')
 
 
 def check_model(model: nn.Module, cp_size: int, seq_len: int = 0, labelled: bool = True) -> None:

@@ -21,8 +21,8 @@ import math
 import torch
 from torch import Tensor, nn
 
+from ..errors import RingNotSupported
 from .context import RingContext
-from .support import RingNotSupported
 
 __all__ = ["global_temperature", "nope_temperature"]
 
