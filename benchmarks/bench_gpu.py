@@ -16,7 +16,7 @@ computation. No NCCL kernels compete for the GPU's SMs and memory bandwidth here
 so the fraction of theoretical is an upper bound for a real ring on the same GPU.
 
 Default configuration (GPU): bf16, Llama-3.1-8B attention (B=1, Hq=32, Hkv=8, D=128, causal),
-N in {8K, 16K, 32K, 64K, 128K} (``--Ns``), P in {2, 4, 8} (``--Ps``), block kernel ``--backend auto``
+N in {8K, 16K, 32K, 64K} (``--Ns``), P in {2, 4, 8} (``--Ps``), block kernel ``--backend auto``
 (flash-attn when importable, else torch's CUDA flash op). ``--quick`` (or no CUDA): CPU, float32,
 Hq=8, Hkv=2, D=64, N in {1024, 2048}, P in {2, 4}, 2 iterations.
 
@@ -47,6 +47,14 @@ rows have P = 1). Rows: gpu_fwd_bwd / gpu_fwd / gpu_bwd (time, s), gpu_tflops, g
 gpu_load_balance, gpu_peak_memory, gpu_overlap_threshold (tokens per rank, provider = link),
 gpu_overlap_hidden (1/0), gpu_emulation_check, gpu_skipped. Plots: ``benchmarks.plot.plot_gpu``.
 
+Every block kernel and a model step (``benchmarks.gpu_kernels``, after the offload, about 45% of what is left of the
+budget): each kernel of ``available_backends`` as a causal block and as an emulated rank at 8K-128K tokens per rank,
+TFLOP/s and MFU against the GPU's bf16 peak (``hf_ring.planner.gpu_kind``); GEMM and memory rates; a step of
+Llama-3.1-8B-shaped layers at 32K-128K tokens with tokens/s, MFU and the planner's estimate against it. Rows
+``gpu_kernel``, ``gpu_kernel_tflops``, ``gpu_kernel_mfu``, ``gpu_gemm_tflops``, ``gpu_memory_GBps``,
+``gpu_model_step``, ``gpu_model_estimate``; ``python -m benchmarks.gpu_rates`` turns them into the planner's
+measured rates. ``--no-kernels`` skips them.
+
 Activation offload (``benchmarks.offload_overlap``, first, within the same budget): step time of
 checkpointed MLP blocks with the offload's copies on a side stream and on the compute stream, against
 checkpointing alone (GPU: T=32768 tokens, 8 blocks, H=4096, bf16: 2 GiB offloaded per step each way;
@@ -68,17 +76,19 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from benchmarks import gpu_kernels as GK
 from benchmarks import harness as H
 from benchmarks import offload_overlap as O
 from benchmarks import workloads as W
 from benchmarks.gpu_table import build_rows, print_table
+from benchmarks.gpu_timing import Clock, fwd_bwd, peak_growth
 from hf_ring.ops.kernels import BlockKernel, get_kernel
 from hf_ring.ops.ring import _kv_message, ring_attention
 from hf_ring.ops.zigzag import zigzag
 from testkit.comm import NoCommRing
 
 GPU_CFG = {
-    "Ns": [8192, 16384, 32768, 65536, 131072],
+    "Ns": [8192, 16384, 32768, 65536],
     "Ps": [2, 4, 8],
     "iters": {8192: 10, 16384: 10, 32768: 8, 65536: 5, 131072: 3},
     "warmup": {8192: 2, 16384: 2, 32768: 1, 65536: 1, 131072: 1},
@@ -89,6 +99,7 @@ GPU_CFG = {
     "D": 128,
     "check": (4096, 4),  # emulation exactness check: N, P
     "max_seconds": 420.0,
+    "kernels": GK.GPU,
 }
 QUICK_CFG = {
     "Ns": [1024, 2048],
@@ -102,6 +113,7 @@ QUICK_CFG = {
     "D": 64,
     "check": (256, 4),
     "max_seconds": 240.0,  # generous: a loaded machine must not skip the quick grid
+    "kernels": GK.CPU,
 }
 DEFAULT_LINKS = ["nvlink=450", "ib=50"]
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -159,56 +171,6 @@ def emulation_error(q, k, v, do, size: int, backend: str | BlockKernel = "auto")
             e = float((got.detach().float() - w).norm() / w.norm().clamp_min(1e-30))
             err[name] = max(err[name], e)
     return err
-
-
-# ============================================================================ timing
-class Clock:
-    """CUDA events on CUDA (read after a synchronize), perf_counter on CPU."""
-
-    def __init__(self, cuda: bool) -> None:
-        self.cuda = cuda
-
-    def mark(self):
-        if self.cuda:
-            e = torch.cuda.Event(enable_timing=True)
-            e.record()
-            return e
-        return time.perf_counter()
-
-    def sync(self) -> None:
-        if self.cuda:
-            torch.cuda.synchronize()
-
-    def seconds(self, a, b) -> float:
-        return a.elapsed_time(b) / 1e3 if self.cuda else b - a
-
-
-def fwd_bwd(fn: Callable, inputs: tuple, do: Tensor, clock: Clock) -> dict:
-    """One timed forward + backward of ``fn(q, k, v)``; seconds of fwd, bwd and total."""
-    q, k, v = (t.detach().requires_grad_() for t in inputs)
-    clock.sync()
-    a = clock.mark()
-    out = fn(q, k, v)
-    b = clock.mark()
-    grads = torch.autograd.grad(out, (q, k, v), do)
-    c = clock.mark()
-    clock.sync()
-    del grads, out
-    return {"fwd": clock.seconds(a, b), "bwd": clock.seconds(b, c), "total": clock.seconds(a, c)}
-
-
-def peak_growth(fn: Callable, inputs: tuple, do: Tensor) -> float:
-    """Bytes: growth of torch.cuda.max_memory_allocated over one fwd+bwd (gradients included)."""
-    q, k, v = (t.detach().requires_grad_() for t in inputs)
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    m0 = torch.cuda.memory_allocated()
-    out = fn(q, k, v)
-    grads = torch.autograd.grad(out, (q, k, v), do)
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - m0
-    del grads, out
-    return float(peak)
 
 
 # ============================================================================ measurement
@@ -289,6 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--offload-only", action="store_true", help="only the activation offload measurement")
     ap.add_argument("--offload-tokens", type=int, default=None, help="tokens of the offload workload")
     ap.add_argument("--offload-layers", type=int, default=None, help="checkpointed blocks of the offload workload")
+    ap.add_argument("--no-kernels", action="store_true", help="skip the kernel table and the model step")
     args = ap.parse_args(argv)
 
     t_start = time.monotonic()
@@ -353,6 +316,9 @@ def main(argv: list[str] | None = None) -> int:
                 torch.cuda.empty_cache()
     if args.offload_only:
         cfg["Ns"] = []
+    kernel_tab = H.Table(meta, lambda p: torch.get_num_threads())
+    if not args.no_kernels and not args.offload_only:  # ~45% of what is left; the N x P grid the rest
+        GK.run(kernel_tab, cfg, device, dtype, deadline)
     if not args.no_check and not args.offload_only:
         n, p = cfg["check"]
         g = torch.Generator(device=device).manual_seed(99)
@@ -388,15 +354,17 @@ def main(argv: list[str] | None = None) -> int:
         last = (n, time.monotonic() - now)
         print(f"[bench_gpu] N={n} done in {last[1]:.1f} s", flush=True)
 
-    rows = build_rows(results, cfg, env, links, meta) + offload_rows
+    rows = build_rows(results, cfg, env, links, meta) + offload_rows + kernel_tab.rows
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     H.write_rows(out, rows)
     if cfg["Ns"]:
-        print_table([r for r in rows if r not in offload_rows], cfg, links)
+        print_table([r for r in rows if r not in offload_rows and r not in kernel_tab.rows], cfg, links)
     print(f"[bench_gpu] {len(rows)} rows -> {out}; total {time.monotonic() - t_start:.1f} s")
     checks = {"emulation check": "skipped" if args.no_check or args.offload_only else
               ("FAIL" if "check_failed" in results else "pass"), "offload": offload_state}  # fmt: skip
+    failed = [r for r in kernel_tab.rows if r["name"] == "gpu_skipped" and "FAILED" in r["note"] + r["metric"]]
+    checks["kernels"] = "FAIL" if failed else ("skipped" if args.no_kernels or args.offload_only else "pass")
     for n, res in results["per_n"].items():
         note = res.get("skipped", "")
         checks[f"N={n}"] = "FAIL" if note.startswith("FAILED") else ("skipped" if note else "pass")

@@ -42,6 +42,7 @@ _EXPORTS = {
     "prepare_dataloader": "hf_ring.data.loader",
     "register": "hf_ring.transformers",
     "ring_attention": "hf_ring.parallel",
+    "set_attention_backend": "hf_ring.parallel",
     "setup_context_parallel": "hf_ring.parallel",
     "shard": "hf_ring.parallel",
     "shard_batch": "hf_ring.transformers.batch",
@@ -69,6 +70,7 @@ __all__ = [
     "prepare_dataloader",
     "register",
     "ring_attention",
+    "set_attention_backend",
     "setup_context_parallel",
     "shard",
     "shard_batch",
@@ -81,7 +83,15 @@ if TYPE_CHECKING:
     from .data.loader import count_targets, dp_sampler, prepare_dataloader
     from .errors import RingNotSupported
     from .ops.cross_entropy import chunked_causal_lm_loss
-    from .parallel import ContextParallel, ring_attention, setup_context_parallel, shard, ulysses_attention, unshard
+    from .parallel import (
+        ContextParallel,
+        ring_attention,
+        set_attention_backend,
+        setup_context_parallel,
+        shard,
+        ulysses_attention,
+        unshard,
+    )
     from .trainer import RingTrainer, RingTrainingArguments
     from .transformers import register, uninstall
     from .transformers.batch import shard_batch

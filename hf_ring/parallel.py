@@ -14,12 +14,14 @@ the all-to-all traffic, kept closest) x ``R = P / U`` (the ring); CP rank ``= ri
 
 ``U = 1`` is plain ring attention, ``U = P`` pure DeepSpeed-Ulysses.
 
-This is the one place that holds a process-wide default: the CP group of the last
-``setup_context_parallel``. The public ``ring_attention``, ``ulysses_attention``, ``shard`` and
-``unshard`` (``hf_ring.ring_attention``, ...) resolve ``group=None`` to it and call the ops in
-``hf_ring.ops``, which always take their groups as arguments: ``ops.ring.ring_attention`` (the
-ring over one given group) and ``ops.ulysses.ulysses_ring_attention`` (a given Ulysses x ring
-grid). This module imports only torch.
+This is the one place that holds process-wide defaults: the CP group of the last
+``setup_context_parallel``, and the attention backend of ``set_attention_backend`` ("auto" unless a user
+pins one). The public ``ring_attention``, ``ulysses_attention``, ``shard`` and ``unshard``
+(``hf_ring.ring_attention``, ...) resolve ``group=None`` (and an unspecified ``backend``) to them and call
+the ops in ``hf_ring.ops``, which always take their groups and backend as arguments:
+``ops.ring.ring_attention`` (the ring over one given group) and ``ops.ulysses.ulysses_ring_attention`` (a
+given Ulysses x ring grid); the transformers attention function of ``attn_implementation="ring"`` reads the
+backend here too. This module imports only torch.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .ops import kernels as _kernels
 from .ops import ring as _ring
 from .ops import ulysses as _ulysses
 from .ops import zigzag as _zigzag
@@ -41,6 +44,8 @@ __all__ = [
     "ContextParallel",
     "setup_context_parallel",
     "default_group",
+    "attention_backend",
+    "set_attention_backend",
     "ring_attention",
     "ulysses_attention",
     "shard",
@@ -48,6 +53,7 @@ __all__ = [
 ]
 
 _DEFAULT: ContextParallel | None = None
+_BACKEND = "auto"
 
 
 @dataclass(frozen=True)
@@ -208,6 +214,23 @@ def reset_context_parallel() -> None:
     _DEFAULT = None
 
 
+def set_attention_backend(name: str) -> str:
+    """Pin the block kernel of every ring attention call in this process that does not name one: the
+    transformers models of ``attn_implementation="ring"``, ``hf_ring.ring_attention`` and
+    ``ulysses_attention`` without ``backend=``. ``name``: one of ``hf_ring.ops.kernels.BACKENDS``
+    (``"auto"``: the fastest kernel that runs each layer on this GPU, ``"cudnn"``, ``"flash_attn_3"``, ...);
+    a misspelt name raises ``ValueError`` naming the closest one. A pinned kernel that cannot run a layer
+    (its head dim, window or cap) raises at that layer, naming why. Returns the previous name."""
+    global _BACKEND
+    previous, _BACKEND = _BACKEND, _kernels.check_backend(name)
+    return previous
+
+
+def attention_backend() -> str:
+    """The process's attention backend (``set_attention_backend``; ``"auto"`` unless pinned)."""
+    return _BACKEND
+
+
 def _default_ulysses(group: dist.ProcessGroup | None) -> ContextParallel | None:
     """The default CP state when ``group`` means its CP group and that group uses Ulysses."""
     cp = _DEFAULT if dist.is_initialized() else None
@@ -226,8 +249,10 @@ def ring_attention(
     ``[B, S_local, Hq, D]``. Options: ``causal``, ``softmax_scale``, ``backend``, ``order``,
     ``validate``, ``ring``, ``softcap``, ``sinks``; see the op's docstring. When that CP group was set up with
     ``ulysses_size > 1``, this is ``ulysses_attention`` on its Ulysses x ring grid (the pieces
-    ``shard`` gives; ``order``, ``ring`` and ``schedule`` do not apply there).
+    ``shard`` gives; ``order``, ``ring`` and ``schedule`` do not apply there). Without ``backend``, the
+    process's (``set_attention_backend``).
     """
+    options.setdefault("backend", _BACKEND)
     if group is None and options.get("ring") is None:
         if _default_ulysses(None) is not None:
             return ulysses_attention(q, k, v, **options)
@@ -243,6 +268,7 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, **options: Any) -> Tensor
     ``[B, S_local, Hq, D]``. Options: ``causal``, ``softmax_scale``, ``backend``, ``validate``, ``softcap``,
     ``sinks``.
     """
+    options.setdefault("backend", _BACKEND)
     cp = _DEFAULT if dist.is_initialized() else None
     if cp is None:
         raise ValueError("ulysses_attention: call hf_ring.setup_context_parallel(cp_size, ulysses_size=...) first")

@@ -1,7 +1,8 @@
-"""Packed sliding windows with sinks and soft-capping through the real flash-attn, against float64.
+"""Packed sliding windows with sinks and soft-capping through the real flash-attn (2, 3 or 4), against float64.
 
     CHECK_DEVICE=cuda python scripts/check_flash_windows.py   # scripts/gpu_check.sh; skips without flash-attn
     CHECK_DEVICE=cpu python scripts/check_flash_windows.py    # the same glue through the flash-attn stand-in
+    CHECK_BACKEND=flash_attn_3 python scripts/check_flash_windows.py   # flash-attn 3 (flash_attn_4: 4)
 
 Every rank of P = 2-4 is emulated in this process: on the border route it gets its halo rows from the
 whole sequence (what the exchange would fetch) and runs its plan's calls -- each run after its halo,
@@ -17,7 +18,6 @@ route's halo layout), and on CUDA a 4K-token row of random documents. Pass: rela
 from __future__ import annotations
 
 import functools
-import importlib.util
 import math
 import os
 import sys
@@ -122,17 +122,18 @@ def check(docs, window, size, kernel, dev, dt, softcap) -> dict[str, float]:
 
 def main() -> int:
     dev = torch.device(os.environ.get("CHECK_DEVICE", "cuda"))
+    backend = os.environ.get("CHECK_BACKEND", "flash_attn")
     if dev.type == "cuda":
         if not torch.cuda.is_available():
             print("no CUDA device")
             return 1
-        if importlib.util.find_spec("flash_attn") is None:
-            print("skipped: flash_attn is not installed")
-            return 0
-        from hf_ring.ops.kernels import FlashAttnKernel
+        from hf_ring.ops.kernels import available_backends, get_kernel
 
-        kernel, dt, tol = FlashAttnKernel(), torch.bfloat16, 2e-2
-        print("flash-attn", kernel.version, "| varlen:", kernel.varlen)
+        if backend not in available_backends(dev):
+            print(f"skipped: {backend} is not installed or does not run on this GPU ({available_backends(dev)})")
+            return 0
+        kernel, dt, tol = get_kernel(backend, dev, torch.bfloat16), torch.bfloat16, 2e-2
+        print(backend, getattr(kernel, "version", ""), "| varlen:", kernel.varlen)
         g = torch.Generator().manual_seed(0)
         ls = []
         while sum(ls) < 4096:
@@ -142,7 +143,9 @@ def main() -> int:
     else:
         from testkit.cuda_standins import make_kernel
 
-        kernel, dt, tol, cases = make_kernel("flash_attn:2.8-custom-op"), torch.float32, 1e-5, CASES
+        fakes = {"flash_attn": "flash_attn:2.8-custom-op", "flash_attn_3": "flash_attn_3:custom-op"}
+        fake = fakes.get(backend, backend)
+        kernel, dt, tol, cases = make_kernel(fake), torch.float32, 1e-5, CASES
     bad = 0
     for docs, window, size in cases:
         for softcap, varlen in ((0.0, True), (2.0, True), (2.0, False)):

@@ -1,32 +1,38 @@
 #!/usr/bin/env bash
 # One-shot check for a lent GPU machine; run it in the repository root (< 9 minutes in all: every step is cut to
-# what is left of a budget of BUDGET=520 s; ~4 expected):
+# what is left of a budget of BUDGET=520 s; ~5 expected):
 #
 #   OUT=/some/dir bash scripts/gpu_check.sh       # OUT: the device tool's output folder (default benchmarks/results)
 #
-#   0. environment: GPU, torch, CUDA, flash-attn
+#   0. environment: GPU, torch, CUDA, cuDNN, flash-attn 2 / 3 / 4
 #   1. CUDA exactness: the tests skipped without CUDA (tests/test_errors.py; tests/test_kernels.py has none, and
-#      no test is parametrised over devices), then hf_ring's CUDA block kernels and its single-process ring against
-#      a float64 oracle (tests/oracle.py), and emulated ring ranks fed the right K/V blocks (out and dQ) on CUDA
-#   1b. hybrid mixers: Jamba, Qwen3.5 and Nemotron-H tiny training steps at CP = 2 (two ranks on the one GPU)
+#      no test is parametrised over devices), then every block kernel this GPU has (available_backends: cuDNN,
+#      flash-attn 3 / 4 / 2, torch's flash and memory-efficient ops) and the single-process ring against a float64
+#      oracle (tests/oracle.py), and emulated ring ranks fed the right K/V blocks (out and dQ) on CUDA
+#   1c. sliding windows over packed documents with sinks and soft-capping through the real flash-attn 2, 3 and 4
+#      (their varlen functions and dense calls) against float64, emulated ranks P = 2-4
+#      (scripts/check_flash_windows.py with CHECK_BACKEND; a library that is not installed is skipped), and a
+#      head_dim 512 layer in bf16 with backend "auto" (Gemma 4's global layers: torch's memory-efficient op)
+#      against float64 (scripts/check_head_dim_512.py)
+#   2. python -m benchmarks.bench_gpu --out $OUT/gpu.jsonl (its own budget: --max-seconds 190): the activation
+#      offload (side-stream copies; a FAIL if its step differs from checkpointing's), every block kernel as a causal
+#      block and as an emulated rank at 8K-128K tokens per rank (TFLOP/s, MFU against the GPU's bf16 peak), GEMM and
+#      memory rates, a step of two Llama-3.1-8B-shaped layers at 32K-128K tokens (tokens/s, MFU, the planner's
+#      estimate / measured), then the N x P grid of emulated ring ranks
+#   2b. python -m benchmarks.gpu_rates $OUT/gpu.jsonl --rates $OUT/gpu_rates.json: the planner's measured rates of
+#      this GPU kind (copy the entry into hf_ring/planner/gpu_rates.json: hf-ring plan --gpu KIND then uses them)
+#   3. its plots, gpu_fraction.png, gpu_overlap.png and gpu_kernels.png, into $OUT
+#   4. hybrid mixers: Jamba, Qwen3.5 and Nemotron-H tiny training steps at CP = 2 (two ranks on the one GPU)
 #      through the installed fla / causal-conv1d / mamba-ssm kernels against transformers' torch route
-#      (scripts/gpu_mixers.py, its own budget: --max-seconds 180; a family whose packages do not import is skipped)
-#   1c. sliding windows over packed documents with sinks and soft-capping through the real flash-attn (its varlen
-#      functions and dense calls) against float64, emulated ranks P = 2-4 (scripts/check_flash_windows.py; skipped
-#      when flash_attn does not import), and a head_dim 512 layer in bf16 with backend "auto" (Gemma 4's global
-#      layers: torch's memory-efficient op) against float64 (scripts/check_head_dim_512.py)
-#   2. python -m benchmarks.bench_gpu --out $OUT/gpu.jsonl (its own budget: --max-seconds 190): first the activation
-#      offload (step time of checkpointed blocks with the copies on a side stream, on the compute stream, and without
-#      offload; the side-stream step must equal the one without offload: rows gpu_offload_*, a FAIL otherwise), then
-#      the block kernels and emulated ring ranks
-#   3. its plots, gpu_fraction.png and gpu_overlap.png, into $OUT
+#      (scripts/gpu_mixers.py, with what is left: --max-seconds 120; a family whose packages do not import is
+#      skipped)
 #
 # The device image has torch/transformers/accelerate/peft installed system-wide and may have no virtualenv: this
 # uses `python` from PATH (or $PYTHON) with PYTHONPATH=. instead of installing hf_ring. Every step has its own
 # timeout; a failing step does not stop the later ones (nor does a failing check inside a step); the end prints
 # every step as pass / FAIL / skipped; the exit status is the first failure's. Everything printed also goes to
-# $OUT/gpu_check.log. CHECK_DEVICE=cpu runs step 1's exactness part on CPU (to try it out; step 1b through the
-# flash-attn stand-in in float32).
+# $OUT/gpu_check.log. CHECK_DEVICE=cpu runs step 1's exactness part on CPU (to try it out; step 1c through the
+# flash-attn stand-ins in float32).
 set -u
 cd "$(dirname "$0")/.."
 OUT="${OUT:-benchmarks/results}"
@@ -75,8 +81,14 @@ print("python", platform.python_version(), "| torch", torch.__version__, "| CUDA
 if torch.cuda.is_available():
     p = torch.cuda.get_device_properties(0)
     print("device", p.name, f"{p.total_memory / 2**30:.0f} GiB", f"sm_{p.major}{p.minor}")
-for mod in ("flash_attn", "transformers", "numpy", "matplotlib", "pytest", "pytest_timeout"):
+print("cuDNN", torch.backends.cudnn.version())
+for mod in ("flash_attn", "flash_attn_3", "flash_attn_interface", "transformers", "numpy", "matplotlib", "pytest",
+            "pytest_timeout"):
     print(f"{mod}: {'yes' if importlib.util.find_spec(mod) else 'NOT installed'}")
+try:
+    print("flash_attn.cute:", "yes" if importlib.util.find_spec("flash_attn.cute") else "NOT installed")
+except ImportError:
+    print("flash_attn.cute: NOT installed")
 import hf_ring
 from hf_ring.ops.kernels import available_backends
 print("hf_ring", hf_ring.__version__, "| block kernels on cuda:", available_backends("cuda"))
@@ -212,19 +224,18 @@ print(f"{len(passes)} passed, {len(failures)} failed in {time.perf_counter() - t
 raise SystemExit(1 if failures else 0)
 EOF
 
-# ------------------------------------------------------------------------------------------- 1b. hybrid mixers
-step "hybrid mixers at CP=2 through fla / causal-conv1d / mamba-ssm vs the torch route" 210 \
-    "$PY" scripts/gpu_mixers.py --max-seconds 180
 # ------------------------------------------------------------------------------------------- 1c. windows, head dims
-if [ "${CHECK_DEVICE:-cuda}" = cpu ] || "$PY" -c "import flash_attn" 2>/dev/null; then
-    step "packed windows, sinks, softcap through flash-attn vs oracle" 150 "$PY" scripts/check_flash_windows.py
-else
-    skipped "packed windows, sinks, softcap through flash-attn vs oracle" "flash_attn does not import"
-fi
+for backend in flash_attn flash_attn_3 flash_attn_4; do
+    step "packed windows, sinks, softcap through $backend vs oracle" 100 env CHECK_BACKEND=$backend \
+        "$PY" scripts/check_flash_windows.py
+done
 step "head_dim 512 layer, bf16, auto backend vs oracle" 90 "$PY" scripts/check_head_dim_512.py
 
 # ------------------------------------------------------------------------------------------- 2. benchmark
 step "bench_gpu" 240 "$PY" -m benchmarks.bench_gpu --out "$OUT/gpu.jsonl" --max-seconds 190
+if [ -s "$OUT/gpu.jsonl" ]; then
+    step "planner rates of this GPU" 30 "$PY" -m benchmarks.gpu_rates "$OUT/gpu.jsonl" --rates "$OUT/gpu_rates.json"
+fi
 
 # ------------------------------------------------------------------------------------------- 3. plots
 if [ -s "$OUT/gpu.jsonl" ] && "$PY" -c "import matplotlib" 2>/dev/null; then
@@ -237,6 +248,10 @@ for p in plot_gpu(load(sys.argv[1]), sys.argv[2]):
 else
     skipped plots "no $OUT/gpu.jsonl or no matplotlib: python -m benchmarks.plot can draw them elsewhere"
 fi
+
+# ------------------------------------------------------------------------------------------- 4. hybrid mixers
+step "hybrid mixers at CP=2 through fla / causal-conv1d / mamba-ssm vs the torch route" 150 \
+    "$PY" scripts/gpu_mixers.py --max-seconds 120
 
 echo "=== summary"
 printf '    %s\n' "${SUMMARY[@]}"

@@ -6,7 +6,12 @@
   Python signature ``(*args, **kwargs)``), ``"2.7-plain"`` (plain functions) and ``"2.6"`` (one
   ``window_size`` tuple, 8-tuple returns, no varlen). They answer for a 2.8.3 (2.6.3) release on an sm_90
   GPU and take float32 too (``allow_fp32``, a test allowance), so the glue is compared with float64 tightly.
-* torch's aten CUDA ops: ``testkit.aten_standin.AtenCUDAStandIn``.
+* torch's aten CUDA ops: ``testkit.aten_standin.AtenCUDAStandIn``; its cuDNN attention ops:
+  ``testkit.cudnn_standin.CudnnStandIn``.
+* flash-attn 3: ``testkit.flash3_standin.FlashAttn3StandIn``; ``FA3_FAKES`` names the interface forms
+  ``FlashAttn3Kernel`` meets: ``"custom-op"`` (``torch.library`` custom ops with separate window edges, as since
+  2025-07) and ``"plain"`` (plain functions with one ``window_size`` tuple, 2025-03 .. 2025-07); sm_90.
+* flash-attn 4: ``testkit.flash4_standin.FlashAttn4StandIn`` (sm_100).
 
 Every rule of the stand-ins is listed, with the library file, lines and versions, in
 ``docs/standins.md`` ("Attention kernels").
@@ -19,14 +24,28 @@ from types import SimpleNamespace
 import torch
 from torch import Tensor
 
-from hf_ring.ops.kernels import BlockKernel, FlashAttnKernel, TorchCUDAKernel, TorchEfficientKernel, get_kernel
+from hf_ring.ops.kernels import (
+    BlockKernel,
+    CudnnKernel,
+    FlashAttn3Kernel,
+    FlashAttn4Kernel,
+    FlashAttnKernel,
+    TorchCUDAKernel,
+    TorchEfficientKernel,
+    get_kernel,
+)
 from testkit.aten_standin import AtenCUDAStandIn
+from testkit.cudnn_standin import CudnnStandIn
+from testkit.flash3_standin import FlashAttn3StandIn
+from testkit.flash4_standin import FlashAttn4StandIn
 from testkit.flash_standin import FlashAttnStandIn
 
 __all__ = [
     "ATEN_FP32",
+    "FA3_FAKES",
     "FAKES",
     "KERNELS",
+    "NEW_KERNELS",
     "TOL",
     "AtenCUDAStandIn",
     "FlashAttnStandIn",
@@ -144,6 +163,99 @@ def flash_module(version: tuple[int, int, int], capability: tuple[int, int], all
     return fa
 
 
+# --------------------------------------------------------------------------- flash-attn 3
+
+FA3 = FlashAttn3StandIn(capability=(9, 0), allow_fp32=True)
+
+
+def fa3_forward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    k_new: Tensor | None = None,
+    v_new: Tensor | None = None,
+    qv: Tensor | None = None,
+    out_: Tensor | None = None,
+    cu_seqlens_q: Tensor | None = None,
+    cu_seqlens_k: Tensor | None = None,
+    cu_seqlens_k_new: Tensor | None = None,
+    seqused_q: Tensor | None = None,
+    seqused_k: Tensor | None = None,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
+    page_table: Tensor | None = None,
+    kv_batch_idx: Tensor | None = None,
+    leftpad_k: Tensor | None = None,
+    rotary_cos: Tensor | None = None,
+    rotary_sin: Tensor | None = None,
+    seqlens_rotary: Tensor | None = None,
+    q_descale: Tensor | None = None,
+    k_descale: Tensor | None = None,
+    v_descale: Tensor | None = None,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size_left: int = -1,
+    window_size_right: int = -1,
+    attention_chunk: int = 0,
+    softcap: float = 0.0,
+    rotary_interleaved: bool = True,
+    scheduler_metadata: Tensor | None = None,
+    num_splits: int = 1,
+    pack_gqa: bool | None = None,
+    sm_margin: int = 0,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """flash-attn 3's ``_flash_attn_forward`` (its custom op's signature), on the sm_90 stand-in."""
+    return FA3.fwd(q, k, v, k_new, v_new, qv, out_, cu_seqlens_q, cu_seqlens_k, cu_seqlens_k_new, seqused_q,
+                   seqused_k, max_seqlen_q, max_seqlen_k, page_table, kv_batch_idx, leftpad_k, rotary_cos, rotary_sin,
+                   seqlens_rotary, q_descale, k_descale, v_descale, softmax_scale, causal, window_size_left,
+                   window_size_right, attention_chunk, softcap, rotary_interleaved, scheduler_metadata, num_splits,
+                   pack_gqa, sm_margin)  # fmt: skip
+
+
+def fa3_backward(
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    softmax_lse: Tensor,
+    cu_seqlens_q: Tensor | None = None,
+    cu_seqlens_k: Tensor | None = None,
+    sequed_q: Tensor | None = None,
+    sequed_k: Tensor | None = None,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
+    dq: Tensor | None = None,
+    dk: Tensor | None = None,
+    dv: Tensor | None = None,
+    softmax_scale: float | None = None,
+    is_causal: bool = False,
+    window_size_left: int = -1,
+    window_size_right: int = -1,
+    softcap: float = 0.0,
+    deterministic: bool = False,
+    sm_margin: int = 0,
+) -> Tensor:
+    """flash-attn 3's ``_flash_attn_backward`` (its custom op's signature): fills dq, dk, dv."""
+    return FA3.bwd(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, sequed_q, sequed_k, max_seqlen_q,
+                   max_seqlen_k, dq, dk, dv, softmax_scale, is_causal, window_size_left, window_size_right, softcap,
+                   deterministic, sm_margin)  # fmt: skip
+
+
+# As flash-attn 3 registers them since 2025-07 ("flash_attn_3::_flash_attn_forward", mutates_args=() /
+# ("dq", "dk", "dv")); registered once per process, at import
+_fa3_fwd_op = torch.library.custom_op("hf_ring_tests::fa3_forward", fa3_forward, mutates_args=(), device_types="cpu")
+_fa3_bwd_op = torch.library.custom_op(
+    "hf_ring_tests::fa3_backward", fa3_backward, mutates_args=("dq", "dk", "dv"), device_types="cpu"
+)
+FA3_FAKES = {
+    "custom-op": SimpleNamespace(_flash_attn_forward=_fa3_fwd_op, _flash_attn_backward=_fa3_bwd_op),
+    "plain": FA3.module(plain=True),
+}
+FA4 = FlashAttn4StandIn(capability=(10, 0), allow_fp32=True)
+CUDNN_FP32 = CudnnStandIn(capability=(9, 0), allow_fp32=True)
+
+
 # --------------------------------------------------------------------------- kernels over the stand-ins
 
 ATEN_FP32 = AtenCUDAStandIn(allow_fp32=True)  # shared by the parametrised tests (records nothing)
@@ -158,10 +270,17 @@ def make_kernel(name: str) -> BlockKernel:
         return TorchCUDAKernel(ops=ATEN_FP32)
     if name == "torch_efficient":
         return TorchEfficientKernel(ops=ATEN_FP32)
+    if name.startswith("flash_attn_3:"):
+        return FlashAttn3Kernel(module=FA3_FAKES[name.split(":", 1)[1]])
+    if name == "flash_attn_4":
+        return FlashAttn4Kernel(module=FA4.module(), capability=(10, 0))
+    if name == "cudnn":
+        return CudnnKernel(ops=CUDNN_FP32, version=CUDNN_FP32.version)
     return get_kernel(name, torch.device("cpu"), torch.float32)
 
 
-KERNELS = ["torch", "reference", "torch_cuda", "torch_efficient", *(f"flash_attn:{v}" for v in FAKES)]
+NEW_KERNELS = ["cudnn", *(f"flash_attn_3:{v}" for v in FA3_FAKES), "flash_attn_4"]
+KERNELS = ["torch", "reference", "torch_cuda", "torch_efficient", *(f"flash_attn:{v}" for v in FAKES), *NEW_KERNELS]
 
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}

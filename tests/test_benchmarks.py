@@ -145,12 +145,18 @@ def test_gpu_benchmark_cpu_mode(tmp_path):
         assert offload[("gpu_offload_step", mode, "ratio_to_checkpointing")] > 0
     assert offload[("gpu_offload_check", "offload_side_stream", "max_rel_diff_vs_checkpointing")] == 0
     assert offload[("gpu_offload_bytes", "offload", "bytes_per_direction")] > 0
+    for name in ("torch", "reference"):  # every block kernel of the device, as a block and as an emulated rank
+        for metric, p in (("block", 1), ("rank", 2)):
+            assert ("gpu_kernel", name, metric, p, 256) in keys and ("gpu_kernel_tflops", name, metric, p, 256) in keys
+    assert {"gpu_gemm_tflops", "gpu_memory_GBps", "gpu_model_estimate"} <= {r["name"] for r in rows}
+    step = {r["metric"]: r["median"] for r in rows if r["name"] == "gpu_model_step"}
+    assert step["time"] > 0 and step["tokens_per_s"] == pytest.approx(1024 / step["time"])
 
     from benchmarks.plot import plot_gpu
 
     assert plot_gpu([r for r in rows if not r["name"].startswith("gpu_")], tmp_path / "none") == []
     pngs = plot_gpu(rows, tmp_path / "png")
-    assert [p.name for p in pngs] == ["gpu_fraction.png", "gpu_overlap.png"]
+    assert [p.name for p in pngs] == ["gpu_fraction.png", "gpu_overlap.png", "gpu_kernels.png"]
     for png in pngs:
         assert png.exists() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
 

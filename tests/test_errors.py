@@ -96,9 +96,9 @@ def test_attn_mask_not_supported() -> None:
 
 
 def test_unknown_backend() -> None:
-    with pytest.raises(
-        ValueError, match=r"unknown backend 'cudnn'; choose one of 'auto', 'torch', 'flash_attn'"
-    ):
+    with pytest.raises(ValueError, match=r"unknown attention backend 'cudn' \(did you mean 'cudnn'\?\); choose one of"):
+        hf_ring.ring_attention(*qkv(), backend="cudn")
+    with pytest.raises(ValueError, match=r"backend='cudnn' needs CUDA tensors in float16/bfloat16"):
         hf_ring.ring_attention(*qkv(), backend="cudnn")
 
 

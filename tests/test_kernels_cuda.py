@@ -19,6 +19,7 @@ import hf_ring
 from hf_ring.ops import kernels as kernels_mod
 from hf_ring.ops.comm import Ring
 from hf_ring.ops.kernels import (
+    CudnnKernel,
     FlashAttnKernel,
     ReferenceKernel,
     TorchCUDAKernel,
@@ -31,6 +32,7 @@ from hf_ring.ops.ring import _RingAttention
 from hf_ring.ops.schedule import make_schedule
 from testkit.cuda_standins import (
     FAKES,
+    NEW_KERNELS,
     TOL,
     AtenCUDAStandIn,
     _bwd_op,
@@ -107,7 +109,7 @@ def ring_errors(name: str, causal: bool, dtype_name: str, d: int) -> list[float]
     return [rel_err(x, r) for x, r in zip(got, (ref.detach(), *ref_grads))]
 
 
-RING_KERNELS = [*(f"flash_attn:{v}" for v in FAKES), "torch_cuda", "torch_efficient"]
+RING_KERNELS = [*(f"flash_attn:{v}" for v in FAKES), "torch_cuda", "torch_efficient", *NEW_KERNELS]
 RING_CASES = [
     (name, causal, dtype, d)
     for name, causal, (dtype, d) in itertools.product(
@@ -126,7 +128,8 @@ def test_ring_through_cuda_kernel_contracts_single_process(name: str, causal: bo
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_ring_through_cuda_kernel_contracts(world: int) -> None:
-    cases = [c for c in RING_CASES if c[0] == "flash_attn:2.8-custom-op" or c[2:] == ("float32", 80)]
+    fast = ("flash_attn:2.8-custom-op", "flash_attn_3:custom-op")
+    cases = [c for c in RING_CASES if c[0] in fast or c[2:] == ("float32", 80)]
     for name, causal, dtype, d in cases:
         errs, *_ = run_ranks(world, ring_errors, name, causal, dtype, d)
         for gname, err in zip(("out", "dq", "dk", "dv"), errs):
@@ -489,6 +492,24 @@ def test_cuda_kernels_match_the_real_aten_schemas_on_meta_tensors() -> None:
     ]
     args, kwargs = probe.calls["_efficient_attention_backward"]
     assert args[10].shape == (2, 8, 32) and args[14] == 1 and kwargs == {"scale": 0.2}  # padded LSE; top-left causal
+
+
+def test_cudnn_kernel_matches_the_real_aten_schemas_on_meta_tensors() -> None:
+    """torch 2.13's own cuDNN attention ops (their meta functions) take the kernel's calls: ``logsumexp
+    [B, H, Sq, 1]`` back into the backward, ``None`` for the undefined ``attn_bias``/``cum_seq_*`` tensors,
+    K/V with their own heads; the shapes it hands the ring are ``BlockKernel``'s."""
+    meta = torch.device("meta")
+    q = torch.empty(2, 13, 8, 36, device=meta, dtype=torch.bfloat16)
+    k = torch.empty(2, 11, 2, 36, device=meta, dtype=torch.bfloat16)
+    with _AtenProbe() as probe:
+        kernel = CudnnKernel(version=91002)  # torch.ops.aten
+        out, lse = kernel.forward(q, k, k, causal=False, scale=0.2)
+        grads = kernel.backward(out, q, k, k, out, lse, causal=False, scale=0.2)
+    assert (out.shape, lse.shape, lse.dtype) == (q.shape, q.shape[:3], torch.float32)
+    assert [g.shape for g in grads] == [q.shape, k.shape, k.shape]
+    args, kwargs = probe.calls["_scaled_dot_product_cudnn_attention_backward"]
+    assert args[5].shape == (2, 8, 13, 1) and args[8:11] == (None, None, None) and kwargs == {"scale": 0.2}
+    assert args[2].shape == (2, 2, 11, 40) and args[11:13] == (13, 11)  # unexpanded K, padded; max_q, max_k
 
 
 # --------------------------------------------------------------------------- windowed blocks without flash-attn

@@ -1,18 +1,32 @@
-"""The attention stand-ins keep the libraries' rules (``docs/standins.md``, "Attention kernels"), and the
+"""The attention stand-ins (flash-attn 2, 3 and 4, torch's CUDA ops and its cuDNN attention) keep the libraries'
+rules (``docs/standins.md``, "Attention kernels"), and the
 CUDA kernels hand the ring ``lse = -inf`` for rows that see no key; the varlen grouping of a ring step."""
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
 import torch
 
-from hf_ring.ops.kernels import FlashAttnKernel, ReferenceKernel, TorchCUDAKernel
+from hf_ring.ops.kernels import (
+    CudnnKernel,
+    FlashAttn3Kernel,
+    FlashAttn4Kernel,
+    FlashAttnKernel,
+    ReferenceKernel,
+    TorchCUDAKernel,
+    band_mask,
+)
 from hf_ring.ops.schedule import Block
 from hf_ring.ops.varlen import VarlenCall, varlen_calls
 from testkit.aten_standin import AtenCUDAStandIn
 from testkit.cuda_standins import flash_module
+from testkit.cudnn_standin import CudnnStandIn
+from testkit.flash3_standin import FlashAttn3StandIn, fa3_window
+from testkit.flash4_standin import FlashAttn4StandIn, fa4_window
+from testkit.flash_rules import flash_keeps, flash_mask
 from testkit.flash_standin import FlashAttnStandIn
 from testkit.oracle import rel_err
 
@@ -138,3 +152,115 @@ def test_varlen_calls_one_per_mask_kind() -> None:
     assert kinds == [(False, (-1, -1), 1), (False, (2, 5), 1), (False, (2, 5), 1), (False, (3, 0), 3)], kinds
     unmasked = next(c for c in calls if c.window is None)
     assert unmasked.k_idx.tolist() == [13, 14, 20, 21]
+
+
+# --------------------------------------------------------------------------- cuDNN, flash-attn 3 and 4
+
+
+def test_cudnn_standin_refuses_what_torch_refuses() -> None:
+    """[D1] cuDNN 9+, sm_80-sm_121; [D2] fp16/bf16; [D3] head dims multiples of 8, at most 128 (256 only in d256
+    builds on sm_90/sm_10x, their backward <= 128, (192, 128), (256, 256)); [D4] no key sequence of one row."""
+    q, k, v = (t.transpose(1, 2) for t in _qkv(8, 8, 16))
+    args = (None, True, 0.0, True, False)
+    CudnnStandIn()._scaled_dot_product_cudnn_attention(q, k, v, *args, scale=0.25)
+    for standin, match in [(CudnnStandIn(capability=(7, 5)), r"\[sm80, sm121\]"), (CudnnStandIn(version=8907), "9.0.0"),
+                           (CudnnStandIn(capability=(12, 2)), r"\[sm80, sm121\]")]:  # fmt: skip
+        with pytest.raises(RuntimeError, match=match):
+            standin._scaled_dot_product_cudnn_attention(q, k, v, *args, scale=0.25)
+    fresh = CudnnStandIn()
+    with pytest.raises(RuntimeError, match="fp16/bf16"):
+        fresh._scaled_dot_product_cudnn_attention(q.float(), k.float(), v.float(), *args, scale=0.25)
+    big = [t.transpose(1, 2) for t in _qkv(8, 8, 136)]
+    with pytest.raises(RuntimeError, match="cuDNN limit"):
+        fresh._scaled_dot_product_cudnn_attention(*big, *args, scale=0.1)
+    CudnnStandIn(version=92300, d256=True)._scaled_dot_product_cudnn_attention(*big, *args, scale=0.1)
+    with pytest.raises(RuntimeError, match="multiple of 8"):
+        fresh._scaled_dot_product_cudnn_attention(*(t.transpose(1, 2) for t in _qkv(8, 8, 36)), *args, scale=0.1)
+    with pytest.raises(RuntimeError, match="key/value sequence length 1"):
+        fresh._scaled_dot_product_cudnn_attention(*(t.transpose(1, 2) for t in _qkv(8, 1)), *args, scale=0.1)
+
+
+def test_cudnn_kernel_layouts_and_one_key_blocks() -> None:
+    """[D5] K/V keep their heads, dK/dV come back with them; [D6] the output in the query's memory order and
+    ``logsumexp [B, H, Sq, 1]`` float32, which the backward gets back; [D4] a block of one key runs on the
+    reference kernel (exact), never on cuDNN."""
+    ops = CudnnStandIn(allow_fp32=True)
+    kernel = CudnnKernel(ops=ops, version=ops.version)
+    q, k, v = (t.float() for t in _qkv(7, 9, 40))
+    out, lse = kernel.forward(q, k, v, causal=False, scale=0.3)
+    grads = kernel.backward(out, q, k, v, out, lse, causal=False, scale=0.3)
+    fwd, bwd = ops.calls["fwd"][0], ops.calls["bwd"][0]
+    assert fwd["k"].shape == (1, 2, 9, 40) and fwd["q"].stride(2) == 4 * 40  # [B, H, S, D] views of [B, S, H, D]
+    assert bwd["lse"].shape == (1, 4, 7, 1) and bwd["lse"].dtype == torch.float32
+    assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+    ref_out, ref_lse = ReferenceKernel().forward(q.double(), k.double(), v.double(), causal=False, scale=0.3)
+    assert rel_err(out, ref_out) <= 1e-5 and rel_err(lse, ref_lse) <= 1e-5
+    q1, k1, v1 = (t.float() for t in _qkv(5, 1, 40))
+    calls = len(ops.calls["fwd"])
+    out1, lse1 = kernel.forward(q1, k1, v1, causal=False, scale=0.3)
+    assert len(ops.calls["fwd"]) == calls and torch.allclose(out1, v1.repeat_interleave(2, 2).expand_as(out1))
+
+
+def test_fa3_window_rule_never_changes_a_band() -> None:
+    """[H6] flash-attn 3 clamps ``left >= Sk - 1`` and ``right >= Sq - 1`` to ``-1`` and then reads ``-1`` as
+    ``Sk - 1`` / ``Sq - 1``: for every block shape and band the mask is the band itself (flash-attn 2's clamp
+    against ``Sk`` does change some: rows ``< Sq - 2 Sk`` lose their keys)."""
+    changed_fa2 = 0
+    for sq, sk, left, right in itertools.product(range(1, 9), range(1, 9), range(0, 10), range(0, 10)):
+        band = band_mask(sq, sk, (left, right))
+        for forward in (True, False):
+            assert torch.equal(flash_mask(sq, sk, fa3_window(False, left, right, sq, sk, forward)), band)
+        changed_fa2 += not torch.equal(flash_keeps(sq, sk, False, (left, right)), band)
+        if right == 0:
+            assert torch.equal(flash_mask(sq, sk, fa3_window(True, -1, -1, sq, sk)), band_mask(sq, sk, (sq + sk, 0)))
+    assert changed_fa2 > 0
+
+
+def test_fa3_standin_gpus_builds_and_rows_without_keys() -> None:
+    """[H1] sm_8x and sm_90 (sm_100's cubins are missing: the sm_90a kernels do not run there); [H7] a build
+    without local attention refuses a band; [H9] a row without keys: out 0, lse -inf (seqlen_k == 0: +inf, which
+    the kernel hands the ring as -inf)."""
+    q, k, v = _qkv(6, 2)
+    for capability, ok in [((8, 0), True), ((9, 0), True), ((10, 0), False), ((7, 5), False)]:
+        fa = FlashAttn3StandIn(capability)
+        if ok:
+            fa.fwd(q, k, v, softmax_scale=0.25)
+        else:
+            with pytest.raises(RuntimeError, match="Ampere|no kernel image"):
+                fa.fwd(q, k, v, softmax_scale=0.25)
+    with pytest.raises(RuntimeError, match="does not support local attention"):
+        FlashAttn3StandIn(build_flags={"FLASHATTENTION_DISABLE_LOCAL": True}).fwd(q, k, v, window_size_left=2)
+    out, lse, *_ = FlashAttn3StandIn().fwd(q, k, v, softmax_scale=0.25, window_size_left=0, window_size_right=0)
+    assert torch.isneginf(lse[:, :, :4]).all() and (out[:, :4] == 0).all() and torch.isfinite(lse[:, :, 4:]).all()
+    kernel = FlashAttn3Kernel(module=FlashAttn3StandIn().module())
+    _, empty = kernel.forward(q, k[:, :0], v[:, :0], causal=False, scale=0.25)
+    assert torch.isneginf(empty).all()
+    assert kernel.refuses((10, 0), torch.bfloat16, 128, False, False)
+    assert not kernel.refuses((9, 0), torch.bfloat16, 256, True, True)
+    narrow = FlashAttn3Kernel(module=kernel.fa, build_flags={"FLASHATTENTION_DISABLE_HDIM256": True,
+                                                             "FLASHATTENTION_DISABLE_SOFTCAP": True})  # fmt: skip
+    assert "head_dim 256 > 192" in narrow.refuses((9, 0), torch.bfloat16, 256, False, False)
+    assert "soft-capping" in narrow.refuses((9, 0), torch.bfloat16, 128, True, False)
+
+
+def test_fa4_standin_archs_head_dims_and_windows() -> None:
+    """[B1] the forward runs on sm_80, the backward from sm_90; [B3] head dims up to 128 on sm_100 (256 on
+    sm_90); [B5] ``None`` edges are unbounded and there are no clamps: any band is the band; [B6] rows without
+    keys: lse -inf."""
+    q, k, v = _qkv(6, 2)
+    FlashAttn4StandIn((8, 0))._fwd(q, k, v)
+    out, lse, *_ = FlashAttn4StandIn((8, 0))._fwd(q, k, v, window_size_left=0, window_size_right=0, return_lse=True)
+    assert torch.isneginf(lse[:, :, :4]).all() and (out[:, :4] == 0).all()
+    with pytest.raises(AssertionError, match="Supported: 9.x"):
+        FlashAttn4StandIn((8, 0))._bwd(q, k, v, out, out, lse)
+    big = _qkv(4, 4, 256)
+    FlashAttn4StandIn((9, 0))._fwd(*big)
+    with pytest.raises(AssertionError, match=r"\(256, 256\) is not supported"):
+        FlashAttn4StandIn((10, 0))._fwd(*big)
+    for sq, sk, left, right in itertools.product(range(1, 7), range(1, 7), range(0, 8), range(0, 8)):
+        assert torch.equal(flash_mask(sq, sk, fa4_window(False, left, right, sq, sk)), band_mask(sq, sk, (left, right)))
+    assert torch.equal(flash_mask(3, 5, fa4_window(False, None, 0, 3, 5)), torch.ones(3, 5, dtype=torch.bool).tril(2))
+    kernel = FlashAttn4Kernel(module=FlashAttn4StandIn().module(), capability=(10, 0))
+    assert "head_dim 256 > 128 on sm_100" in kernel.refuses((10, 0), torch.bfloat16, 256, False, False)
+    assert kernel.refuses((8, 0), torch.bfloat16, 64, False, False)
+    assert not kernel.refuses((9, 0), torch.bfloat16, 256, True, True)

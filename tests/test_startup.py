@@ -144,3 +144,11 @@ def test_planner_chunk_size_is_the_chunked_loss_rule() -> None:
     assert planner.LOGITS_CHUNK_BYTES == LOGITS_CHUNK_BYTES
     for vocab in (0, 1, 84, 4096, 32_000, 128_256, 151_936, 262_144, 10**7):
         assert planner._default_chunk_size(vocab) == default_chunk_size(vocab), vocab
+
+
+def test_planner_backend_names_are_the_kernels() -> None:
+    """``hf-ring plan --attention-backend`` (no torch) lists ``hf_ring.ops.kernels.BACKENDS``."""
+    from hf_ring.ops.kernels import BACKENDS
+    from hf_ring.planner.settings import ATTENTION_BACKENDS
+
+    assert ATTENTION_BACKENDS == BACKENDS

@@ -1,5 +1,5 @@
 """Figures of the GPU benchmark (``benchmarks.bench_gpu``, ``gpu.jsonl``): the emulated zigzag rank
-against full attention / P, and the measured ring overlap threshold."""
+against full attention / P, the measured ring overlap threshold, and each block kernel's rate."""
 
 from __future__ import annotations
 
@@ -19,11 +19,13 @@ def _gpu_title(rows, what: str) -> str:
 
 
 def plot_gpu(rows, outdir) -> list[Path]:
-    """``gpu_fraction.png`` (fraction of theoretical vs N, per P) and ``gpu_overlap.png`` (tokens per
-    rank vs the measured overlap threshold, per link) from ``benchmarks.bench_gpu`` rows; [] without them."""
+    """``gpu_fraction.png`` (fraction of theoretical vs N, per P), ``gpu_overlap.png`` (tokens per rank vs the
+    measured overlap threshold, per link) and ``gpu_kernels.png`` (each block kernel's TFLOP/s vs tokens per rank)
+    from ``benchmarks.bench_gpu`` rows; [] without them."""
     frac = [r for r in rows if r["name"] == "gpu_fraction_of_theoretical"]
     thr = [r for r in rows if r["name"] == "gpu_overlap_threshold"]
-    if not frac and not thr:
+    kern = [r for r in rows if r["name"] == "gpu_kernel_tflops"]
+    if not frac and not thr and not kern:
         return []
     out = Path(outdir)
     out.mkdir(parents=True, exist_ok=True)
@@ -68,4 +70,15 @@ def plot_gpu(rows, outdir) -> list[Path]:
         ax.set_ylabel("overlap threshold T* (tokens per rank)")
         paths.append(finish(fig, ax, thr, _gpu_title(thr, "Ring overlap: measured threshold vs T"),
                              out / "gpu_overlap.png", outside=True))  # fmt: skip
+    if kern:  # each block kernel: a causal block and an emulated rank, TFLOP/s vs tokens per rank
+        fig, ax = plt.subplots(figsize=(7.4, 4.6))
+        for i, name in enumerate(sorted({r["provider"] for r in kern})):
+            c = _LINK_COLORS[i % len(_LINK_COLORS)]
+            series(ax, select(kern, provider=name, metric="block"), f"{name}, causal block", c)
+            series(ax, select(kern, provider=name, metric="rank"), f"{name}, emulated rank", c, ":s")
+        log2x(ax, [r["x"] for r in kern])
+        ax.set_xlabel("tokens per rank T")
+        ax.set_ylabel("TFLOP/s (fwd + bwd)")
+        ax.set_ylim(bottom=0)
+        paths.append(finish(fig, ax, kern, _gpu_title(kern, "Block kernels"), out / "gpu_kernels.png", outside=True))
     return paths

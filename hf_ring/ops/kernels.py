@@ -9,16 +9,20 @@ Layout everywhere is ``[B, S, H, D]``; keys and values may have fewer heads than
 for it on square blocks. ``window=(left, right)`` (optional keyword) masks a band, aligned bottom-right
 as in flash-attn: key ``j`` is visible to query ``i`` iff ``-left <= j - i - (Sk - Sq) <= right``
 (``band_mask``); the ring passes it only for blocks that cross a sliding window's edge. The kernels
-live in ``kernels_cpu``, ``kernels_cuda`` and ``kernels_flash`` and are re-exported here. Each says
-what it cannot run (``refuses(capability, dtype, head_dim, softcap, window)``); ``get_kernel`` hands out
-one cached kernel object per (backend, device type, dtype, GPU), "auto" the first that runs the layer.
+live in ``kernels_cpu``, ``kernels_cuda``, ``kernels_flash`` (flash-attn 2), ``kernels_cudnn`` (cuDNN through
+torch), ``kernels_fa3`` and ``kernels_fa4`` (flash-attn 3 and 4) and are re-exported here. Each says what it
+cannot run (``refuses(capability, dtype, head_dim, softcap, window)``); ``get_kernel`` hands out one cached
+kernel object per (backend, device type, dtype, GPU), "auto" the fastest that runs the layer on that GPU
+(``CANDIDATES``), and says once per process and choice which (a log line of the ``hf_ring`` logger).
 This module imports only torch.
 """
 
 from __future__ import annotations
 
+import difflib
 import functools
 import importlib.util
+import logging
 import warnings
 from typing import Protocol
 
@@ -27,11 +31,23 @@ from torch import Tensor
 
 from .kernels_cpu import ReferenceKernel, TorchCPUKernel, band_mask
 from .kernels_cuda import TorchCUDAKernel, TorchEfficientKernel
+from .kernels_cudnn import CudnnKernel
+from .kernels_fa3 import FlashAttn3Kernel
+from .kernels_fa4 import FlashAttn4Kernel
 from .kernels_flash import FlashAttnKernel
+from .kernels_libs import INSTALL, cudnn_kernel, flash_attn_3_kernel, flash_attn_4_kernel
+
+_flash_attn_3 = flash_attn_3_kernel  # module names the tests replace
+_flash_attn_4 = flash_attn_4_kernel
+_cudnn = cudnn_kernel
 
 __all__ = [
     "BACKENDS",
+    "CANDIDATES",
     "BlockKernel",
+    "CudnnKernel",
+    "FlashAttn3Kernel",
+    "FlashAttn4Kernel",
     "FlashAttnKernel",
     "ReferenceKernel",
     "TorchCPUKernel",
@@ -39,10 +55,21 @@ __all__ = [
     "TorchEfficientKernel",
     "available_backends",
     "band_mask",
+    "check_backend",
     "get_kernel",
 ]
 
-BACKENDS = ("auto", "torch", "flash_attn", "torch_efficient", "reference")
+BACKENDS = ("auto", "torch", "flash_attn", "flash_attn_3", "flash_attn_4", "cudnn", "torch_efficient", "reference")
+
+# What "auto" tries for fp16/bf16 on CUDA, fastest first, by GPU generation (then torch's flash op, its
+# memory-efficient op, the reference kernel): flash-attn 3 / 4 on the GPUs their kernels are built for,
+# cuDNN where torch itself prefers it (sm_90, sm_100: sdp_utils.cpp check_prefer_cudnn_attention), flash-attn 2.
+CANDIDATES = {
+    "sm_8x": ("flash_attn",),
+    "sm_90": ("flash_attn_3", "cudnn", "flash_attn"),
+    "sm_100+": ("flash_attn_4", "cudnn", "flash_attn"),
+}
+_LOG = logging.getLogger("hf_ring")
 
 
 class BlockKernel(Protocol):
@@ -116,6 +143,22 @@ def _flash_attn() -> tuple[FlashAttnKernel | None, str]:
         return None, why
 
 
+def _library(name: str) -> tuple[BlockKernel | None, str]:
+    """``(kernel, "")`` of an optional library's backend, or ``(None, why)`` (each probe runs once)."""
+    probes = {"flash_attn": _flash_attn, "flash_attn_3": _flash_attn_3, "flash_attn_4": _flash_attn_4,
+              "cudnn": _cudnn}  # fmt: skip
+    return probes[name]()
+
+
+def check_backend(name: object) -> str:
+    """``name`` if it is one of ``BACKENDS``, else ``ValueError`` naming the closest one."""
+    if isinstance(name, str) and name in BACKENDS:
+        return name
+    near = difflib.get_close_matches(str(name).lower(), BACKENDS, n=1, cutoff=0.6)
+    hint = f" (did you mean {near[0]!r}?)" if near else ""
+    raise ValueError(f"unknown attention backend {name!r}{hint}; choose one of " + ", ".join(map(repr, BACKENDS)))
+
+
 _AMPERE = (8, 0)  # flash-attn and torch's CUDA flash op need sm_80 or newer
 
 
@@ -161,10 +204,11 @@ def available_backends(device: torch.device | str = "cpu") -> list[str]:
     """Names accepted by ``get_kernel`` on this device, best first."""
     device = torch.device(device)
     if device.type == "cuda":
-        if _pre_ampere(_cuda_capability(device)):
+        capability = _cuda_capability(device)
+        if _pre_ampere(capability):
             return ["torch_efficient", "reference"]
-        names = ["flash_attn"] if _flash_attn()[0] is not None else []
-        return [*names, "torch", "torch_efficient", "reference"]
+        fused = [n for n in _fused(capability) if _library(n)[0] is not None]
+        return [*fused, "torch", "torch_efficient", "reference"]
     return ["torch", "reference"]
 
 
@@ -199,13 +243,19 @@ def get_kernel(
     return _choose(backend, device.type, dtype, capability, head_dim, bool(softcap), bool(window))
 
 
-def _candidates(device_type: str, dtype: torch.dtype) -> tuple[str, ...]:
-    """The kernels "auto" tries, best first."""
+def _fused(capability: tuple[int, int] | None) -> tuple[str, ...]:
+    """``CANDIDATES`` of a GPU (an unknown one: flash-attn 2's, which runs on any sm_80+ since 2.7.3)."""
+    if capability is None or capability < (9, 0):
+        return CANDIDATES["sm_8x"]
+    return CANDIDATES["sm_90" if capability[0] == 9 else "sm_100+"]
+
+
+def _candidates(device_type: str, dtype: torch.dtype, capability: tuple[int, int] | None) -> tuple[str, ...]:
+    """The kernels "auto" tries, fastest first (those not installed are passed over)."""
     if device_type != "cuda":
         return ("torch", "reference")
     if dtype in (torch.float16, torch.bfloat16):
-        fused = ("flash_attn",) if _flash_attn()[0] is not None else ()
-        return (*fused, "torch", "torch_efficient", "reference")
+        return (*_fused(capability), "torch", "torch_efficient", "reference")
     return ("torch_efficient", "reference") if dtype == torch.float32 else ("reference",)
 
 
@@ -221,10 +271,10 @@ def _choose(
             alt = "'auto', 'reference' or 'flash_attn' (CUDA, fp16/bf16)" if softcap or window else "'auto'"
             raise ValueError(f"backend={backend!r} cannot run this layer: {why}. Use backend={alt}.")
         return kernel
-    for name in _candidates(device_type, dtype):
+    for name in _candidates(device_type, dtype, capability):
         try:
             kernel = _kernel(name, device_type, dtype, capability)
-        except ValueError:  # no such kernel for this device and dtype
+        except ValueError:  # no such kernel for this device and dtype, or its library is not installed
             continue
         if kernel.refuses(capability, dtype, head_dim, softcap, window):  # type: ignore[attr-defined]
             continue
@@ -234,6 +284,10 @@ def _choose(
             fused = _choose(backend, device_type, dtype, capability, head_dim, softcap, False)
             if not isinstance(fused, ReferenceKernel):
                 _warn_no_band(fused.name)
+        if device_type == "cuda":  # once per process and choice: _choose is cached
+            what = f"head_dim {head_dim}, {dtype}, softcap={softcap}, window={window}, GPU {capability}"
+            _LOG.info("hf_ring attention: backend='auto' runs layers of %s on %s (hf_ring.set_attention_backend "
+                      "pins one)", what, kernel.name)  # fmt: skip
         return kernel
     raise AssertionError("unreachable: the reference kernel runs every layer")  # pragma: no cover
 
@@ -288,6 +342,18 @@ def _kernel(
         if old_gpu and dtype == torch.bfloat16:  # its cutlass kernels take bf16 on sm_80+ only
             return TorchEfficientKernel(compute_dtype=torch.float32)
         return TorchEfficientKernel()
+    if backend in ("flash_attn_3", "flash_attn_4", "cudnn"):
+        if not cuda or not half:
+            raise ValueError(
+                f"backend={backend!r} needs CUDA tensors in float16/bfloat16, got {dtype} on {device_type}. "
+                "Use backend='auto'."
+            )
+        kernel, why = _library(backend)
+        if kernel is None:
+            raise ValueError(f"backend={backend!r} but {why}; install {INSTALL[backend]} or use backend='auto'.")
+        if isinstance(kernel, FlashAttn4Kernel):  # its head-dim limit depends on the GPU
+            return FlashAttn4Kernel(module=kernel.fa, capability=capability)
+        return kernel
     if backend == "flash_attn":
         if not cuda or not half:
             raise ValueError(
@@ -303,4 +369,5 @@ def _kernel(
             )
             raise ValueError(f"backend='flash_attn' but {why}; {hint} or use backend='auto'.")
         return fa
-    raise ValueError(f"unknown backend {backend!r}; choose one of " + ", ".join(map(repr, BACKENDS)) + ".")
+    check_backend(backend)  # raises, naming the closest name
+    raise AssertionError(f"unreachable: {backend!r}")  # pragma: no cover

@@ -25,17 +25,18 @@ from typing import Any
 from .grids import GridCost, choose_ulysses_size, compare_grids, recommend
 from .models import ModelShape
 from .settings import PlanSettings
+from .table import grid_lines, plan_table
 from .terms import (
     DTYPE_BYTES,
     activation_terms,
-    attention_comm_bytes,
+    attention_comm,
     mixer_comm_bytes,
     mixer_terms,
     ring_buffer_bytes,
     window_border,
     window_buffer_bytes,
-    window_comm_bytes,
 )
+from .timing import StepTime, rates_for, step_time
 
 __all__ = ["GiB", "Plan", "max_seq_len", "plan", "smallest_cp"]
 
@@ -52,7 +53,9 @@ class Plan:
     ``settings``: those planned for, with ``cp`` and ``ulysses_size`` resolved. ``grids``: every
     ring / Ulysses grid of the CP group priced per layer (``hf_ring.planner.grids``), the
     recommended one first among equals (``recommended``). ``comm``: the attention bytes one rank
-    sends per step, full-attention and windowed layers apart (``attention_comm``)."""
+    sends per step, full-attention and windowed layers apart (``attention_comm``). ``time``: one micro-step of one
+    rank on ``settings.gpu`` with ``settings.attention_backend`` (``timing.step_time``), an estimate until kernel
+    rates measured on that GPU exist (``time.rates.measured``)."""
 
     model: ModelShape
     settings: PlanSettings
@@ -64,6 +67,7 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     grids: list[GridCost] = field(default_factory=list)
     comm: dict[str, Any] = field(default_factory=dict)
+    time: StepTime | None = None
 
     @property
     def ulysses(self) -> int:
@@ -144,75 +148,16 @@ class Plan:
             "grids": [c.as_dict() for c in self.grids],
             "recommended_ulysses_size": self.recommended.ulysses if self.recommended else None,
             "attention_comm": self.comm,
+            "time": self.time.as_dict() if self.time is not None else None,
         }
 
     def table(self) -> str:
-        """The per-rank memory table that ``hf-ring plan`` prints."""
-        lines = [
-            f"{self.model.name}: {self.seq_len:,} tokens on {self.gpus} GPUs, CP={self.cp} "
-            f"(DP={self.gpus // self.cp}), {self.tokens_per_rank:,} tokens per rank; "
-            + ", ".join(f"{k}={v}" for k, v in self.shown_settings().items()),
-            f"{'per rank':<44}{'GiB':>10}"
-            + (f"   (Ulysses {self.ulysses} x ring {self.cp // self.ulysses})" if self.ulysses > 1 else ""),
-        ]
-        for k, v in self.rows.items():
-            lines.append(f"  {k:<42}{v / GiB:>10.2f}")
-        lines.append("  activation peak, by phase of the step:")
-        for k, v in self.phases.items():
-            mark = "  <- peak" if k == self.peak_phase else ""
-            lines.append(f"    {k:<40}{v / GiB:>10.2f}{mark}")
-        lines.append(f"  {'peak (model states + activation peak + reserve)':<42}{self.peak / GiB:>10.2f}")
-        lines.append(f"  {'fits in':<42}{self.gpu_bytes / GiB:>10.2f}  {'yes' if self.fits else 'NO'}")
-        if any(self.host.values()):
-            lines.append(f"  host memory per rank (offloaded): {sum(self.host.values()) / GiB:.2f} GiB")
-        o = self.overlap
-        where = "per rank" if self.ulysses == 1 else "per ring position"
-        lines.append(
-            f"  ring overlap: {o['ring_tokens']:,} tokens {where} vs threshold {o['threshold_tokens']:,} "
-            f"(forward {o['forward_threshold']:,}, backward {o['backward_threshold']:,}; "
-            f"{o['link']} {o['link_GBps']:g} GB/s, {o['flops'] / 1e12:g} TFLOP/s, GQA {self.model.heads}/"
-            f"{self.model.kv_heads}): {'hidden' if o['hidden'] else 'NOT hidden'}"
-        )
-        c = self.comm
-        if c:
-            parts = [f"{c['full_layers']} full layers x {c['full_layer_bytes'] / 2**20:.1f} MiB"]
-            if c["windowed_layers"]:
-                how = "window border" if c["border"] else "ring turned as far as the window reaches"
-                parts.append(
-                    f"{c['windowed_layers']} windowed layers ({self.model.window} tokens, {how}) x "
-                    f"{c['windowed_layer_bytes'] / 2**20:.2f} MiB"
-                )
-            lines.append(f"  attention sent per step and rank: {c['total'] / GiB:.2f} GiB ({'; '.join(parts)})")
-        lines.extend(self.grid_lines())
-        lines.extend(f"  note: {n}" for n in self.notes)
-        return "\n".join(lines)
+        """The per-rank memory table that ``hf-ring plan`` prints, with the step's time estimate."""
+        return plan_table(self)
 
     def grid_lines(self) -> list[str]:
         """The table of ring / Ulysses grids (per layer and rank: fwd + bwd, + recompute)."""
-        best = self.recommended
-        if best is None or len(self.grids) == 1:
-            return []
-        s = self.settings
-        lines = [
-            f"  attention grids of the CP group, per layer and rank (forward + backward"
-            f"{' + recompute' if s.checkpointing else ''}; {s.gpus_per_node} GPUs per node):",
-            f"    {'grid':<12}{'U x R':>8}{'MiB sent':>10}{'comm ms':>10}{'exposed ms':>12}{'compute ms':>12}"
-            f"  links (all-to-all / ring)",
-        ]
-        for c in self.grids:
-            mark = ("  <- recommended" if c is best else "") + ("  (planned)" if c.ulysses == self.ulysses else "")
-            lines.append(
-                f"    {c.name:<12}{f'{c.ulysses} x {c.ring}':>8}{c.bytes_sent / 2**20:>10.0f}{c.comm_s * 1e3:>10.2f}"
-                f"{c.exposed_s * 1e3:>12.2f}{c.compute_s * 1e3:>12.1f}  {c.a2a_link} / {c.ring_link}"
-                + (f", K/V x{c.kv_replication}" if c.kv_replication > 1 else "")
-                + mark
-            )
-        auto = choose_ulysses_size(self.model.heads, self.model.kv_heads, self.cp, s.gpus_per_node)
-        lines.append(
-            f"  recommended: ulysses_size={best.ulysses} (least exposed communication: a ring hop hides behind "
-            f"its step's compute when that is longer, an all-to-all never); ulysses_size=auto gives {auto}"
-        )
-        return lines
+        return grid_lines(self)
 
 
 # ``hf_ring.ops.cross_entropy.default_chunk_size`` (float32 logits of about 256 MiB per chunk, 64 to
@@ -401,30 +346,8 @@ def plan(model: ModelShape, settings: PlanSettings) -> Plan:
                      "their gradient is summed over the CP group")  # fmt: skip
     resolved = replace(s, cp=cp, ulysses_size=u)
     comm = attention_comm(m, b, t * cp, cp, u, checkpointing)
-    return Plan(m, resolved, t, rows, phases, host, overlap, notes, compare_grids(m, resolved, cp), comm)
-
-
-def attention_comm(m: ModelShape, b: int, tokens: int, cp: int, ulysses: int, recompute: bool) -> dict[str, Any]:
-    """Bytes one rank sends for attention in one step (``tokens``: of the whole sequence, times the
-    micro-batch): the full-attention layers' ring and all-to-alls, the windowed layers' (``border``:
-    only the window's border, ``terms.window_comm_bytes``); with checkpointing the forward twice.
-    Layers without attention (a hybrid's mixers) are not counted here."""
-
-    def per_layer(c: dict[str, float]) -> float:
-        return c["total"] + (c["ring_forward"] + c["all_to_all_forward"] if recompute else 0.0)
-
-    attention_layers = sum("attention" in parts for parts in m.layer_blocks)
-    full_layers = attention_layers - m.windowed_layers
-    full = per_layer(attention_comm_bytes(m, b, tokens, cp, ulysses))
-    windowed = per_layer(window_comm_bytes(m, b, tokens, cp, ulysses)) if m.windowed_layers else 0.0
-    return {
-        "full_layers": full_layers,
-        "windowed_layers": m.windowed_layers,
-        "full_layer_bytes": full,
-        "windowed_layer_bytes": windowed,
-        "border": window_border(m, tokens, cp, ulysses) if m.windowed_layers else False,
-        "total": full_layers * full + m.windowed_layers * windowed,
-    }
+    time = step_time(m, resolved, cp, u, rates_for(s.gpu, s.attention_backend, m.head_dim))
+    return Plan(m, resolved, t, rows, phases, host, overlap, notes, compare_grids(m, resolved, cp), comm, time)
 
 
 def smallest_cp(model: ModelShape, settings: PlanSettings) -> int | None:

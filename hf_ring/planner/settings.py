@@ -15,9 +15,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from .gpus import GPU_KINDS
 from .models import LORA_TARGETS
 
-__all__ = ["PlanSettings", "format_tokens", "parse_ulysses_size", "tokens"]
+__all__ = ["ATTENTION_BACKENDS", "PlanSettings", "format_tokens", "parse_ulysses_size", "tokens"]
+
+# hf_ring.ops.kernels.BACKENDS, restated without torch (tests/test_startup.py holds the two equal)
+ATTENTION_BACKENDS = ("auto", "torch", "flash_attn", "flash_attn_3", "flash_attn_4", "cudnn", "torch_efficient",
+                      "reference")  # fmt: skip
 
 
 def tokens(text: str) -> int:
@@ -123,6 +128,18 @@ class PlanSettings:
         "save their inputs and recompute in backward; estimated), torch (transformers' torch fallbacks, as on CPU; "
         "measured)",
         choices=("cuda", "torch"),
+    )
+    gpu: str = _setting(
+        "H100",
+        "GPU kind the step time is estimated for (peak bf16 FLOP/s, HBM bandwidth; kernel rates measured on it by "
+        "scripts/gpu_check.sh, else defaults)",
+        choices=tuple(GPU_KINDS),
+    )
+    attention_backend: str = _setting(
+        "auto",
+        "block kernel of ring attention the step time is estimated with (auto: the one backend='auto' picks on "
+        "that GPU when flash-attn 2/3/4 and cuDNN are installed)",
+        choices=ATTENTION_BACKENDS,
     )
     ulysses_size: int | str = _setting(
         1,

@@ -14,12 +14,14 @@ Imports neither torch nor transformers.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 from .models import ModelShape
 
 __all__ = [
     "DTYPE_BYTES",
     "activation_terms",
+    "attention_comm",
     "attention_comm_bytes",
     "mixer_comm_bytes",
     "mixer_terms",
@@ -282,4 +284,27 @@ def window_comm_bytes(m: ModelShape, b: int, tokens: int, cp: int, ulysses: int 
         "all_to_all_forward": full["all_to_all_forward"],
         "all_to_all_backward": full["all_to_all_backward"],
         "total": fwd + bwd + full["all_to_all_forward"] + full["all_to_all_backward"],
+    }
+
+
+def attention_comm(m: ModelShape, b: int, tokens: int, cp: int, ulysses: int, recompute: bool) -> dict[str, Any]:
+    """Bytes one rank sends for attention in one step (``tokens``: of the whole sequence, times the
+    micro-batch): the full-attention layers' ring and all-to-alls, the windowed layers' (``border``:
+    only the window's border, ``terms.window_comm_bytes``); with checkpointing the forward twice.
+    Layers without attention (a hybrid's mixers) are not counted here."""
+
+    def per_layer(c: dict[str, float]) -> float:
+        return c["total"] + (c["ring_forward"] + c["all_to_all_forward"] if recompute else 0.0)
+
+    attention_layers = sum("attention" in parts for parts in m.layer_blocks)
+    full_layers = attention_layers - m.windowed_layers
+    full = per_layer(attention_comm_bytes(m, b, tokens, cp, ulysses))
+    windowed = per_layer(window_comm_bytes(m, b, tokens, cp, ulysses)) if m.windowed_layers else 0.0
+    return {
+        "full_layers": full_layers,
+        "windowed_layers": m.windowed_layers,
+        "full_layer_bytes": full,
+        "windowed_layer_bytes": windowed,
+        "border": window_border(m, tokens, cp, ulysses) if m.windowed_layers else False,
+        "total": full_layers * full + m.windowed_layers * windowed,
     }

@@ -197,6 +197,7 @@ def _settings(r: dict[str, Any]) -> PlanSettings:
         gpu_gib=float(stated.get("gpu", 80)),
         reserve_gib=0.0,
         ulysses_size=parse_ulysses_size(r.get("ulysses_size", 1)),
+        attention_backend=str(r.get("attention_backend", "auto")),
     )
 
 

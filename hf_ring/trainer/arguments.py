@@ -10,6 +10,7 @@ from torch import nn
 from transformers import TrainingArguments
 
 from ..errors import UserError
+from ..ops.kernels import check_backend
 from ..planner.settings import parse_ulysses_size
 from ..transformers.patches import enable_activation_checkpointing, enable_chunked_loss, enable_tiled_mlp
 
@@ -38,6 +39,15 @@ class RingTrainingArguments(TrainingArguments):
             "cp_size and the model's query heads); 1: ring attention only; cp_size: Ulysses only; auto: "
             "chosen by RingTrainer from the model's head counts, the GPUs per node and cp_size "
             "(hf_ring.planner.choose_ulysses_size)."
+        },
+    )
+    attention_backend: str = field(
+        default="auto",
+        metadata={
+            "help": "Block kernel of ring attention (hf_ring.set_attention_backend): auto (the fastest one that runs "
+            "each layer on this GPU: flash-attn 3 or cuDNN on H100/H200, flash-attn 4 or cuDNN on B200, flash-attn 2 "
+            "or torch's flash op on A100), or one of cudnn, flash_attn_3, flash_attn_4, flash_attn, torch, "
+            "torch_efficient, reference."
         },
     )
     chunked_loss: bool = field(
@@ -91,6 +101,10 @@ class RingTrainingArguments(TrainingArguments):
                 "RingTrainingArguments: activation_offload=True needs activation_checkpointing=True "
                 "(alias gradient_checkpointing): what is offloaded are the checkpointed layers' inputs."
             )
+        try:
+            check_backend(self.attention_backend)
+        except ValueError as e:
+            raise UserError(f"RingTrainingArguments: attention_backend: {e} (e.g. --attention_backend auto)") from None
         try:
             self.ulysses_size = parse_ulysses_size(self.ulysses_size)  # type: ignore[assignment]
         except ValueError as e:

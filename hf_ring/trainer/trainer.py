@@ -31,7 +31,7 @@ from torch import nn
 from transformers import Trainer, TrainingArguments
 
 from ..data.loader import count_targets
-from ..parallel import ContextParallel, context_parallel_state, setup_context_parallel
+from ..parallel import ContextParallel, context_parallel_state, set_attention_backend, setup_context_parallel
 from ..planner.grids import choose_ulysses_size
 from ..transformers.batch import next_token_targets, shard_batch
 from ..transformers.context import KEY
@@ -143,6 +143,8 @@ class RingTrainer(CheckpointMixin, ReplicaMixin, Trainer):
             raise NotImplementedError("RingTrainer: label_smoothing_factor is not supported.")
         if model is not None and args is not None:
             apply_model_options(model, args)
+        if getattr(args, "attention_backend", None) is not None:
+            set_attention_backend(args.attention_backend)  # type: ignore[union-attr]
         super().__init__(model, args, *rest, **kwargs)
 
         self._cp: ContextParallel | None = None

@@ -32,7 +32,7 @@ from ..ops.layout import sequence_layout
 from ..ops.ring import ring_attention
 from ..ops.ulysses import ulysses_ring_attention
 from ..ops.windows import MaskPlan, mask_plan, masked_attention
-from ..parallel import context_parallel_state, default_group
+from ..parallel import attention_backend, context_parallel_state, default_group
 from .context import RingContext
 from .support import check_layer
 from .temperature import global_temperature
@@ -207,18 +207,20 @@ def ring_attention_forward(
     if ring_context is not None:
         ring_context.cross_rank_calls.attention_ran()  # forward calls only: a checkpoint recompute does not count
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)  # (B, S, H, D)
+    backend = attention_backend()  # "auto", or the kernel hf_ring.set_attention_backend pinned
     with torch.autocast(device, enabled=False):
         if ulysses is not None:
             out = ulysses_ring_attention(
                 q, k, v, ulysses_group=ulysses[0], ring_group=ulysses[1], causal=causal, softmax_scale=scaling,
-                schedule=schedule if plan is None else None, mask=plan, softcap=softcap, sinks=sinks,
+                schedule=schedule if plan is None else None, mask=plan, softcap=softcap, sinks=sinks, backend=backend,
             )  # fmt: skip
         elif plan is not None:
-            out = masked_attention(q, k, v, plan, group=group, softmax_scale=scaling, softcap=softcap, sinks=sinks)
+            out = masked_attention(q, k, v, plan, group=group, softmax_scale=scaling, softcap=softcap, sinks=sinks,
+                                   backend=backend)  # fmt: skip
         else:
             out = ring_attention(
                 q, k, v, group=group, causal=causal, softmax_scale=scaling, schedule=schedule, softcap=softcap,
-                sinks=sinks,
+                sinks=sinks, backend=backend,
             )  # fmt: skip
     return (out[..., :d_v] if d_v != d_qk else out), None
 

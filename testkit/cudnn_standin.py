@@ -1,0 +1,149 @@
+"""torch's cuDNN attention ops on CPU: ``aten._scaled_dot_product_cudnn_attention`` and its ``_backward``,
+with torch 2.13's schemas and output layouts and the rules torch checks before it runs them
+(``sdp_utils.cpp`` ``can_use_cudnn_attention``; the dense path of ``cudnn/MHA.cpp``). Every rule cites
+``docs/standins.md``'s row (``[D<n>]``), which gives the file, lines and versions.
+
+``CudnnStandIn(capability, version, allow_fp32)``: a GPU of ``capability`` with cuDNN runtime ``version``
+(``91002`` is 9.10.2); ``allow_fp32`` is a test allowance (the real op takes fp16/bf16 only, [D2]), so the
+glue can be compared with float64 at 1e-5. ``calls`` records what each op received.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from testkit.aten_standin import _attn64, _check, _grads64, _scores64, _top_left
+
+__all__ = ["CudnnStandIn"]
+
+_MAX_DIM = 65535  # check_cudnn_tensor_shapes: batch and heads [D8]
+
+
+class CudnnStandIn:
+    """The two cuDNN attention ops of ``torch.ops.aten``, in float64 on CPU."""
+
+    HALF = (torch.float16, torch.bfloat16)
+
+    def __init__(
+        self, capability: tuple[int, int] = (9, 0), version: int = 91002, allow_fp32: bool = False, d256: bool = False
+    ) -> None:
+        self.capability, self.version, self.d256 = capability, version, d256
+        self.dtypes = self.HALF + ((torch.float32,) if allow_fp32 else ())
+        self.calls: dict[str, list[dict]] = {}
+
+    # ------------------------------------------------------------------ the rules of can_use_cudnn_attention
+
+    def _head_dim_limit(self, d_qk: int, d_v: int, backward: bool) -> bool:
+        """[D3]: head dims up to 128; up to 256 on sm_90 / sm_10x with cuDNN > 9.22 and a cuDNN frontend with
+        the d256 kernels (``d256``, a build property); (192, 128) from 9.11 there; the backward of a d256 build
+        only for <= 128, (192, 128) and (256, 256)."""
+        major, minor = self.capability
+        sm90_10x = (major == 9 and minor == 0) or major == 10
+        sm107_old = major == 10 and minor == 7 and self.version <= 92500
+        limit = 128
+        if sm90_10x and not sm107_old and self.version > 92200 and self.d256:
+            limit = 256
+            if backward and not ((d_qk <= 128 and d_v <= 128) or (d_qk, d_v) in ((192, 128), (256, 256))):
+                return False
+        elif sm90_10x and self.version >= 91100 and (d_qk, d_v) == (192, 128):
+            limit = 192
+        return d_qk <= limit and d_v <= limit
+
+    def _check(self, q: Tensor, k: Tensor, v: Tensor, backward: bool = False) -> None:
+        """``[B, H, S, D]`` tensors."""
+        cc = self.capability[0] * 10 + self.capability[1]
+        _check(self.version >= 90000, "cuDNN version too old to use cuDNN Attention (< v9.0.0)")  # [D1]
+        _check(80 <= cc <= 121, "cuDNN MHA only supports gpu architectures in the range [sm80, sm121]")  # [D1]
+        _check(q.dtype in self.dtypes, "cuDNN attention takes fp16/bf16 (check_dtypes_low_precision)")  # [D2]
+        _check(k.dtype == q.dtype and v.dtype == q.dtype, "query, key and value must have the same dtype")
+        for t in (q, k, v):
+            _check(t.dim() == 4 and t.stride(-1) == 1, "the last dimension of q, k, v must be contiguous")  # [D6]
+        b, h, _, d = q.shape
+        _check(d % 8 == 0 and v.shape[-1] % 8 == 0, "head_dim should be a multiple of 8")  # [D3]
+        _check(self._head_dim_limit(d, v.shape[-1], backward), "head_dim above the cuDNN limit")  # [D3]
+        _check(k.shape[2] != 1, "cudnn SDPA does not support key/value sequence length 1.")  # [D4]
+        _check(k.shape[0] == b and v.shape[0] == b and k.shape[2] == v.shape[2], "batch / seq_k mismatch")
+        _check(h % k.shape[1] == 0 and k.shape[1] == v.shape[1], "num_heads must be a multiple of num_heads_k")  # [D5]
+        _check(b <= _MAX_DIM and h <= _MAX_DIM, "cuDNN SDPA does not support batch size or num_heads > 65535")  # [D8]
+
+    @staticmethod
+    def _bshd(t: Tensor) -> Tensor:
+        return t.transpose(1, 2)
+
+    def _record(self, op: str, **kw: object) -> None:
+        self.calls.setdefault(op, []).append(kw)
+
+    # ------------------------------------------------------------------ the ops
+
+    def _scaled_dot_product_cudnn_attention(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        attn_bias: Tensor | None,
+        compute_log_sumexp: bool,
+        dropout_p: float = 0.0,
+        is_causal: bool = False,
+        return_debug_mask: bool = False,
+        *,
+        scale: float | None = None,
+    ) -> tuple:
+        """``[B, H, S, D]`` in; output in the query's memory order [D6], ``logsumexp [B, H, Sq, 1]`` float32 [D6];
+        causal top-left [D7]."""
+        self._record("fwd", q=query, k=key, causal=is_causal)
+        self._check(query, key, value)
+        _check(attn_bias is None and dropout_p == 0.0 and not return_debug_mask, "stand-in: no bias, dropout, mask")
+        sq, sk, d = query.shape[2], key.shape[2], query.shape[3]
+        scale = scale if scale is not None else d**-0.5
+        q, k, v = (self._bshd(t) for t in (query, key, value))
+        keep = _top_left(sq, sk, 1 if is_causal else 0)  # [D7]
+        out, lse = _attn64(q, k, v, _scores64(q, k, scale, keep))
+        _check(value.shape[3] == d, "stand-in: equal head dims (alloc_with_matching_layout's simple case)")
+        out_bhsd = torch.empty_like(query)  # alloc_with_matching_layout: the query's memory order [D6]
+        out_bhsd.copy_(out.transpose(1, 2))
+        lse4 = lse.float().unsqueeze(-1).contiguous() if compute_log_sumexp else torch.empty(0)
+        seed, offset = torch.empty((), dtype=torch.int64), torch.empty((), dtype=torch.int64)
+        return out_bhsd, lse4, None, None, sq, sk, seed, offset, None
+
+    def _scaled_dot_product_cudnn_attention_backward(
+        self,
+        grad_out: Tensor,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        out: Tensor,
+        logsumexp: Tensor,
+        philox_seed: Tensor,
+        philox_offset: Tensor,
+        attn_bias: Tensor | None,
+        cum_seq_q: Tensor | None,
+        cum_seq_k: Tensor | None,
+        max_q: int,
+        max_k: int,
+        dropout_p: float,
+        is_causal: bool,
+        *,
+        scale: float | None = None,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """dQ, dK, dV ``empty_like`` q, k, v (dK/dV with ``Hkv`` heads) [D5]; the stats read through their
+        strides [D6]; ``Delta`` from the ``out`` passed in [D9]."""
+        self._record("bwd", q=query, k=key, lse=logsumexp, out=out, dout=grad_out, causal=is_causal)
+        self._check(query, key, value, backward=True)
+        _check(attn_bias is None and cum_seq_q is None and cum_seq_k is None, "stand-in: dense, no bias")
+        _check(dropout_p == 0.0, "stand-in: no dropout")
+        b, h, sq, d = query.shape
+        sk = key.shape[2]
+        _check((max_q, max_k) == (sq, sk), "max_q / max_k are the dense lengths")
+        _check(logsumexp.dtype == torch.float32 and tuple(logsumexp.shape) == (b, h, sq, 1), "logsumexp [B, H, Sq, 1]")
+        for name, t in (("out", out), ("grad_out", grad_out)):
+            _check(t.shape == query.shape[:3] + value.shape[3:] and t.dtype == query.dtype, f"{name} shape/dtype")
+            _check(t.stride(-1) == 1, f"{name} must have a contiguous last dimension")  # [D9]
+        scale = scale if scale is not None else d**-0.5
+        q, k, v, o, do = (self._bshd(t) for t in (query, key, value, out, grad_out))
+        s = _scores64(q, k, scale, _top_left(sq, sk, 1 if is_causal else 0))
+        grads = _grads64(do, q, k, v, o, logsumexp[..., 0], s, scale)
+        made = [torch.empty_like(x) for x in (query, key, value)]  # empty_like keeps the inputs' layout [D5]
+        for m, g in zip(made, grads):
+            m.copy_(g.transpose(1, 2))
+        return made[0], made[1], made[2]
