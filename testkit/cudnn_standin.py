@@ -98,7 +98,7 @@ class CudnnStandIn:
         scale = scale if scale is not None else d**-0.5
         q, k, v = (self._bshd(t) for t in (query, key, value))
         keep = _top_left(sq, sk, 1 if is_causal else 0)  # [D7]
-        out, lse = _attn64(q, k, v, _scores64(q, k, scale, keep))
+        out, lse = _attn64(q, k, v, scale, keep)
         _check(value.shape[3] == d, "stand-in: equal head dims (alloc_with_matching_layout's simple case)")
         out_bhsd = torch.empty_like(query)  # alloc_with_matching_layout: the query's memory order [D6]
         out_bhsd.copy_(out.transpose(1, 2))

@@ -13,7 +13,7 @@ from torch import Tensor
 
 from hf_ring.ops.kernels import band_mask
 from testkit.cuda_standins import make_kernel
-from testkit.oracle import rel_err
+from testkit.oracle import attention, rel_err
 
 OPTION_KERNELS = ["flash_attn:2.8-custom-op", "flash_attn_3:custom-op", "flash_attn_3:plain", "flash_attn_4"]
 
@@ -31,26 +31,15 @@ def oracle(
     q: Tensor, k: Tensor, v: Tensor, dout: Tensor, *, causal: bool, scale: float, softcap: float,
     window: tuple[int, int] | None,
 ) -> list[Tensor]:  # fmt: skip
-    """``[out, lse, dq, dk, dv]`` in float64 of one ``[B, S, H, D]`` block, written from the definitions:
-    scores ``scale q.k`` (capped to ``softcap tanh(s / softcap)``), the band (``band_mask``) or causal mask, a
-    softmax; a row without keys gives 0 and ``lse = -inf``."""
+    """``[out, lse, dq, dk, dv]`` in float64 of one ``[B, S, H, D]`` block from the one float64 oracle
+    (``testkit.oracle.attention``), under the band (``band_mask``) or causal mask."""
     xs = [t.detach().double().requires_grad_() for t in (q, k, v)]
-    qd, kd, vd = (t.transpose(1, 2) for t in xs)
-    rep = qd.shape[1] // kd.shape[1]
-    kd, vd = kd.repeat_interleave(rep, 1), vd.repeat_interleave(rep, 1)
-    s = qd @ kd.transpose(-1, -2) * scale
-    if softcap:
-        s = softcap * torch.tanh(s / softcap)
     sq, sk = q.shape[1], k.shape[1]
     keep = band_mask(sq, sk, window) if window else torch.ones(sq, sk, dtype=torch.bool)
     if causal:
         keep = keep & torch.ones(sq, sk, dtype=torch.bool).tril()
-    s = s.masked_fill(~keep, float("-inf"))
-    seen = keep.any(-1)[:, None]  # [Sq, 1]
-    p = s.masked_fill(~seen, 0.0).softmax(-1) * seen
-    lse = torch.logsumexp(s.masked_fill(~seen, 0.0), -1).masked_fill(~seen[:, 0], float("-inf"))
-    out = (p @ vd).transpose(1, 2)
-    return [out.detach(), lse.transpose(1, 2).detach(), *torch.autograd.grad(out, xs, dout.double())]
+    out, lse = attention(*xs, scale=scale, mask=keep, softcap=softcap or None, with_lse=True)
+    return [out.detach(), lse.detach(), *torch.autograd.grad(out, xs, dout.double())]
 
 
 def _inputs(b: int, sq: int, sk: int, hq: int, hkv: int, d: int, seed: int = 0) -> list[Tensor]:
