@@ -41,6 +41,8 @@ _EXPORTS = {
     "enable_tiled_mlp": "hf_ring.transformers.patches",
     "prepare_dataloader": "hf_ring.data.loader",
     "register": "hf_ring.transformers",
+    "sequence_logprobs": "hf_ring.transformers.sequence",
+    "sequence_sums": "hf_ring.transformers.sequence",
     "ring_attention": "hf_ring.parallel",
     "setup_context_parallel": "hf_ring.parallel",
     "shard": "hf_ring.parallel",
@@ -69,6 +71,8 @@ __all__ = [
     "prepare_dataloader",
     "register",
     "ring_attention",
+    "sequence_logprobs",
+    "sequence_sums",
     "setup_context_parallel",
     "shard",
     "shard_batch",
@@ -93,6 +97,7 @@ if TYPE_CHECKING:
         enable_chunked_loss,
         enable_tiled_mlp,
     )
+    from .transformers.sequence import sequence_logprobs, sequence_sums
 
 
 def __getattr__(name: str) -> Any:
