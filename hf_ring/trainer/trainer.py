@@ -145,7 +145,10 @@ class RingTrainer(CheckpointMixin, Trainer):
             raise NotImplementedError("RingTrainer: label_smoothing_factor is not supported.")
         if model is not None and args is not None:
             apply_model_options(model, args)
-        super().__init__(model, args, *rest, **kwargs)
+        if rest:
+            super().__init__(model, args, *rest, **kwargs)
+        else:  # by keyword: TRL's trainers take other arguments between model and args (DPOTrainer's ref_model)
+            super().__init__(model=model, args=args, **kwargs)
 
         self._cp: ContextParallel | None = None
         if ulysses_size == "auto":

@@ -22,13 +22,14 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from ..ops.cross_entropy import IGNORE_INDEX, chunked_token_logprobs
 from ..ops.reduce import sum_over_group
 from .context import KEY, RingContext
 
-__all__ = ["document_ids", "sequence_logprobs", "sequence_sums"]
+__all__ = ["document_ids", "gather_tokens", "sequence_logprobs", "sequence_sums"]
 
 
 def document_ids(ctx: RingContext, batch: int) -> Tensor:
@@ -85,6 +86,42 @@ def sequence_sums(ctx: RingContext, values: Tensor, *, per_document: bool = Fals
     return sum_over_group(sums, ctx.group, grad_scale)
 
 
+class _GatherTokens(torch.autograd.Function):
+    @staticmethod
+    def forward(fctx, local, ctx, grad_scale):  # type: ignore[override]
+        b = local.shape[0]
+        index = ctx.cached(("index", b), lambda: ctx.layout.index(b)).to(local.device)  # [P, B, S_local]
+        fctx.index, fctx.rank, fctx.grad_scale = index[ctx.rank], ctx.rank, grad_scale
+        local = local.contiguous()
+        parts = [local]
+        if ctx.size > 1:
+            parts = [torch.empty_like(local) for _ in range(ctx.size)]
+            dist.all_gather(parts, local, group=ctx.group)
+        out = local.new_zeros((b, ctx.layout.n + 1, *local.shape[2:]))  # slot n collects the padding rows
+        for r, part in enumerate(parts):
+            out.scatter_(1, index[r].view(b, -1, *([1] * (local.dim() - 2))).expand_as(part), part)
+        return out[:, : ctx.layout.n]
+
+    @staticmethod
+    def backward(fctx, grad):  # type: ignore[override]
+        grad = torch.cat((grad, grad.new_zeros((grad.shape[0], 1, *grad.shape[2:]))), dim=1)
+        idx = fctx.index.view(grad.shape[0], -1, *([1] * (grad.dim() - 2)))
+        local = grad.gather(1, idx.expand(-1, -1, *grad.shape[2:]))
+        return local * fctx.grad_scale, None, None
+
+
+def gather_tokens(ctx: RingContext, values: Tensor, *, grad_scale: float = 1.0) -> Tensor:
+    """This batch's per-token ``values [B, S_local, ...]`` from every rank of the CP group, in global
+    order: ``[B, N_layout, ...]`` (``N_layout``: the padded length ``shard_batch`` laid out, or
+    ``N`` for packed documents; padding rows are 0). Differentiable: the backward gives every rank
+    the gradient of its own rows, times ``grad_scale``, so a loss computed alike on every rank from
+    the gathered values has exact gradients (pass ``ctx.size`` where DDP/FSDP average them over the
+    CP group). It moves one value per token (4 bytes in float32), never hidden states or logits:
+    the route for losses written per token, such as TRL's (``sequence_sums`` is the one for losses
+    of per-sequence sums)."""
+    return _GatherTokens.apply(values, ctx, grad_scale)
+
+
 def _ring_context(kwargs: dict[str, Any]) -> RingContext:
     ctx = kwargs.get(KEY)
     if not isinstance(ctx, RingContext):
@@ -106,6 +143,7 @@ def sequence_logprobs(
     stats: tuple[str, ...] = (),
     temperature: float = 1.0,
     chunk_size: int | None = None,
+    forward: Any = None,
 ) -> dict[str, Tensor]:
     """Run ``model`` on a labelled ``shard_batch`` batch and return this rank's per-token
     log-probabilities of the labels, computed from the LM head's input in chunks (never the
@@ -122,6 +160,8 @@ def sequence_logprobs(
             ``log_sum_sq_probs``, ``mean_logits``, ``is_top1``; see ``chunked_token_logprobs``).
         temperature: the logits are divided by it (GRPO's sampling temperature).
         chunk_size: tokens per chunk of the LM head (default: by the vocabulary size).
+        forward: what to call with the batch's keyword arguments (default: ``model``; a wrapper's
+            inner forward, say).
 
     Returns:
         ``{"log_probs": [B, S_local], **stats}`` float32, in the batch's layout, 0 where there is no
@@ -138,7 +178,7 @@ def sequence_logprobs(
     if "_hf_ring_chunked" not in lm.__dict__:
         enable_chunked_loss(model)
     call = {k: v for k, v in kwargs.items() if k not in ("labels", "shift_labels", "num_items_in_batch")}
-    model(**call)  # the decoder runs; the chunked loss keeps the LM head's input for this context
+    (forward or model)(**call)  # the decoder runs; the chunked loss keeps the LM head's input for this context
     kept = lm.__dict__["_hf_ring_chunked"].take(ctx)
     if kept is None:
         raise RuntimeError("sequence_logprobs: the model's LM head did not run on this batch (full_logits batch?)")
