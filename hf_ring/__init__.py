@@ -28,6 +28,10 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "ContextParallel": "hf_ring.parallel",
     "RingContext": "hf_ring.transformers.context",
+    "RingDPOConfig": "hf_ring.trainer.dpo",
+    "RingDPOTrainer": "hf_ring.trainer.dpo",
+    "RingGRPOConfig": "hf_ring.trainer.grpo",
+    "RingGRPOTrainer": "hf_ring.trainer.grpo",
     "RingNotSupported": "hf_ring.errors",
     "RingTrainer": "hf_ring.trainer",
     "RingTrainingArguments": "hf_ring.trainer",
@@ -57,6 +61,10 @@ _SUBPACKAGES = ("cli", "data", "errors", "evaluation", "ops", "parallel", "plann
 __all__ = [
     "ContextParallel",
     "RingContext",
+    "RingDPOConfig",
+    "RingDPOTrainer",
+    "RingGRPOConfig",
+    "RingGRPOTrainer",
     "RingNotSupported",
     "RingTrainer",
     "RingTrainingArguments",
@@ -87,6 +95,8 @@ if TYPE_CHECKING:
     from .ops.cross_entropy import chunked_causal_lm_loss
     from .parallel import ContextParallel, ring_attention, setup_context_parallel, shard, ulysses_attention, unshard
     from .trainer import RingTrainer, RingTrainingArguments
+    from .trainer.dpo import RingDPOConfig, RingDPOTrainer
+    from .trainer.grpo import RingGRPOConfig, RingGRPOTrainer
     from .transformers import register, uninstall
     from .transformers.batch import shard_batch
     from .transformers.context import RingContext

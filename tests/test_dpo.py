@@ -21,7 +21,7 @@ VOCAB = 64
 CASES = {
     "full-sigmoid+ipo": dict(loss_type=["sigmoid", "ipo"], loss_weights=[1.0, 0.5], lora=False, ref=True),
     "lora-sigmoid": dict(loss_type=["sigmoid"], lora=True, ref=False),
-    "precomputed-hinge-ld_alpha": dict(loss_type=["hinge"], lora=False, ref=False, precompute_ref_log_probs=True,
+    "precomputed-hinge-ld_alpha": dict(loss_type=["hinge"], lora=False, ref=True, precompute_ref_log_probs=True,
                                        ld_alpha=0.5),
 }  # fmt: skip
 SKIP = {"epoch", "step", "learning_rate", "train_runtime", "train_samples_per_second", "train_steps_per_second",

@@ -132,8 +132,8 @@ class RingTrainerForTRL(RingTrainer):
                 ulysses = resolve_ulysses_size(model, cp_size)
             self._cp = setup_context_parallel(cp_size, ulysses_size=ulysses, timeout=args.ddp_timeout_delta)
         RingTrainer.__init__(self, model, args, **kw)
-        # TRL's loss is a mean over its micro-batch: Trainer divides it over gradient accumulation
-        self.loss_is_scaled_for_ga = False
+        # TRL's trainer says whether its loss is scaled for gradient accumulation (a class attribute)
+        self.__dict__.pop("loss_is_scaled_for_ga", None)
         # the CP ranks of a group report the same tokens: TRL divides gathered token counts by this
         self._tp_size = getattr(self, "_tp_size", 1) * self.cp_size
         self._install_fused_heads()
