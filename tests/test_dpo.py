@@ -3,7 +3,8 @@ and pairs, float32: the loss, every gradient (each parameter's, at every optimiz
 DDP's averaging) and every logged metric (rewards, margins, accuracies, log-probabilities, logits,
 entropy, token accuracy, token count) -- full fine-tuning with a reference model and two loss
 types at once, LoRA with the adapter disabled as reference, precomputed reference
-log-probabilities with ``ld_alpha``; gradient accumulation over 2 micro-batches throughout."""
+log-probabilities with ``ld_alpha``, and CP asked for through accelerate's ``ParallelismConfig``;
+gradient accumulation over 2 micro-batches throughout."""
 
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ VOCAB = 64
 CASES = {
     "full-sigmoid+ipo": dict(loss_type=["sigmoid", "ipo"], loss_weights=[1.0, 0.5], lora=False, ref=True),
     "lora-sigmoid": dict(loss_type=["sigmoid"], lora=True, ref=False),
+    # CP asked for through accelerate's ParallelismConfig(cp_size=2) instead of cp_size
+    "lora-sigmoid-parallelism_config": dict(loss_type=["sigmoid"], lora=True, ref=False, mesh=True),
     "precomputed-hinge-ld_alpha": dict(loss_type=["hinge"], lora=False, ref=True, precompute_ref_log_probs=True,
                                        ld_alpha=0.5),
 }  # fmt: skip
@@ -76,7 +79,7 @@ def dpo_run(kind: str, case: str, out: str, tok_dir: str, data_dir: str) -> dict
     from testkit.models import tiny_model
 
     spec = dict(CASES[case])
-    lora, ref = spec.pop("lora"), spec.pop("ref")
+    lora, ref, mesh = spec.pop("lora"), spec.pop("ref"), spec.pop("mesh", False)
     ring = kind == "ring"
     if ring:
         launcher_env()
@@ -84,7 +87,12 @@ def dpo_run(kind: str, case: str, out: str, tok_dir: str, data_dir: str) -> dict
     common = dict(output_dir=out, max_steps=2, per_device_train_batch_size=2, gradient_accumulation_steps=2,
                   learning_rate=0.05, optim="sgd", logging_steps=1, report_to="none", use_cpu=True, disable_tqdm=True,
                   bf16=False, max_length=48, save_strategy="no", seed=0, beta=0.2, **spec)  # fmt: skip
-    args = RingDPOConfig(cp_size=2, **common) if ring else DPOConfig(**common)
+    if ring and mesh:
+        from accelerate.parallelism_config import ParallelismConfig
+
+        args = RingDPOConfig(parallelism_config=ParallelismConfig(cp_size=2), **common)
+    else:
+        args = RingDPOConfig(cp_size=2, **common) if ring else DPOConfig(**common)
     cls = RingDPOTrainer if ring else DPOTrainer
     model = tiny_model("llama", attn, vocab_size=VOCAB)
     extra: dict = {}

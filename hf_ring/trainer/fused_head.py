@@ -29,6 +29,7 @@ from ..parallel import ContextParallel, context_parallel_state, setup_context_pa
 from ..transformers.batch import shard_batch
 from ..transformers.context import KEY
 from ..transformers.sequence import gather_tokens, sequence_logprobs
+from .mesh import adopt_parallelism_config
 from .trainer import RingTrainer, resolve_ulysses_size
 
 __all__ = ["RingTrainerForTRL", "ring_fused_head"]
@@ -124,7 +125,8 @@ class RingTrainerForTRL(RingTrainer):
             raise TypeError(f'{name}: pass the model loaded with attn_implementation="ring" (after `import hf_ring`), '
                             "not its name.")  # fmt: skip
         self._fused_stats, self._fused_temperature = stats, temperature
-        cp_size = kw.get("cp_size") or getattr(args, "cp_size", None) or 1
+        requested = kw.get("cp_size") or getattr(args, "cp_size", None)
+        cp_size = adopt_parallelism_config(args, requested) or 1
         ulysses = kw.get("ulysses_size") or getattr(args, "ulysses_size", None) or 1
         self._cp = context_parallel_state()
         if cp_size > 1 and self._cp is None and model is not None:

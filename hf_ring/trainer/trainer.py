@@ -40,6 +40,7 @@ from ..transformers.batch import next_token_targets, shard_batch
 from ..transformers.context import KEY
 from ..transformers.support import check_model
 from .arguments import RingTrainingArguments, apply_model_options
+from .mesh import adopt_parallelism_config
 from .saving import CheckpointMixin
 from .timeouts import exit_after_timeout, explain, is_timeout
 
@@ -109,6 +110,10 @@ class RingTrainer(CheckpointMixin, Trainer):
         ulysses_size: int | str | None = None,
         **kwargs: Any,
     ) -> None:
+        requested = cp_size if cp_size is not None else getattr(args, "cp_size", None)
+        adopted = adopt_parallelism_config(args, requested)  # accelerate's ParallelismConfig(cp_size=...)
+        if adopted != requested:
+            cp_size = adopted
         args_u = getattr(args, "ulysses_size", None)
         if ulysses_size is not None and args_u is not None and ulysses_size != args_u:
             raise ValueError(
