@@ -20,13 +20,13 @@ from typing import Any
 __all__ = ["adopt_parallelism_config"]
 
 _ENV = "ACCELERATE_USE_PARALLELISM_CONFIG"
+_SIZES = ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size", "sp_size")
 
 
 def _from_env() -> dict[str, int] | None:
     if os.environ.get(_ENV, "false").lower() != "true":
         return None
-    names = ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size", "sp_size")
-    return {k: int(os.environ.get(f"PARALLELISM_CONFIG_{k.upper()}", "1")) for k in names}
+    return {k: int(os.environ.get(f"PARALLELISM_CONFIG_{k.upper()}", "1")) for k in _SIZES}
 
 
 def adopt_parallelism_config(args: Any, cp_size: int | None) -> int | None:
