@@ -70,13 +70,7 @@ class Mixer:
 def _delta_rule():
     """transformers' torch chunked gated delta rule, as transformers has it (``hf_ring.transformers``
     routes the module-level name; the original is what the CP form calls for local compute)."""
-    import sys
-
-    from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule as fn
-
-    from hf_ring.transformers.mixers import original
-
-    return original(sys.modules[fn.__module__], fn.__name__)
+    return _original("qwen3_5.modeling_qwen3_5", "torch_chunk_gated_delta_rule")
 
 
 # Gated DeltaNet (Qwen3.5's linear attention, head sizes scaled down): the short convolution over
@@ -173,7 +167,7 @@ def _original(module: str, name: str):
     the CP form calls)."""
     import importlib
 
-    from hf_ring.transformers.mixers import original
+    from hf_ring.transformers.install import original
 
     owner: object = importlib.import_module(f"transformers.models.{module}")
     *path, name = name.split(".")

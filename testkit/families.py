@@ -201,6 +201,7 @@ OVERRIDES: dict[str, tuple[dict[str, Any], str]] = {
     "vaultgemma": (_SOFTCAP_BITES, "the tiny model's scores never reach the cap of 50: soft-capping would go untested"),
     "recurrent_gemma": ({"num_hidden_layers": 3}, "block_types cycles (recurrent, recurrent, attention)"),
     "mamba2": ({"num_heads": 8}, "num_heads is the SSM head count: 8 x head_dim 16 = expand 2 x hidden 64"),
+    "kolibri1_1": ({"index_num_heads": 1, "head_dim": 16}, "the indexer reads at most the query heads of key head 0"),
     "bamba": ({"attn_layer_indices": [1]}, "the default has no attention layer"),
     "granitemoehybrid": ({"layer_types": ["linear_attention", "full_attention"]}, "the default has no attention layer"),
     "lfm2": ({"layer_types": ["conv", "full_attention"]}, "the default has no conv layer"),

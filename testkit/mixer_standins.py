@@ -295,13 +295,39 @@ def fake_packages() -> Iterator[None]:
                 sys.modules[name] = mod
 
 
+def torch_function(fn: Callable) -> Callable:
+    """transformers' torch function under its decorators: ``functools.wraps`` layers, and the
+    ``kernels`` hub wrapper (an ``nn.Module`` named ``Func`` holding the function in its forward's
+    closure, ``kernels/_internals/layer/layer.py`` ``_create_func_module``) that transformers >= 5.25
+    puts around every ``use_kernel_func_from_hub_with_fallback`` function when ``kernels`` is installed."""
+    import inspect
+
+    if isinstance(fn, torch.nn.Module):
+        cells = type(fn).forward.__closure__ or ()
+        fn = next(c.cell_contents for c in cells if callable(c.cell_contents))
+    return inspect.unwrap(fn)
+
+
 def kernel_like_transformers(torch_fn: Callable, name: str, package: str) -> Callable:
     """``torch_fn`` wrapped by transformers' ``use_kernel_func_from_hub_with_fallback(name, package)``
-    while the fake packages are installed: what a modeling module holds on a machine with them."""
+    while the fake packages are installed: what a modeling module holds on a machine with them. Since
+    transformers 5.25 that wrapper sends inputs on devices outside ``_PACKAGE_SUPPORTED_DEVICES``
+    (``integrations/hub_kernels.py`` L96-100: CUDA for causal-conv1d and mamba-ssm) to the torch
+    function; here the CPU plays the GPU, so it is listed for the package while the wrapper is made
+    (the wrapper reads the table once, when it is made)."""
+    from transformers.integrations import hub_kernels
     from transformers.integrations.hub_kernels import use_kernel_func_from_hub_with_fallback
 
-    with fake_packages():
-        return use_kernel_func_from_hub_with_fallback(name, package)(torch_fn)
+    devices = getattr(hub_kernels, "_PACKAGE_SUPPORTED_DEVICES", None)
+    saved = devices.get(package) if devices is not None else None
+    try:
+        if devices is not None and saved is not None:
+            devices[package] = (*saved, "cpu")
+        with fake_packages():
+            return use_kernel_func_from_hub_with_fallback(name, package)(torch_fn)
+    finally:
+        if devices is not None and saved is not None:
+            devices[package] = saved
 
 
 @contextmanager
@@ -309,7 +335,6 @@ def routed_kernels(modeling_module: ModuleType, kernels: str) -> Iterator[None]:
     """Within: every function hf_ring routes in ``modeling_module`` calls ``kernels``: ``"standins"``
     (this module's, wrapped as transformers wraps installed packages) or ``"torch"`` (transformers'
     own torch fallbacks, undecorated), behind hf_ring's dispatchers as ``install`` binds them."""
-    import inspect
 
     from hf_ring.transformers import install, mixers
 
@@ -320,7 +345,7 @@ def routed_kernels(modeling_module: ModuleType, kernels: str) -> Iterator[None]:
         if install.original(modeling_module, name) is None or name not in TRANSFORMERS_KERNELS:
             continue  # a kernel this transformers leaves unset, or mamba-ssm's mamba_inner_fn (no stand-in;
             # tests/test_attention_free.py covers its route)
-        torch_fn = inspect.unwrap(install.original(modeling_module, name))  # transformers' torch fallback
+        torch_fn = torch_function(install.original(modeling_module, name))  # transformers' torch fallback
         kernel = torch_fn if kernels == "torch" else kernel_like_transformers(torch_fn, *TRANSFORMERS_KERNELS[name])
         dispatcher = mixers.ROUTES[route](kernel)
         dispatcher.hf_ring_original = kernel  # type: ignore[attr-defined]

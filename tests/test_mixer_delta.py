@@ -21,15 +21,15 @@ HK, HV, DK, DV = 2, 4, 5, 3
 def _rule(name: str):
     if name == "reference":
         return delta_rule_reference
-    if name == "gdn":
-        from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule as fn
-    else:
-        from transformers.models.kimi_linear.modeling_kimi_linear import chunk_kimi_delta_attention as fn
-    import sys
+    import importlib
 
     from hf_ring.transformers.install import original
 
-    return original(sys.modules[fn.__module__], fn.__name__)
+    module, fn = {
+        "gdn": ("transformers.models.qwen3_5.modeling_qwen3_5", "torch_chunk_gated_delta_rule"),
+        "kda": ("transformers.models.kimi_linear.modeling_kimi_linear", "chunk_kimi_delta_attention"),
+    }[name]
+    return original(importlib.import_module(module), fn)
 
 
 def inputs(batch: int, n: int, per_channel: bool, hk: int = HK) -> list[torch.Tensor]:

@@ -34,13 +34,11 @@ def _scan(name: str):
         from testkit.mamba_standins import selective_scan_fn
 
         return selective_scan_fn
-    import sys
-
-    from transformers.models.jamba.modeling_jamba import mamba_selective_scan as fn
+    import importlib
 
     from hf_ring.transformers.install import original
 
-    return original(sys.modules[fn.__module__], fn.__name__)
+    return original(importlib.import_module("transformers.models.jamba.modeling_jamba"), "mamba_selective_scan")
 
 
 def inputs(batch: int, n: int) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:

@@ -32,13 +32,11 @@ PARAMS = ("dA", "dD", "ddt_bias")
 def _scan(name: str):
     if name == "reference":
         return ssd_reference
-    import sys
-
-    from transformers.models.nemotron_h.modeling_nemotron_h import mamba2_chunk_scan as fn
+    import importlib
 
     from hf_ring.transformers.install import original
 
-    return original(sys.modules[fn.__module__], fn.__name__)
+    return original(importlib.import_module("transformers.models.nemotron_h.modeling_nemotron_h"), "mamba2_chunk_scan")
 
 
 def inputs(batch: int, n: int) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:

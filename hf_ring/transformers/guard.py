@@ -14,6 +14,14 @@ submodule that takes ``position_ids`` but is handed others -- numbered from the 
 length, as the decoders of BART, mBART, Marian, Pegasus, Blenderbot and PLBart do -- would place
 every rank's tokens wrong, and is refused too.
 
+And the ``kernels`` hub: transformers >= 5.25 loads models with ``use_kernels`` on by default where
+the ``kernels`` package is installed, and ``kernelize`` may replace a whole layer's forward with a
+hub kernel (``module.forward`` and ``_kernel_repo`` set on the instance:
+``kernels/_internals/layer/layer.py`` ``_replace_forward``), or a function the layer calls (its
+private ``_kernel_funcs``). A hub kernel behind a function hf_ring routes is the local compute of its
+context-parallel form, as the installed package's would be; one that replaces a token mixer, or a
+function of the mixer around the routed ones, would scan each rank's shard alone, and is refused.
+
 - ``check_ran(ctx, calls, what)``: the rule, for the calls counted on the batch's context
   (``RingContext.cross_rank_calls``) while ``what`` ran;
 - ``watch(model)``: forward hooks that apply both after every forward of ``model`` with a
@@ -29,6 +37,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import sys
 from typing import Any
 
 from torch import Tensor, nn
@@ -36,10 +45,15 @@ from torch import Tensor, nn
 from ..errors import RingNeverRan, RingNotSupported
 from .carry import context_of
 from .context import RingContext
+from .install import original
+from .mixers import family_of
 from .support import model_name
 
-__all__ = ["check_ran", "unwatch", "watch"]
+__all__ = ["check_hub_kernels", "check_ran", "unwatch", "watch"]
 
+# kernels of one decoding step (they run only with a cache, which hf_ring refuses under CP)
+DECODE_STEP = frozenset({"causal_conv1d_update", "fused_recurrent_gated_delta_rule", "fused_recurrent_kda",
+                         "selective_state_update"})  # fmt: skip
 ROUTED = "Gated DeltaNet, KDA, Mamba, Mamba2, short convolutions, lightning attention, RG-LRU"
 
 
@@ -55,6 +69,40 @@ def check_ran(ctx: RingContext, calls: int, what: str) -> None:
             f"hf_ring has no context-parallel form of (it has: {ROUTED}). Run this model without context "
             "parallelism (cp_size=1)."
         )
+
+
+@functools.cache
+def _routed_layer_names(modeling_module: str) -> frozenset[str]:
+    """The ``kernels`` layer names of the functions hf_ring routes in ``modeling_module``, and of the
+    decoding-step kernels."""
+    family, module = family_of(modeling_module), sys.modules.get(modeling_module)
+    if family is None or module is None:
+        return DECODE_STEP
+    names = (getattr(original(module, name), "kernel_layer_name", None) for name in family.functions)
+    return frozenset(n for n in names if isinstance(n, str)) | frozenset(family.functions) | DECODE_STEP
+
+
+def check_hub_kernels(model: nn.Module) -> None:
+    """Refuse a token mixer that hf_ring runs under context parallelism when a ``kernels`` hub kernel
+    replaced its forward, or a function it calls other than the ones hf_ring routes."""
+    for sub in model.modules():
+        cls = type(sub)
+        family = family_of(cls.__module__)
+        if family is None or cls.__name__ not in family.classes:
+            continue
+        replaced = [cls.__name__] if "_kernel_repo" in sub.__dict__ else []
+        allowed = _routed_layer_names(cls.__module__)
+        for name, fn in (sub.__dict__.get("_kernel_funcs") or {}).items():
+            if "_kernel_repo" in getattr(fn, "__dict__", {}) and name not in allowed:
+                replaced.append(f"{cls.__name__}'s {name}")
+        if replaced:
+            raise RingNotSupported(
+                f"a hub kernel from the kernels package replaced {', '.join(replaced)} "
+                f"(use_kernels, {model_name(getattr(model, 'config', None))}); under context parallelism hf_ring "
+                "runs this token mixer through its context-parallel form, which a kernel in its place would skip "
+                "(each rank would scan its own shard alone). Load the model with use_kernels=False, or leave this "
+                "layer out of the kernel_config's mapping."
+            )
 
 
 @functools.cache
@@ -105,6 +153,8 @@ class _Guard:
                 if guard is not None and not guard.scanned:
                     guard._claim_positions(inner)
         self.start = (ctx, ctx.cross_rank_calls.total) if isinstance(ctx, RingContext) else None
+        if isinstance(ctx, RingContext) and ctx.size > 1 and "kernels" in sys.modules:
+            check_hub_kernels(module)
 
     def after(self, module: nn.Module, args: Any, kwargs: dict, output: Any) -> None:
         self.given, start, self.start = None, self.start, None

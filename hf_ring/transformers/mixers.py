@@ -58,7 +58,8 @@ def _name(fn: Callable) -> str:
     if hasattr(fn, "__name__"):
         return fn.__name__
     cells = getattr(getattr(type(fn), "forward", None), "__closure__", None) or ()
-    names = [c.cell_contents.__name__ for c in cells if callable(c.cell_contents) and hasattr(c.cell_contents, "__name__")]
+    names = [getattr(c.cell_contents, "__name__", None) for c in cells if callable(c.cell_contents)]
+    names = [n for n in names if isinstance(n, str)]
     return names[0] if names else type(fn).__name__
 
 
