@@ -3,7 +3,8 @@ and pairs, float32: the loss, every gradient (each parameter's, at every optimiz
 DDP's averaging) and every logged metric (rewards, margins, accuracies, log-probabilities, logits,
 entropy, token accuracy, token count) -- full fine-tuning with a reference model and two loss
 types at once, LoRA with the adapter disabled as reference, precomputed reference
-log-probabilities with ``ld_alpha``, and CP asked for through accelerate's ``ParallelismConfig``;
+log-probabilities with ``ld_alpha``, CP asked for through accelerate's ``ParallelismConfig``, and
+Ulysses (``ulysses_size=2``);
 gradient accumulation over 2 micro-batches throughout."""
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ CASES = {
     "lora-sigmoid": dict(loss_type=["sigmoid"], lora=True, ref=False),
     # CP asked for through accelerate's ParallelismConfig(cp_size=2) instead of cp_size
     "lora-sigmoid-parallelism_config": dict(loss_type=["sigmoid"], lora=True, ref=False, mesh=True),
+    # Ulysses inside the CP group (ulysses_size=2 of cp_size=2: the all-to-all over heads, no ring)
+    "full-sigmoid-ulysses": dict(loss_type=["sigmoid"], lora=False, ref=True, ulysses=2),
     "precomputed-hinge-ld_alpha": dict(loss_type=["hinge"], lora=False, ref=True, precompute_ref_log_probs=True,
                                        ld_alpha=0.5),
 }  # fmt: skip
@@ -79,7 +82,7 @@ def dpo_run(kind: str, case: str, out: str, tok_dir: str, data_dir: str) -> dict
     from testkit.models import tiny_model
 
     spec = dict(CASES[case])
-    lora, ref, mesh = spec.pop("lora"), spec.pop("ref"), spec.pop("mesh", False)
+    lora, ref, mesh, ulysses = spec.pop("lora"), spec.pop("ref"), spec.pop("mesh", False), spec.pop("ulysses", 1)
     ring = kind == "ring"
     if ring:
         launcher_env()
@@ -92,7 +95,7 @@ def dpo_run(kind: str, case: str, out: str, tok_dir: str, data_dir: str) -> dict
 
         args = RingDPOConfig(parallelism_config=ParallelismConfig(cp_size=2), **common)
     else:
-        args = RingDPOConfig(cp_size=2, **common) if ring else DPOConfig(**common)
+        args = RingDPOConfig(cp_size=2, ulysses_size=ulysses, **common) if ring else DPOConfig(**common)
     cls = RingDPOTrainer if ring else DPOTrainer
     model = tiny_model("llama", attn, vocab_size=VOCAB)
     extra: dict = {}
@@ -109,7 +112,9 @@ def dpo_run(kind: str, case: str, out: str, tok_dir: str, data_dir: str) -> dict
     holder[0] = trainer.model
     trainer.train()
     logs = [{k: v for k, v in h.items() if k not in SKIP} for h in trainer.state.log_history if "loss" in h]
-    return {"logs": logs, "grads": keep.steps, "cp": getattr(trainer, "cp_size", None)}
+    cp = getattr(trainer, "_cp", None)
+    return {"logs": logs, "grads": keep.steps, "cp": getattr(trainer, "cp_size", None),
+            "ulysses": cp.ulysses_size if cp is not None else None}  # fmt: skip
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -123,6 +128,7 @@ def test_ring_dpo_trainer_cp2_matches_single_process_dpo_trainer(tmp_path: Path,
     ring = run_ranks(2, dpo_run, "ring", case, str(tmp_path / "ring"), *run, str(tmp_path / "pairs-ring"), timeout=300)
     ref = run_ranks(1, dpo_run, "ref", case, str(tmp_path / "ref"), *run, str(tmp_path / "pairs-ref"), timeout=300)[0]
     assert ring[0]["cp"] == 2 and len(ref["logs"]) == len(ring[0]["logs"]) == 2
+    assert ring[0]["ulysses"] == CASES[case].get("ulysses", 1)
     assert len(ref["grads"]) == len(ring[0]["grads"]) == 2
     worst = {"metric": 0.0, "metric_rel": 0.0, "grad": 0.0}
     for r in ring:
