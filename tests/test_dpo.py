@@ -19,9 +19,11 @@ from testkit.spawn import launcher_env, run_ranks
 
 pytest.importorskip("trl")
 
+from tests.test_trl import _tokenizer  # noqa: E402
+
 VOCAB = 64
 CASES = {
-    "full-sigmoid+ipo": dict(loss_type=["sigmoid", "ipo"], loss_weights=[1.0, 0.5], lora=False, ref=True),
+    "full-sigmoid+ipo": dict(loss_type=["sigmoid", "ipo"], loss_weights=[1.0, 0.5], lora=False, ref=True, evals=True),
     "lora-sigmoid": dict(loss_type=["sigmoid"], lora=True, ref=False),
     # CP asked for through accelerate's ParallelismConfig(cp_size=2) instead of cp_size
     "lora-sigmoid-parallelism_config": dict(loss_type=["sigmoid"], lora=True, ref=False, mesh=True),
@@ -32,17 +34,6 @@ CASES = {
 }  # fmt: skip
 SKIP = {"epoch", "step", "learning_rate", "train_runtime", "train_samples_per_second", "train_steps_per_second",
         "total_flos", "train_loss"}  # fmt: skip
-
-
-def _tokenizer(path: Path) -> None:
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<pad>": 0, "</s>": 1, "<unk>": 2, **{f"w{i}": i + 3 for i in range(VOCAB - 3)}}
-    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="</s>", pad_token="<pad>", unk_token="<unk>")
-    tok.save_pretrained(path)
 
 
 def _pairs() -> list[dict]:
@@ -83,6 +74,9 @@ def dpo_run(kind: str, case: str, out: str, tok_dir: str, data_dir: str) -> dict
 
     spec = dict(CASES[case])
     lora, ref, mesh, ulysses = spec.pop("lora"), spec.pop("ref"), spec.pop("mesh", False), spec.pop("ulysses", 1)
+    evals = spec.pop("evals", False)
+    if evals:  # evaluation under CP too: eval_loss and the eval_ metrics
+        spec.update(eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=2)
     ring = kind == "ring"
     if ring:
         launcher_env()
@@ -108,10 +102,12 @@ def dpo_run(kind: str, case: str, out: str, tok_dir: str, data_dir: str) -> dict
     holder: list = [None]
     keep = _Grads(holder)
     trainer = cls(model=model, args=args, train_dataset=load_from_disk(data_dir),
+                  eval_dataset=load_from_disk(data_dir) if evals else None,
                   processing_class=AutoTokenizer.from_pretrained(tok_dir), callbacks=[keep], **extra)  # fmt: skip
     holder[0] = trainer.model
     trainer.train()
-    logs = [{k: v for k, v in h.items() if k not in SKIP} for h in trainer.state.log_history if "loss" in h]
+    logs = [{k: v for k, v in h.items() if k not in SKIP and not k.endswith(("_runtime", "_per_second"))}
+            for h in trainer.state.log_history if "loss" in h or "eval_loss" in h]  # fmt: skip
     cp = getattr(trainer, "_cp", None)
     return {"logs": logs, "grads": keep.steps, "cp": getattr(trainer, "cp_size", None),
             "ulysses": cp.ulysses_size if cp is not None else None}  # fmt: skip
@@ -127,9 +123,16 @@ def test_ring_dpo_trainer_cp2_matches_single_process_dpo_trainer(tmp_path: Path,
     run = [str(tmp_path / "tok")]
     ring = run_ranks(2, dpo_run, "ring", case, str(tmp_path / "ring"), *run, str(tmp_path / "pairs-ring"), timeout=300)
     ref = run_ranks(1, dpo_run, "ref", case, str(tmp_path / "ref"), *run, str(tmp_path / "pairs-ref"), timeout=300)[0]
-    assert ring[0]["cp"] == 2 and len(ref["logs"]) == len(ring[0]["logs"]) == 2
+    assert ring[0]["cp"] == 2 and len(ref["logs"]) == len(ring[0]["logs"]) == 2 + bool(CASES[case].get("evals"))
     assert ring[0]["ulysses"] == CASES[case].get("ulysses", 1)
     assert len(ref["grads"]) == len(ring[0]["grads"]) == 2
+    assert_same_runs(case, ring, ref, "RingDPOTrainer", "DPOTrainer")
+
+
+def assert_same_runs(case: str, ring: list[dict], ref: dict, name: str, ref_name: str) -> None:
+    """Every rank's logged values equal the one-process run's (within float32 sums: 1e-6 + 1e-5
+    relative) and every gradient at every optimizer step (within 2e-5 of the parameter's largest);
+    prints the worst differences."""
     worst = {"metric": 0.0, "metric_rel": 0.0, "grad": 0.0}
     for r in ring:
         for step, (got, want) in enumerate(zip(r["logs"], ref["logs"]), 1):
@@ -139,12 +142,12 @@ def test_ring_dpo_trainer_cp2_matches_single_process_dpo_trainer(tmp_path: Path,
                 worst["metric"] = max(worst["metric"], abs(a - b))
                 worst["metric_rel"] = max(worst["metric_rel"], abs(a - b) / max(abs(b), 1e-12))
                 # float32 sums of ~50 log-probabilities, differences of such sums after one SGD step
-                assert abs(a - b) <= 1e-6 + 1e-5 * abs(b), f"step {step} {key}: RingDPOTrainer {a} vs DPOTrainer {b}"
+                assert abs(a - b) <= 1e-6 + 1e-5 * abs(b), f"step {step} {key}: {name} {a} vs {ref_name} {b}"
         for step, (got, want) in enumerate(zip(r["grads"], ref["grads"]), 1):
             assert set(got) == set(want)
-            for name, g in want.items():
-                err = float(np.abs(got[name] - g).max() / max(np.abs(g).max(), 1e-8))
+            for param, g in want.items():
+                err = float(np.abs(got[param] - g).max() / max(np.abs(g).max(), 1e-8))
                 worst["grad"] = max(worst["grad"], err)
-                assert err <= 2e-5, f"step {step} {name}: relative gradient error {err}"
+                assert err <= 2e-5, f"step {step} {param}: relative gradient error {err}"
     print(f"{case}: metrics max abs {worst['metric']:.2e} (rel {worst['metric_rel']:.2e}); gradients max error "
           f"relative to the parameter's largest gradient {worst['grad']:.2e}")  # fmt: skip

@@ -17,6 +17,9 @@ from testkit.spawn import launcher_env, run_ranks
 
 pytest.importorskip("trl")
 
+from tests.test_dpo import assert_same_runs  # noqa: E402
+from tests.test_trl import _tokenizer  # noqa: E402
+
 VOCAB = 64
 CASES = {
     "full-dapo": dict(loss_type="dapo", beta=0.0, lora=False),
@@ -25,12 +28,6 @@ CASES = {
 SKIP = {"epoch", "step", "learning_rate", "train_runtime", "train_samples_per_second", "train_steps_per_second",
         "total_flos", "train_loss", "step_time", "reward_std", "rewards/reward_words/std"}  # fmt: skip
 SEEN: list[list[str]] = []
-
-
-def _tokenizer(path: Path) -> None:
-    from tests.test_dpo import _tokenizer as make
-
-    make(path)
 
 
 def _prompts() -> list[dict]:
@@ -108,23 +105,7 @@ def test_ring_grpo_trainer_cp2_matches_single_process_grpo_trainer(tmp_path: Pat
     assert ring[0]["cp"] == 2 and len(ref["logs"]) == len(ring[0]["logs"]) == 2
     assert ring[0]["seen"] == ref["seen"], "the runs scored different completions"
     assert len(ref["grads"]) == len(ring[0]["grads"]) == 2
-    worst = {"metric": 0.0, "metric_rel": 0.0, "grad": 0.0}
-    for r in ring:
-        for step, (got, want) in enumerate(zip(r["logs"], ref["logs"]), 1):
-            assert set(got) == set(want), f"step {step}: logged {sorted(got)} vs {sorted(want)}"
-            for key, b in want.items():
-                a = got[key]
-                worst["metric"] = max(worst["metric"], abs(a - b))
-                worst["metric_rel"] = max(worst["metric_rel"], abs(a - b) / max(abs(b), 1e-12))
-                assert abs(a - b) <= 1e-6 + 1e-5 * abs(b), f"step {step} {key}: RingGRPOTrainer {a} vs GRPOTrainer {b}"
-        for step, (got, want) in enumerate(zip(r["grads"], ref["grads"]), 1):
-            assert set(got) == set(want)
-            for name, g in want.items():
-                err = float(np.abs(got[name] - g).max() / max(np.abs(g).max(), 1e-8))
-                worst["grad"] = max(worst["grad"], err)
-                assert err <= 2e-5, f"step {step} {name}: relative gradient error {err}"
-    print(f"{case}: metrics max abs {worst['metric']:.2e} (rel {worst['metric_rel']:.2e}); gradients max error "
-          f"relative to the parameter's largest gradient {worst['grad']:.2e}")  # fmt: skip
+    assert_same_runs(case, ring, ref, "RingGRPOTrainer", "GRPOTrainer")
 
 
 def test_ring_grpo_trainer_generates_once_per_cp_group(tmp_path: Path) -> None:

@@ -223,6 +223,19 @@ def _head_ce_rows(
     return (F.cross_entropy(logits, target, reduction="none"), *_row_stats(logits.detach(), target, stats).values())
 
 
+def _rows(hidden: Tensor, shift_labels: Tensor, ignore_index: int, caller: str) -> tuple[Tensor, Tensor, Tensor]:
+    """``hidden [..., T, H]`` and ``shift_labels [..., T]`` as rows ``[T', H]``, targets ``[T']``, and the
+    indices of the rows that have a target."""
+    h = hidden.reshape(-1, hidden.shape[-1])
+    y = shift_labels.reshape(-1).to(h.device)
+    if y.shape[0] != h.shape[0]:
+        raise ValueError(
+            f"{caller}: {h.shape[0]} hidden rows but {y.shape[0]} labels; the labels must be "
+            "shifted already (shift_labels) and cover the same positions as the hidden states"
+        )
+    return h, y, (y != ignore_index).nonzero().squeeze(1)
+
+
 def chunked_causal_lm_loss(
     hidden: Tensor,
     head: nn.Module,
@@ -257,14 +270,7 @@ def chunked_causal_lm_loss(
         when no row has a target (zero loss, zero gradients), so that every rank of a DDP or FSDP
         world runs the same backward.
     """
-    h = hidden.reshape(-1, hidden.shape[-1])
-    y = shift_labels.reshape(-1).to(h.device)
-    if y.shape[0] != h.shape[0]:
-        raise ValueError(
-            f"chunked_causal_lm_loss: {h.shape[0]} hidden rows but {y.shape[0]} labels; the labels must be "
-            "shifted already (shift_labels) and cover the same positions as the hidden states"
-        )
-    keep = (y != ignore_index).nonzero().squeeze(1)
+    h, y, keep = _rows(hidden, shift_labels, ignore_index, "chunked_causal_lm_loss")
     if num_items_in_batch is None:
         divisor = float(keep.numel())  # the mean of the full path (NaN when there is no target)
     elif torch.is_tensor(num_items_in_batch):
@@ -319,14 +325,7 @@ def chunked_token_logprobs(
     unknown = [k for k in stats if k not in TOKEN_STATS]
     if unknown:
         raise ValueError(f"chunked_token_logprobs: unknown stats {unknown}; choose from {list(TOKEN_STATS)}")
-    h = hidden.reshape(-1, hidden.shape[-1])
-    y = shift_labels.reshape(-1).to(h.device)
-    if y.shape[0] != h.shape[0]:
-        raise ValueError(
-            f"chunked_token_logprobs: {h.shape[0]} hidden rows but {y.shape[0]} labels; the labels must be "
-            "shifted already (shift_labels) and cover the same positions as the hidden states"
-        )
-    keep = (y != ignore_index).nonzero().squeeze(1)
+    h, y, keep = _rows(hidden, shift_labels, ignore_index, "chunked_token_logprobs")
     h, y = h.index_select(0, keep), y.index_select(0, keep)
     vocab = getattr(head, "out_features", None) or getattr(getattr(head, "weight", None), "shape", [0])[0]
     chunk = int(chunk_size or default_chunk_size(int(vocab)))
