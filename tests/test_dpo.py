@@ -1,4 +1,4 @@
-"""``RingDPOTrainer`` at CP = 2 against one-process ``trl.DPOTrainer`` (sdpa) on the same tiny model
+"""``RingDPOTrainer`` at CP = 2 (and 4, LoRA) against one-process ``trl.DPOTrainer`` (sdpa) on the same tiny model
 and pairs, float32: the loss, every gradient (each parameter's, at every optimizer step, after
 DDP's averaging) and every logged metric (rewards, margins, accuracies, log-probabilities, logits,
 entropy, token accuracy, token count) -- full fine-tuning with a reference model and two loss
@@ -27,6 +27,7 @@ CASES = {
     "lora-sigmoid": dict(loss_type=["sigmoid"], lora=True, ref=False),
     # CP asked for through accelerate's ParallelismConfig(cp_size=2) instead of cp_size
     "lora-sigmoid-parallelism_config": dict(loss_type=["sigmoid"], lora=True, ref=False, mesh=True),
+    "lora-sigmoid-cp4": dict(loss_type=["sigmoid"], lora=True, ref=False, cp=4),
     # Ulysses inside the CP group (ulysses_size=2 of cp_size=2: the all-to-all over heads, no ring)
     "full-sigmoid-ulysses": dict(loss_type=["sigmoid"], lora=False, ref=True, ulysses=2),
     "precomputed-hinge-ld_alpha": dict(loss_type=["hinge"], lora=False, ref=True, precompute_ref_log_probs=True,
@@ -74,7 +75,7 @@ def dpo_run(kind: str, case: str, out: str, tok_dir: str, data_dir: str) -> dict
 
     spec = dict(CASES[case])
     lora, ref, mesh, ulysses = spec.pop("lora"), spec.pop("ref"), spec.pop("mesh", False), spec.pop("ulysses", 1)
-    evals = spec.pop("evals", False)
+    evals, cp = spec.pop("evals", False), spec.pop("cp", 2)
     if evals:  # evaluation under CP too: eval_loss and the eval_ metrics
         spec.update(eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=2)
     ring = kind == "ring"
@@ -87,9 +88,9 @@ def dpo_run(kind: str, case: str, out: str, tok_dir: str, data_dir: str) -> dict
     if ring and mesh:
         from accelerate.parallelism_config import ParallelismConfig
 
-        args = RingDPOConfig(parallelism_config=ParallelismConfig(cp_size=2), **common)
+        args = RingDPOConfig(parallelism_config=ParallelismConfig(cp_size=cp), **common)
     else:
-        args = RingDPOConfig(cp_size=2, ulysses_size=ulysses, **common) if ring else DPOConfig(**common)
+        args = RingDPOConfig(cp_size=cp, ulysses_size=ulysses, **common) if ring else DPOConfig(**common)
     cls = RingDPOTrainer if ring else DPOTrainer
     model = tiny_model("llama", attn, vocab_size=VOCAB)
     extra: dict = {}
@@ -108,9 +109,9 @@ def dpo_run(kind: str, case: str, out: str, tok_dir: str, data_dir: str) -> dict
     trainer.train()
     logs = [{k: v for k, v in h.items() if k not in SKIP and not k.endswith(("_runtime", "_per_second"))}
             for h in trainer.state.log_history if "loss" in h or "eval_loss" in h]  # fmt: skip
-    cp = getattr(trainer, "_cp", None)
+    state = getattr(trainer, "_cp", None)
     return {"logs": logs, "grads": keep.steps, "cp": getattr(trainer, "cp_size", None),
-            "ulysses": cp.ulysses_size if cp is not None else None}  # fmt: skip
+            "ulysses": state.ulysses_size if state is not None else None}  # fmt: skip
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -121,9 +122,10 @@ def test_ring_dpo_trainer_cp2_matches_single_process_dpo_trainer(tmp_path: Path,
     for kind in ("ring", "ref"):  # on disk, one copy per run: the ranks share its cache (precomputed log-probs)
         Dataset.from_list(_pairs()).save_to_disk(tmp_path / f"pairs-{kind}")
     run = [str(tmp_path / "tok")]
-    ring = run_ranks(2, dpo_run, "ring", case, str(tmp_path / "ring"), *run, str(tmp_path / "pairs-ring"), timeout=300)
+    cp = CASES[case].get("cp", 2)
+    ring = run_ranks(cp, dpo_run, "ring", case, str(tmp_path / "ring"), *run, str(tmp_path / "pairs-ring"), timeout=300)
     ref = run_ranks(1, dpo_run, "ref", case, str(tmp_path / "ref"), *run, str(tmp_path / "pairs-ref"), timeout=300)[0]
-    assert ring[0]["cp"] == 2 and len(ref["logs"]) == len(ring[0]["logs"]) == 2 + bool(CASES[case].get("evals"))
+    assert ring[0]["cp"] == cp and len(ref["logs"]) == len(ring[0]["logs"]) == 2 + bool(CASES[case].get("evals"))
     assert ring[0]["ulysses"] == CASES[case].get("ulysses", 1)
     assert len(ref["grads"]) == len(ring[0]["grads"]) == 2
     assert_same_runs(case, ring, ref, "RingDPOTrainer", "DPOTrainer")
