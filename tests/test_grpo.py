@@ -125,5 +125,8 @@ def test_refusals() -> None:
 
     with pytest.raises(NotImplementedError, match="scale_rewards='batch'"):
         _refuse(Args())
+    Args.scale_rewards, Args.entropy_coef = "group", 0.01
+    with pytest.raises(NotImplementedError, match="entropy_coef"):
+        _refuse(Args())
     Args.cp_size = 1
     _refuse(Args())
