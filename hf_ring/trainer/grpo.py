@@ -16,7 +16,8 @@ and TRL's loss (``loss_type`` grpo, dr_grpo, dapo, bnpo, cispo, ...) runs on the
 Refused at ``cp_size > 1`` (each would see the CP group's duplicated rewards or entropies, or is not
 wired yet): ``use_vllm``, ``scale_rewards="batch"``, ``multi_objective_aggregation="normalize_then_sum"``,
 ``top_entropy_quantile < 1``, the entropy bonus (``entropy_coef != 0``, ``use_adaptive_entropy``:
-the entropy computed here has no gradient), ``cast_lm_head_to_fp32``. The logged ``reward_std`` and ``rewards/<name>/std`` are computed by
+the entropy computed here has no gradient), ``cast_lm_head_to_fp32``. The logged ``reward_std``
+and ``rewards/<name>/std`` are computed by
 TRL over the rewards of all processes, each CP group's ``P`` times: their sample-size correction
 then differs slightly from one device's (the loss and the advantages do not depend on them).
 """
@@ -91,7 +92,8 @@ def _refuse(args: Any) -> None:
             f"RingGRPOTrainer: {', '.join(found)} is not supported with cp_size > 1 (TRL would compute it over the "
             "CP group's duplicated rewards or entropies, or it is not wired to the ring yet); set it back to its "
             "default (use_vllm=False, scale_rewards='group', multi_objective_aggregation='sum_then_normalize', "
-            "top_entropy_quantile=1.0, entropy_coef=0.0, use_adaptive_entropy=False, cast_lm_head_to_fp32=False) or train with cp_size=1."
+            "top_entropy_quantile=1.0, entropy_coef=0.0, use_adaptive_entropy=False, cast_lm_head_to_fp32=False) "
+            "or train with cp_size=1."
         )
 
 
