@@ -28,6 +28,10 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "ContextParallel": "hf_ring.parallel",
     "RingContext": "hf_ring.transformers.context",
+    "RingDPOConfig": "hf_ring.trainer.dpo",
+    "RingDPOTrainer": "hf_ring.trainer.dpo",
+    "RingGRPOConfig": "hf_ring.trainer.grpo",
+    "RingGRPOTrainer": "hf_ring.trainer.grpo",
     "RingNotSupported": "hf_ring.errors",
     "RingTrainer": "hf_ring.trainer",
     "RingTrainingArguments": "hf_ring.trainer",
@@ -41,6 +45,8 @@ _EXPORTS = {
     "enable_tiled_mlp": "hf_ring.transformers.patches",
     "prepare_dataloader": "hf_ring.data.loader",
     "register": "hf_ring.transformers",
+    "sequence_logprobs": "hf_ring.transformers.sequence",
+    "sequence_sums": "hf_ring.transformers.sequence",
     "ring_attention": "hf_ring.parallel",
     "set_attention_backend": "hf_ring.parallel",
     "setup_context_parallel": "hf_ring.parallel",
@@ -56,6 +62,10 @@ _SUBPACKAGES = ("cli", "data", "errors", "evaluation", "ops", "parallel", "plann
 __all__ = [
     "ContextParallel",
     "RingContext",
+    "RingDPOConfig",
+    "RingDPOTrainer",
+    "RingGRPOConfig",
+    "RingGRPOTrainer",
     "RingNotSupported",
     "RingTrainer",
     "RingTrainingArguments",
@@ -70,6 +80,8 @@ __all__ = [
     "prepare_dataloader",
     "register",
     "ring_attention",
+    "sequence_logprobs",
+    "sequence_sums",
     "set_attention_backend",
     "setup_context_parallel",
     "shard",
@@ -93,6 +105,8 @@ if TYPE_CHECKING:
         unshard,
     )
     from .trainer import RingTrainer, RingTrainingArguments
+    from .trainer.dpo import RingDPOConfig, RingDPOTrainer
+    from .trainer.grpo import RingGRPOConfig, RingGRPOTrainer
     from .transformers import register, uninstall
     from .transformers.batch import shard_batch
     from .transformers.context import RingContext
@@ -103,6 +117,7 @@ if TYPE_CHECKING:
         enable_chunked_loss,
         enable_tiled_mlp,
     )
+    from .transformers.sequence import sequence_logprobs, sequence_sums
 
 
 def __getattr__(name: str) -> Any:

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["IGNORE_INDEX", "chunked_causal_lm_loss", "default_chunk_size"]
+__all__ = ["IGNORE_INDEX", "TOKEN_STATS", "chunked_causal_lm_loss", "chunked_token_logprobs", "default_chunk_size"]
 
 IGNORE_INDEX = -100  # the label of a position without a target (transformers' convention)
 LOGITS_CHUNK_BYTES = 256 * 2**20  # float32 logits of one chunk, by default
@@ -84,6 +84,31 @@ def _add_product(acc: Tensor, a: Tensor, b: Tensor, budget: int | None = None) -
         acc[lo : lo + rows] += (a[lo : lo + rows] @ b).float()
 
 
+TOKEN_STATS = ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")  # per-row, no gradient
+
+
+def _row_stats(logits: Tensor, target: Tensor, wanted: object) -> dict[str, Tensor]:
+    """The float32 statistics ``wanted`` (names of ``TOKEN_STATS``) of each row of ``logits [n, V]``:
+    the entropy of its softmax, ``log sum_v p_v^2``, the mean logit, whether the target is the
+    (first) largest logit (1.0 or 0.0)."""
+    if not wanted:
+        return {}
+    out: dict[str, Tensor] = {}
+    with torch.no_grad():
+        if "entropy" in wanted or "log_sum_sq_probs" in wanted:
+            logp = torch.log_softmax(logits, dim=-1)
+            if "entropy" in wanted:
+                out["entropy"] = -(logp.exp() * logp).sum(-1)
+            if "log_sum_sq_probs" in wanted:
+                out["log_sum_sq_probs"] = torch.logsumexp(2 * logp, dim=-1)
+            del logp
+        if "mean_logits" in wanted:
+            out["mean_logits"] = logits.mean(-1)
+        if "is_top1" in wanted:
+            out["is_top1"] = (logits.argmax(-1) == target).float()
+    return {k: out[k] for k in wanted}  # type: ignore[attr-defined]
+
+
 class _ChunkedLinearCE(torch.autograd.Function):
     """``sum_t CE(f(h_t W^T + b), y_t) * scale`` over rows ``h [T, H]`` that all have a target (``f``:
     the model's logits transform, ``None`` for none).
@@ -97,30 +122,41 @@ class _ChunkedLinearCE(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, h, weight, bias, target, scale, chunk, transform=None):  # type: ignore[override]
+    def forward(ctx, h, weight, bias, target, scale, chunk, transform=None, stats=None):  # type: ignore[override]
         ctx.dtype, ctx.scale, ctx.chunk, ctx.transform = _autocast_dtype(h), scale, chunk, transform
         lse = torch.empty(h.shape[0], dtype=torch.float32, device=h.device)
         total = torch.zeros((), dtype=torch.float32, device=h.device)
+        rows = None if stats is None else torch.empty(h.shape[0], dtype=torch.float32, device=h.device)
+        extra = {k: torch.empty(h.shape[0], dtype=torch.float32, device=h.device) for k in stats or ()}
         with torch.autocast(h.device.type, enabled=False):  # cast here, the same way in backward
             wc, bc = _cast((weight, bias), ctx.dtype)
             for s in range(0, h.shape[0], chunk):
                 (x,) = _cast((h[s : s + chunk],), ctx.dtype)
                 logits = _logits(F.linear(x, wc, bc), transform, ctx.dtype)
                 picked = logits.gather(1, target[s : s + chunk, None]).squeeze(1)
+                for k, v in _row_stats(logits, target[s : s + chunk], extra).items():
+                    extra[k][s : s + chunk] = v
                 # log-sum-exp in place: one [chunk, vocab] buffer (torch.logsumexp would allocate a second)
                 top = logits.amax(dim=-1, keepdim=True)
                 chunk_lse = logits.sub_(top).exp_().sum(dim=-1).log_().add_(top.squeeze(1))
                 lse[s : s + chunk] = chunk_lse
-                total += (chunk_lse - picked).sum()
+                if rows is None:
+                    total += (chunk_lse - picked).sum()
+                else:
+                    rows[s : s + chunk] = chunk_lse - picked
                 del logits
         ctx.save_for_backward(h, weight, bias, target, lse)
-        return total * scale
+        if rows is None:
+            return total * scale
+        for v in extra.values():
+            ctx.mark_non_differentiable(v)
+        return (rows, *extra.values())
 
     @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
+    def backward(ctx, grad, *_):  # type: ignore[override]
         h, weight, bias, target, lse = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        scale = grad.float() * ctx.scale
+        scale = grad.float() * ctx.scale  # a scalar, or [T] (the per-row form)
         dh = torch.empty_like(h) if need_h else None
         dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
         db = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_b else None
@@ -142,7 +178,7 @@ class _ChunkedLinearCE(torch.autograd.Function):
                         logits = _logits(z, ctx.transform, ctx.dtype)
                     p = logits.detach().sub(lse[s : s + n, None]).exp_()
                 p[rows[:n], target[s : s + n]] -= 1.0
-                p.mul_(scale)
+                p.mul_(scale if scale.dim() == 0 else scale[s : s + n, None])
                 if ctx.transform is not None:  # through the transform: d logits / d z
                     p = torch.autograd.grad(logits, z, p)[0]
                     del logits
@@ -163,6 +199,7 @@ class _ChunkedLinearCE(torch.autograd.Function):
             None,
             None,
             None,
+            None,
         )
 
 
@@ -176,6 +213,27 @@ def _head_ce_sum(head: nn.Module, h: Tensor, target: Tensor, transform: Transfor
     logits = head(h)
     logits = (transform(logits) if transform is not None else logits).float()
     return F.cross_entropy(logits, target, reduction="sum")
+
+
+def _head_ce_rows(
+    head: nn.Module, h: Tensor, target: Tensor, transform: Transform | None, stats: tuple[str, ...]
+) -> tuple[Tensor, ...]:
+    logits = head(h)
+    logits = (transform(logits) if transform is not None else logits).float()
+    return (F.cross_entropy(logits, target, reduction="none"), *_row_stats(logits.detach(), target, stats).values())
+
+
+def _rows(hidden: Tensor, shift_labels: Tensor, ignore_index: int, caller: str) -> tuple[Tensor, Tensor, Tensor]:
+    """``hidden [..., T, H]`` and ``shift_labels [..., T]`` as rows ``[T', H]``, targets ``[T']``, and the
+    indices of the rows that have a target."""
+    h = hidden.reshape(-1, hidden.shape[-1])
+    y = shift_labels.reshape(-1).to(h.device)
+    if y.shape[0] != h.shape[0]:
+        raise ValueError(
+            f"{caller}: {h.shape[0]} hidden rows but {y.shape[0]} labels; the labels must be "
+            "shifted already (shift_labels) and cover the same positions as the hidden states"
+        )
+    return h, y, (y != ignore_index).nonzero().squeeze(1)
 
 
 def chunked_causal_lm_loss(
@@ -212,14 +270,7 @@ def chunked_causal_lm_loss(
         when no row has a target (zero loss, zero gradients), so that every rank of a DDP or FSDP
         world runs the same backward.
     """
-    h = hidden.reshape(-1, hidden.shape[-1])
-    y = shift_labels.reshape(-1).to(h.device)
-    if y.shape[0] != h.shape[0]:
-        raise ValueError(
-            f"chunked_causal_lm_loss: {h.shape[0]} hidden rows but {y.shape[0]} labels; the labels must be "
-            "shifted already (shift_labels) and cover the same positions as the hidden states"
-        )
-    keep = (y != ignore_index).nonzero().squeeze(1)
+    h, y, keep = _rows(hidden, shift_labels, ignore_index, "chunked_causal_lm_loss")
     if num_items_in_batch is None:
         divisor = float(keep.numel())  # the mean of the full path (NaN when there is no target)
     elif torch.is_tensor(num_items_in_batch):
@@ -241,3 +292,59 @@ def chunked_causal_lm_loss(
         rows, targets = h[s : s + chunk], y[s : s + chunk]
         total = total + checkpoint(_head_ce_sum, head, rows, targets, logits_transform, use_reentrant=False)
     return total * scale
+
+
+def chunked_token_logprobs(
+    hidden: Tensor,
+    head: nn.Module,
+    shift_labels: Tensor,
+    *,
+    ignore_index: int = IGNORE_INDEX,
+    chunk_size: int | None = None,
+    logits_transform: Transform | None = None,
+    stats: tuple[str, ...] = (),
+) -> dict[str, Tensor]:
+    """Per-token log-probabilities of ``shift_labels`` under ``logits_transform(head(hidden))``,
+    without the full logits (the chunks of ``chunked_causal_lm_loss``, one float32 value per row
+    saved for backward).
+
+    Args:
+        hidden: ``[..., T, H]``, the last hidden states; head, chunk_size, logits_transform: as in
+            ``chunked_causal_lm_loss`` (a temperature is a transform: ``lambda z: z / t``).
+        shift_labels: ``[..., T]`` targets already shifted, ``ignore_index`` where there is none.
+        stats: names from ``TOKEN_STATS`` to compute as well, per token, without gradient:
+            ``entropy`` (of the softmax), ``log_sum_sq_probs`` (``log sum_v p_v^2``),
+            ``mean_logits`` (over the vocabulary), ``is_top1`` (1.0 where the target is the first
+            largest logit).
+
+    Returns:
+        ``{"log_probs": [..., T], **{name: [..., T]}}`` float32, 0 where ``shift_labels`` is
+        ``ignore_index``. ``log_probs`` is differentiable with respect to ``hidden`` and the head's
+        parameters (the gradient of ``log_softmax`` at the target), also when no row has a target.
+    """
+    unknown = [k for k in stats if k not in TOKEN_STATS]
+    if unknown:
+        raise ValueError(f"chunked_token_logprobs: unknown stats {unknown}; choose from {list(TOKEN_STATS)}")
+    h, y, keep = _rows(hidden, shift_labels, ignore_index, "chunked_token_logprobs")
+    h, y = h.index_select(0, keep), y.index_select(0, keep)
+    vocab = getattr(head, "out_features", None) or getattr(getattr(head, "weight", None), "shape", [0])[0]
+    chunk = int(chunk_size or default_chunk_size(int(vocab)))
+    stats = tuple(stats)
+    if _plain_linear(head):
+        rows = _ChunkedLinearCE.apply(h, head.weight, head.bias, y, 1.0, chunk, logits_transform, stats)
+    elif h.shape[0] == 0:  # no target here: zeros that keep the head and the hidden states in the graph
+        zero = head(h).float().sum(-1) * 0.0
+        rows = (zero, *(zero.detach() for _ in stats))
+    else:
+        parts = [
+            checkpoint(_head_ce_rows, head, h[s : s + chunk], y[s : s + chunk], logits_transform, stats,
+                       use_reentrant=False)
+            for s in range(0, h.shape[0], chunk)
+        ]  # fmt: skip
+        rows = tuple(torch.cat(col) for col in zip(*parts))
+    shape = shift_labels.shape
+    out: dict[str, Tensor] = {}
+    for name, v in zip(("log_probs", *stats), rows):
+        v = -v if name == "log_probs" else v
+        out[name] = v.new_zeros(shape.numel()).index_copy(0, keep, v).view(shape)
+    return out

@@ -301,8 +301,12 @@ def resolve_resume(
     if not last:
         kind, problems = _agreed(Path(resume), scope, optimizer)
         if problems:
-            what = {"complete": "is damaged", "incomplete": "is incomplete", "unsealed": "cannot be resumed from",
-                    "missing": "cannot be read"}
+            what = {
+                "complete": "is damaged",
+                "incomplete": "is incomplete",
+                "unsealed": "cannot be resumed from",
+                "missing": "cannot be read",
+            }
             raise CheckpointError(f"Checkpoint {resume} {what[kind]}: {'; '.join(problems)}. {_ADVICE}")
         return str(resume)
     skipped: list[str] = []
@@ -334,8 +338,11 @@ def resolve_resume(
     return chosen
 
 
-_DAMAGED = re.compile(r"PytorchStreamReader|zip archive|central directory|unexpected EOF|invalid header|"
-                      r"incomplete metadata|truncated|corrupt", re.IGNORECASE)
+_DAMAGED = re.compile(
+    r"PytorchStreamReader|zip archive|central directory|unexpected EOF|invalid header|"
+    r"incomplete metadata|truncated|corrupt",
+    re.IGNORECASE,
+)
 
 
 def _damaged_file(e: BaseException) -> bool:

@@ -81,8 +81,10 @@ def merged_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[
         merged[w_key] = (w.to(acc) + (delta.T if module.fan_in_fan_out else delta)).to(w.dtype)
     left = [k for k in merged if ".lora_" in k and f".{adapter}" in k]
     if left:  # a weight of the active adapter that no merge above consumed would be silently dropped
-        raise ValueError(f"save_model(merged=True): cannot merge the adapter's weights {left[:3]}; load the "
-                         "adapter with PeftModel.from_pretrained and call merge_and_unload() instead.")
+        raise ValueError(
+            f"save_model(merged=True): cannot merge the adapter's weights {left[:3]}; load the "
+            "adapter with PeftModel.from_pretrained and call merge_and_unload() instead."
+        )
     out = {}
     for key, t in merged.items():
         if ".lora_" in key or ".original_module." in key:

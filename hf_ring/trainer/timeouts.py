@@ -125,8 +125,10 @@ def explain(exc: BaseException, cp: Any, timeout: timedelta | float | None) -> C
     call, group = _where(exc, cp)
     rank = dist.get_rank() if dist.is_initialized() else 0
     where = f" in {call}" if call else ""
-    on = f"the {group}" if group else (
-        "a group not named in the traceback (DDP's and FSDP's gradient reductions run on the world group)"
+    on = (
+        f"the {group}"
+        if group
+        else ("a group not named in the traceback (DDP's and FSDP's gradient reductions run on the world group)")
     )
     limit = f"{seconds:g} s (ddp_timeout)" if seconds is not None else "its timeout"
     return CollectiveTimeout(

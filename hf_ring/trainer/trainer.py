@@ -37,6 +37,7 @@ from ..transformers.batch import next_token_targets, shard_batch
 from ..transformers.context import KEY
 from ..transformers.support import check_model
 from .arguments import RingTrainingArguments, apply_model_options
+from .mesh import adopt_parallelism_config
 from .replicas import ReplicaMixin, Throughput
 from .saving import CheckpointMixin
 from .timeouts import exit_after_timeout, explain, is_timeout
@@ -107,6 +108,10 @@ class RingTrainer(CheckpointMixin, ReplicaMixin, Trainer):
         ulysses_size: int | str | None = None,
         **kwargs: Any,
     ) -> None:
+        requested = cp_size if cp_size is not None else getattr(args, "cp_size", None)
+        adopted = adopt_parallelism_config(args, requested)  # accelerate's ParallelismConfig(cp_size=...)
+        if adopted != requested:
+            cp_size = adopted
         args_u = getattr(args, "ulysses_size", None)
         if ulysses_size is not None and args_u is not None and ulysses_size != args_u:
             raise ValueError(
@@ -145,7 +150,10 @@ class RingTrainer(CheckpointMixin, ReplicaMixin, Trainer):
             apply_model_options(model, args)
         if getattr(args, "attention_backend", None) is not None:
             set_attention_backend(args.attention_backend)  # type: ignore[union-attr]
-        super().__init__(model, args, *rest, **kwargs)
+        if rest:
+            super().__init__(model, args, *rest, **kwargs)
+        else:  # by keyword: TRL's trainers take other arguments between model and args (DPOTrainer's ref_model)
+            super().__init__(model=model, args=args, **kwargs)
 
         self._cp: ContextParallel | None = None
         if ulysses_size == "auto":

@@ -1,0 +1,63 @@
+"""Direct preference optimisation with context parallelism: ``RingDPOTrainer`` and ``RingDPOConfig``.
+
+``RingDPOTrainer`` is ``RingTrainer`` mixed into ``trl.DPOTrainer``: TRL prepares the pairs (prompt +
+chosen, prompt + rejected, right padding, or padding-free rows with ``padding_free=True``) and
+computes every DPO loss it offers (``loss_type``: sigmoid, hinge, ipo, robust, bco_pair, apo, ...,
+several at once with ``loss_weights``; ``ld_alpha``, ``use_weighting``, f-divergences) and its
+metrics (``rewards/chosen``, ``rewards/rejected``, ``rewards/margins``, ``rewards/accuracies``,
+``logps/*``, ``logits/*``, ``entropy``, ``mean_token_accuracy``) from per-token log-probabilities.
+Here those come from the ring: each rank of a CP group holds ``1/P`` of every sequence, and the
+per-token values of its tokens are gathered over the group (``hf_ring.trainer.fused_head``), for
+the policy and for the reference alike -- a separate ``ref_model``, the same model with its LoRA
+adapter disabled, or ``precompute_ref_log_probs=True`` (computed once, under CP too)::
+
+    model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="ring")
+    args = RingDPOConfig(output_dir="out", cp_size=4, max_length=131072, bf16=True, loss_type=["sigmoid"])
+    RingDPOTrainer(model=model, args=args, train_dataset=pairs, processing_class=tok, peft_config=lora).train()
+
+Loss, gradients and metrics are those of one-process ``DPOTrainer`` on the same data
+(tests/test_dpo.py). Pass the model loaded with ``attn_implementation="ring"`` (not a name).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from trl import DPOConfig, DPOTrainer
+
+from .arguments import RingTrainingArguments
+from .fused_head import RingTrainerForTRL
+
+__all__ = ["RingDPOConfig", "RingDPOTrainer"]
+
+
+@dataclass
+class RingDPOConfig(DPOConfig, RingTrainingArguments):
+    """``trl.DPOConfig`` (its defaults) plus ``cp_size``, ``ulysses_size``, ``chunked_loss``, ``tiled_mlp``,
+    ``activation_offload``."""
+
+
+class RingDPOTrainer(RingTrainerForTRL, DPOTrainer):
+    """``trl.DPOTrainer`` with context parallelism: see the module docstring. Takes ``DPOTrainer``'s
+    arguments (by keyword after ``model``), plus ``cp_size`` and ``ulysses_size`` (or in ``args``)."""
+
+    def __init__(self, model: Any = None, ref_model: Any = None, args: Any = None, **kwargs: Any) -> None:
+        stats = ("entropy", "mean_logits", "is_top1")
+        if getattr(args, "use_weighting", False):
+            stats += ("log_sum_sq_probs",)
+        self._ring_init(model, args, stats, ref_model=ref_model, **kwargs)
+
+    def _precompute_ref_logps(self, dataset: Any, name: str, batch_size: int) -> Any:
+        """TRL's, with the batches split over the DP replicas only (the ranks of a CP group share
+        theirs) and the results gathered over the DP replicas."""
+        self._install_fused_heads()  # DPOTrainer.__init__ runs this after patching its models' heads
+        if self._cp is None or self._cp.cp_size == 1:
+            return super()._precompute_ref_logps(dataset, name, batch_size)
+        acc = self.accelerator
+        with self._split_over_dp_replicas():
+            acc.gather_for_metrics = self._gather_over_dp  # instance attribute: shadows the method
+            try:
+                return super()._precompute_ref_logps(dataset, name, batch_size)
+            finally:
+                del acc.gather_for_metrics

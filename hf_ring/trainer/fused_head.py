@@ -1,0 +1,155 @@
+"""TRL's fused LM head over the CP group: what ``RingDPOTrainer`` and ``RingGRPOTrainer`` build on.
+
+TRL's preference and policy trainers compute every loss and metric from one call,
+``model(input_ids=..., attention_mask=..., labels=..., fused_lm_head=True)``, whose output holds
+per-token tensors ``[B, N - 1]`` (``log_probs``, and ``entropy``, ``mean_logits``, ``is_top1``,
+``log_sum_sq_probs`` as asked), computed by ``trl.trainer.utils.add_fused_lm_head`` from the last
+hidden states in chunks. ``ring_fused_head(lm, cp, ...)`` wraps that forward: with a CP group of
+``P > 1`` each rank shards the full batch (``shard_batch``: zigzag, right padding, packed documents;
+left padding, as GRPO's prompts have, is moved to the right first: the rows' RoPE positions shift
+by a constant, which changes no attention score), runs the ring model on its shard, computes its
+tokens' log-probabilities from the LM head's input in chunks (``sequence_logprobs``) and gathers
+the per-token values of the CP group into the full ``[B, N - 1]`` (``gather_tokens``: one float per
+token and field; never hidden states or logits). TRL's own loss code then runs unchanged on every
+rank, and the backward hands each rank the gradient of its own tokens, times ``P`` (DDP and FSDP
+average gradients over the ``P`` ranks that hold one sequence's shards).
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ..ops.cross_entropy import IGNORE_INDEX
+from ..parallel import ContextParallel, context_parallel_state, setup_context_parallel
+from ..transformers.batch import shard_batch
+from ..transformers.context import KEY
+from ..transformers.sequence import gather_tokens, sequence_logprobs
+from .mesh import adopt_parallelism_config
+from .trainer import RingTrainer, resolve_ulysses_size
+
+__all__ = ["RingTrainerForTRL", "ring_fused_head"]
+
+_PASSED = ("input_ids", "attention_mask", "position_ids", "labels")
+_DROPPED = ("use_cache", "return_dict", "logits_to_keep")
+
+
+def _shift_left(x: Tensor, shift: Tensor) -> Tensor:
+    """Each row ``b`` of ``x [B, N, ...]`` moved ``shift[b]`` places to the left (cyclically)."""
+    n = x.shape[1]
+    idx = (torch.arange(n, device=x.device)[None] + shift[:, None]) % n
+    return x.gather(1, idx.view(*idx.shape, *([1] * (x.dim() - 2))).expand_as(x))
+
+
+def ring_fused_head(
+    lm: nn.Module, cp: Any, *, stats: tuple[str, ...], temperature: float = 1.0, pad_token_id: int = 0
+) -> None:
+    """Wrap ``lm.forward`` (already patched by TRL's ``add_fused_lm_head``) so that its
+    ``fused_lm_head=True`` calls run over the CP group ``cp()`` (a callable returning the
+    ``ContextParallel`` state, or ``None``: TRL's own path). ``stats``: the per-token fields TRL asked
+    its head for besides ``log_probs``; ``temperature``: the one it divides the logits by."""
+    inner = lm.forward
+    if getattr(inner, "hf_ring_fused", False):
+        return
+
+    @functools.wraps(inner)
+    def forward(self: nn.Module, *args: Any, fused_lm_head: bool = False, **kwargs: Any) -> Any:
+        state: ContextParallel | None = cp()
+        if not fused_lm_head or state is None or state.cp_size == 1:
+            return inner(*args, fused_lm_head=fused_lm_head, **kwargs) if fused_lm_head else inner(*args, **kwargs)
+        return _ring_forward(self, inner, state, args, kwargs, stats, temperature, pad_token_id)
+
+    forward.hf_ring_fused = True  # type: ignore[attr-defined]
+    lm.forward = types.MethodType(forward, lm)
+
+
+def _ring_forward(
+    lm: nn.Module,
+    inner: Any,
+    state: ContextParallel,
+    args: tuple,
+    kwargs: dict[str, Any],
+    stats: tuple[str, ...],
+    temperature: float,
+    pad_token_id: int,
+) -> Any:
+    from trl.trainer.utils import FusedCausalLMOutput
+
+    unknown = sorted(k for k in kwargs if k not in (*_PASSED, *_DROPPED) and kwargs[k] is not None)
+    if args or unknown or kwargs.get("labels") is None:
+        raise NotImplementedError(
+            "hf_ring: TRL's fused LM head under context parallelism takes input_ids, attention_mask, position_ids "
+            f"and labels only (this call passed {unknown or 'positional arguments or no labels'}); train this model "
+            "with cp_size=1, or without the inputs it cannot shard (images, MoE router logits)."
+        )
+    batch = {k: kwargs[k] for k in _PASSED if kwargs.get(k) is not None}
+    mask = batch.get("attention_mask")
+    shift = None
+    if mask is not None and not bool(mask[:, 0].all()):  # left padding (GRPO's prompts): move it right
+        if batch.get("position_ids") is not None:
+            raise NotImplementedError("hf_ring: left padding together with position_ids is not supported")
+        shift = (mask == 0).long().cumprod(1).sum(1)  # the leading zeros of each row
+        batch = {k: _shift_left(v, shift) for k, v in batch.items()}
+    n = batch["input_ids"].shape[1]
+    sharded = shard_batch(batch, group=state, pad_token_id=pad_token_id)
+    ctx = sharded[KEY]
+    local = sequence_logprobs(lm, sharded, stats=stats, temperature=temperature, forward=inner)
+    full = {k: gather_tokens(ctx, v, grad_scale=float(ctx.size))[:, :n] for k, v in local.items()}
+    if shift is not None:
+        full = {k: _shift_left(v, -shift) for k, v in full.items()}
+    label_mask = kwargs["labels"][:, 1:] != IGNORE_INDEX
+    full = {k: v[:, : n - 1] for k, v in full.items()}
+    log_probs = full["log_probs"]
+    loss = -log_probs.sum() / label_mask.sum().clamp(min=1)
+    fields = {k: full.get(k) for k in ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")}
+    if fields["is_top1"] is not None:
+        fields["is_top1"] = fields["is_top1"].bool()
+    return FusedCausalLMOutput(loss=loss, log_probs=log_probs, label_mask=label_mask, **fields)
+
+
+class RingTrainerForTRL(RingTrainer):
+    """What TRL's trainers on the fused LM head share under CP (``RingDPOTrainer``, ``RingGRPOTrainer``):
+    the CP group set up before TRL's ``__init__`` (which may already run the model: precomputed
+    reference log-probabilities), TRL's fused heads wrapped by ``ring_fused_head``, TRL's
+    ``compute_loss`` and ``prediction_step`` (not ``RingTrainer``'s causal-LM loss)."""
+
+    _cp: ContextParallel | None
+
+    def _ring_init(self, model: Any, args: Any, stats: tuple[str, ...], temperature: float = 1.0, **kw: Any) -> None:
+        name = type(self).__name__
+        if isinstance(model, str):
+            raise TypeError(f'{name}: pass the model loaded with attn_implementation="ring" (after `import hf_ring`), '
+                            "not its name.")  # fmt: skip
+        self._fused_stats, self._fused_temperature = stats, temperature
+        requested = kw.get("cp_size") or getattr(args, "cp_size", None)
+        cp_size = adopt_parallelism_config(args, requested) or 1
+        ulysses = kw.get("ulysses_size") or getattr(args, "ulysses_size", None) or 1
+        self._cp = context_parallel_state()
+        if cp_size > 1 and self._cp is None and model is not None:
+            if ulysses == "auto":
+                ulysses = resolve_ulysses_size(model, cp_size)
+            self._cp = setup_context_parallel(cp_size, ulysses_size=ulysses, timeout=args.ddp_timeout_delta)
+        RingTrainer.__init__(self, model, args, **kw)
+        # TRL's trainer says whether its loss is scaled for gradient accumulation (a class attribute)
+        self.__dict__.pop("loss_is_scaled_for_ga", None)
+        # the CP ranks of a group report the same tokens: TRL divides gathered token counts by this
+        self._tp_size = getattr(self, "_tp_size", 1) * self.cp_size
+        self._install_fused_heads()
+
+    def _install_fused_heads(self) -> None:
+        from accelerate.utils import is_peft_model
+
+        for m in (getattr(self, "model", None), getattr(self, "ref_model", None)):
+            if m is not None:
+                lm = m.get_base_model() if is_peft_model(m) else m
+                ring_fused_head(lm, lambda: self._cp, stats=self._fused_stats, temperature=self._fused_temperature)
+
+    def compute_loss(self, model: Any, inputs: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
+        return super(RingTrainer, self).compute_loss(model, inputs, *args, **kwargs)
+
+    def prediction_step(self, *args: Any, **kwargs: Any) -> Any:
+        return super(RingTrainer, self).prediction_step(*args, **kwargs)

@@ -1,0 +1,154 @@
+"""Group relative policy optimisation with context parallelism: ``RingGRPOTrainer`` and ``RingGRPOConfig``.
+
+``RingGRPOTrainer`` is ``RingTrainer`` mixed into ``trl.GRPOTrainer``. Completions are generated as
+TRL generates them with transformers (``model.generate``, one generation per DP replica: the ranks
+of a CP group generate with sdpa attention on the whole prompt, and the group's first rank's
+completions are broadcast to the others, so that they train on the same ones); rewards and
+advantages are TRL's; then the policy's (and, with ``beta > 0``, the reference's) per-token
+log-probabilities over prompt + completion are computed under CP (``hf_ring.trainer.fused_head``:
+each rank holds ``1/P`` of every sequence; TRL's left-padded prompts are moved to the right first)
+and TRL's loss (``loss_type`` grpo, dr_grpo, dapo, bnpo, cispo, ...) runs on them unchanged::
+
+    model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="ring")
+    args = RingGRPOConfig(output_dir="out", cp_size=4, max_completion_length=65536, bf16=True)
+    RingGRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=prompts).train()
+
+Refused at ``cp_size > 1`` (each would see the CP group's duplicated rewards or entropies, or is not
+wired yet): ``use_vllm``, ``scale_rewards="batch"``, ``multi_objective_aggregation="normalize_then_sum"``,
+``top_entropy_quantile < 1``, the entropy bonus (``entropy_coef != 0``, ``use_adaptive_entropy``:
+the entropy computed here has no gradient), ``cast_lm_head_to_fp32``. The logged ``reward_std``
+and ``rewards/<name>/std`` are computed by
+TRL over the rewards of all processes, each CP group's ``P`` times: their sample-size correction
+then differs slightly from one device's (the loss and the advantages do not depend on them).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from trl import GRPOConfig, GRPOTrainer
+
+from .arguments import RingTrainingArguments
+from .fused_head import RingTrainerForTRL
+
+__all__ = ["RingGRPOConfig", "RingGRPOTrainer"]
+
+
+@dataclass
+class RingGRPOConfig(GRPOConfig, RingTrainingArguments):
+    """``trl.GRPOConfig`` (its defaults) plus ``cp_size``, ``ulysses_size``, ``chunked_loss``, ``tiled_mlp``,
+    ``activation_offload``. The generation batch spans the DP replicas (``world_size / cp_size``
+    processes, not ``world_size``), and each replica's share holds whole groups of
+    ``num_generations`` completions."""
+
+    def __post_init__(self) -> None:
+        given = self.generation_batch_size
+        super().__post_init__()
+        cp = self.cp_size or 1
+        if cp <= 1:
+            return
+        if self.world_size % cp:
+            raise ValueError(f"RingGRPOConfig: world size {self.world_size} is not a multiple of cp_size={cp}")
+        replicas = self.world_size // cp
+        if given is not None:
+            if given % (self.per_device_train_batch_size * replicas):
+                raise ValueError(
+                    f"RingGRPOConfig: generation_batch_size={given} must be a multiple of per_device_train_batch_size "
+                    f"x DP replicas = {self.per_device_train_batch_size * replicas} (world size / cp_size)."
+                )
+            self.steps_per_generation = given // (self.per_device_train_batch_size * replicas)
+        self.generation_batch_size = self.per_device_train_batch_size * replicas * self.steps_per_generation
+        if (self.per_device_train_batch_size * self.steps_per_generation) % self.num_generations:
+            raise ValueError(
+                "RingGRPOConfig: with cp_size > 1 each DP replica's generation batch (per_device_train_batch_size x "
+                f"steps_per_generation = {self.per_device_train_batch_size * self.steps_per_generation}) must hold "
+                f"whole groups of num_generations={self.num_generations}; raise per_device_train_batch_size or "
+                "steps_per_generation, or lower num_generations."
+            )
+
+
+def _refuse(args: Any) -> None:
+    if (getattr(args, "cp_size", 1) or 1) <= 1:
+        return
+    bad = {
+        "use_vllm": bool(getattr(args, "use_vllm", False)),
+        "scale_rewards='batch'": getattr(args, "scale_rewards", "group") == "batch",
+        "multi_objective_aggregation='normalize_then_sum'": getattr(args, "multi_objective_aggregation", "")
+        == "normalize_then_sum",
+        "top_entropy_quantile < 1": getattr(args, "top_entropy_quantile", 1.0) < 1.0,
+        # hf_ring's LM head runs in the model's (autocast) dtype, as the chunked loss does
+        "cast_lm_head_to_fp32": bool(getattr(args, "cast_lm_head_to_fp32", False)),
+        # the entropy of hf_ring's chunked log-probabilities carries no gradient (a metric only)
+        "entropy_coef != 0 or use_adaptive_entropy": bool(getattr(args, "entropy_coef", 0.0))
+        or bool(getattr(args, "use_adaptive_entropy", False)),
+    }
+    found = [k for k, v in bad.items() if v]
+    if found:
+        raise NotImplementedError(
+            f"RingGRPOTrainer: {', '.join(found)} is not supported with cp_size > 1 (TRL would compute it over the "
+            "CP group's duplicated rewards or entropies, or it is not wired to the ring yet); set it back to its "
+            "default (use_vllm=False, scale_rewards='group', multi_objective_aggregation='sum_then_normalize', "
+            "top_entropy_quantile=1.0, entropy_coef=0.0, use_adaptive_entropy=False, cast_lm_head_to_fp32=False) "
+            "or train with cp_size=1."
+        )
+
+
+class RingGRPOTrainer(RingTrainerForTRL, GRPOTrainer):
+    """``trl.GRPOTrainer`` with context parallelism: see the module docstring. Takes ``GRPOTrainer``'s
+    arguments (by keyword after ``model``), plus ``cp_size`` and ``ulysses_size`` (or in ``args``)."""
+
+    def __init__(self, model: Any = None, reward_funcs: Any = None, args: Any = None, **kwargs: Any) -> None:
+        _refuse(args)
+        temperature = float(getattr(args, "temperature", 1.0) or 1.0)
+        self._ring_init(model, args, ("entropy",), temperature, reward_funcs=reward_funcs, **kwargs)
+
+    @contextmanager
+    def _generation_attention(self) -> Any:
+        """The policy with sdpa attention while it generates (every rank holds the whole prompt)."""
+        from accelerate.utils import is_peft_model
+
+        lm = self.accelerator.unwrap_model(self.model)
+        lm = lm.get_base_model() if is_peft_model(lm) else lm
+        before = getattr(lm.config, "_attn_implementation", None)
+        if self._cp is None or self._cp.cp_size == 1 or before != "ring":
+            yield
+            return
+        lm.set_attn_implementation("sdpa")
+        try:
+            yield
+        finally:
+            lm.set_attn_implementation(before)
+
+    def _generate_single_turn(self, *args: Any, **kwargs: Any) -> Any:
+        with self._generation_attention():
+            out = super()._generate_single_turn(*args, **kwargs)
+        cp = self._cp
+        if cp is None or cp.cp_size == 1:
+            return out
+        box = [out]  # the CP group trains on its first rank's completions
+        dist.broadcast_object_list(box, src=dist.get_global_rank(cp.cp_group, 0), group=cp.cp_group)
+        return box[0]
+
+    def _prepare_inputs(self, generation_batch: Any) -> Any:
+        """TRL's, with the CP group's random state made its first rank's first: TRL shuffles each
+        generation batch before it splits it into micro-batches, and the group must cut the same ones."""
+        cp = self._cp
+        if cp is not None and cp.cp_size > 1 and self.model.training:
+            state = torch.get_rng_state()
+            dist.broadcast(state, src=dist.get_global_rank(cp.cp_group, 0), group=cp.cp_group)
+            torch.set_rng_state(state)
+        return super()._prepare_inputs(generation_batch)
+
+    def _generate(self, prompts: Any) -> Any:
+        """TRL's, counting each CP group's tokens once (TRL sums them over all processes)."""
+        before = self.state.num_input_tokens_seen
+        out = super()._generate(prompts)
+        if self.cp_size > 1:
+            seen = before + (self.state.num_input_tokens_seen - before) // self.cp_size
+            self.state.num_input_tokens_seen = seen
+            self._metrics["train" if self.model.training else "eval"]["num_tokens"] = [seen]
+        return out

@@ -1,0 +1,155 @@
+"""``RingDPOTrainer`` at CP = 2 (and 4, LoRA) against one-process ``trl.DPOTrainer`` (sdpa) on the same tiny model
+and pairs, float32: the loss, every gradient (each parameter's, at every optimizer step, after
+DDP's averaging) and every logged metric (rewards, margins, accuracies, log-probabilities, logits,
+entropy, token accuracy, token count) -- full fine-tuning with a reference model and two loss
+types at once, LoRA with the adapter disabled as reference, precomputed reference
+log-probabilities with ``ld_alpha``, CP asked for through accelerate's ``ParallelismConfig``, and
+Ulysses (``ulysses_size=2``);
+gradient accumulation over 2 micro-batches throughout."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from testkit.spawn import launcher_env, run_ranks
+
+pytest.importorskip("trl")
+
+from tests.test_trl import _tokenizer  # noqa: E402
+
+VOCAB = 64
+CASES = {
+    "full-sigmoid+ipo": dict(loss_type=["sigmoid", "ipo"], loss_weights=[1.0, 0.5], lora=False, ref=True, evals=True),
+    "lora-sigmoid": dict(loss_type=["sigmoid"], lora=True, ref=False),
+    # CP asked for through accelerate's ParallelismConfig(cp_size=2) instead of cp_size
+    "lora-sigmoid-parallelism_config": dict(loss_type=["sigmoid"], lora=True, ref=False, mesh=True),
+    "lora-sigmoid-cp4": dict(loss_type=["sigmoid"], lora=True, ref=False, cp=4),
+    # Ulysses inside the CP group (ulysses_size=2 of cp_size=2: the all-to-all over heads, no ring)
+    "full-sigmoid-ulysses": dict(loss_type=["sigmoid"], lora=False, ref=True, ulysses=2),
+    "precomputed-hinge-ld_alpha": dict(loss_type=["hinge"], lora=False, ref=True, precompute_ref_log_probs=True,
+                                       ld_alpha=0.5),
+}  # fmt: skip
+SKIP = {"epoch", "step", "learning_rate", "train_runtime", "train_samples_per_second", "train_steps_per_second",
+        "total_flos", "train_loss"}  # fmt: skip
+
+
+def _pairs() -> list[dict]:
+    g = torch.Generator().manual_seed(0)
+
+    def words(n: int) -> str:
+        return " ".join(f"w{int(i)}" for i in torch.randint(0, VOCAB - 3, (n,), generator=g))
+
+    sizes = torch.randint(3, 19, (8, 3), generator=g).tolist()
+    return [{"prompt": words(p), "chosen": " " + words(c), "rejected": " " + words(r)} for p, c, r in sizes]
+
+
+class _Grads:
+    """A callback keeping every trainable parameter's gradient just before each optimizer step."""
+
+    def __new__(cls, model_ref: list):
+        from transformers import TrainerCallback
+
+        class Keep(TrainerCallback):
+            def __init__(self) -> None:
+                self.steps: list[dict[str, np.ndarray]] = []
+
+            def on_pre_optimizer_step(self, args, state, control, **kwargs):  # noqa: ANN001
+                model = model_ref[0]
+                self.steps.append({n: p.grad.detach().numpy().copy() for n, p in model.named_parameters()
+                                   if p.requires_grad and p.grad is not None})  # fmt: skip
+
+        return Keep()
+
+
+def dpo_run(kind: str, case: str, out: str, tok_dir: str, data_dir: str) -> dict:
+    from datasets import load_from_disk
+    from transformers import AutoTokenizer
+    from trl import DPOConfig, DPOTrainer
+
+    from hf_ring.trainer.dpo import RingDPOConfig, RingDPOTrainer
+    from testkit.models import tiny_model
+
+    spec = dict(CASES[case])
+    lora, ref, mesh, ulysses = spec.pop("lora"), spec.pop("ref"), spec.pop("mesh", False), spec.pop("ulysses", 1)
+    evals, cp = spec.pop("evals", False), spec.pop("cp", 2)
+    if evals:  # evaluation under CP too: eval_loss and the eval_ metrics
+        spec.update(eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=2)
+    ring = kind == "ring"
+    if ring:
+        launcher_env()
+    attn = "ring" if ring else "sdpa"
+    common = dict(output_dir=out, max_steps=2, per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                  learning_rate=0.05, optim="sgd", logging_steps=1, report_to="none", use_cpu=True, disable_tqdm=True,
+                  bf16=False, max_length=48, save_strategy="no", seed=0, beta=0.2, **spec)  # fmt: skip
+    if ring and mesh:
+        from accelerate.parallelism_config import ParallelismConfig
+
+        args = RingDPOConfig(parallelism_config=ParallelismConfig(cp_size=cp), **common)
+    else:
+        args = RingDPOConfig(cp_size=cp, ulysses_size=ulysses, **common) if ring else DPOConfig(**common)
+    cls = RingDPOTrainer if ring else DPOTrainer
+    model = tiny_model("llama", attn, vocab_size=VOCAB)
+    extra: dict = {}
+    if ref:
+        extra["ref_model"] = tiny_model("llama", attn, vocab_size=VOCAB, seed=1)
+    if lora:
+        from peft import LoraConfig
+
+        extra["peft_config"] = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"])
+    holder: list = [None]
+    keep = _Grads(holder)
+    trainer = cls(model=model, args=args, train_dataset=load_from_disk(data_dir),
+                  eval_dataset=load_from_disk(data_dir) if evals else None,
+                  processing_class=AutoTokenizer.from_pretrained(tok_dir), callbacks=[keep], **extra)  # fmt: skip
+    holder[0] = trainer.model
+    trainer.train()
+    logs = [{k: v for k, v in h.items() if k not in SKIP and not k.endswith(("_runtime", "_per_second"))}
+            for h in trainer.state.log_history if "loss" in h or "eval_loss" in h]  # fmt: skip
+    state = getattr(trainer, "_cp", None)
+    return {"logs": logs, "grads": keep.steps, "cp": getattr(trainer, "cp_size", None),
+            "ulysses": state.ulysses_size if state is not None else None}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_ring_dpo_trainer_cp2_matches_single_process_dpo_trainer(tmp_path: Path, case: str) -> None:
+    from datasets import Dataset
+
+    _tokenizer(tmp_path / "tok")
+    for kind in ("ring", "ref"):  # on disk, one copy per run: the ranks share its cache (precomputed log-probs)
+        Dataset.from_list(_pairs()).save_to_disk(tmp_path / f"pairs-{kind}")
+    run = [str(tmp_path / "tok")]
+    cp = CASES[case].get("cp", 2)
+    ring = run_ranks(cp, dpo_run, "ring", case, str(tmp_path / "ring"), *run, str(tmp_path / "pairs-ring"), timeout=300)
+    ref = run_ranks(1, dpo_run, "ref", case, str(tmp_path / "ref"), *run, str(tmp_path / "pairs-ref"), timeout=300)[0]
+    assert ring[0]["cp"] == cp and len(ref["logs"]) == len(ring[0]["logs"]) == 2 + bool(CASES[case].get("evals"))
+    assert ring[0]["ulysses"] == CASES[case].get("ulysses", 1)
+    assert len(ref["grads"]) == len(ring[0]["grads"]) == 2
+    assert_same_runs(case, ring, ref, "RingDPOTrainer", "DPOTrainer")
+
+
+def assert_same_runs(case: str, ring: list[dict], ref: dict, name: str, ref_name: str) -> None:
+    """Every rank's logged values equal the one-process run's (within float32 sums: 1e-6 + 1e-5
+    relative) and every gradient at every optimizer step (within 2e-5 of the parameter's largest);
+    prints the worst differences."""
+    worst = {"metric": 0.0, "metric_rel": 0.0, "grad": 0.0}
+    for r in ring:
+        for step, (got, want) in enumerate(zip(r["logs"], ref["logs"]), 1):
+            assert set(got) == set(want), f"step {step}: logged {sorted(got)} vs {sorted(want)}"
+            for key, b in want.items():
+                a = got[key]
+                worst["metric"] = max(worst["metric"], abs(a - b))
+                worst["metric_rel"] = max(worst["metric_rel"], abs(a - b) / max(abs(b), 1e-12))
+                # float32 sums of ~50 log-probabilities, differences of such sums after one SGD step
+                assert abs(a - b) <= 1e-6 + 1e-5 * abs(b), f"step {step} {key}: {name} {a} vs {ref_name} {b}"
+        for step, (got, want) in enumerate(zip(r["grads"], ref["grads"]), 1):
+            assert set(got) == set(want)
+            for param, g in want.items():
+                err = float(np.abs(got[param] - g).max() / max(np.abs(g).max(), 1e-8))
+                worst["grad"] = max(worst["grad"], err)
+                assert err <= 2e-5, f"step {step} {param}: relative gradient error {err}"
+    print(f"{case}: metrics max abs {worst['metric']:.2e} (rel {worst['metric_rel']:.2e}); gradients max error "
+          f"relative to the parameter's largest gradient {worst['grad']:.2e}")  # fmt: skip

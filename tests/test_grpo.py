@@ -1,0 +1,132 @@
+"""``RingGRPOTrainer`` at CP = 2 against one-process ``trl.GRPOTrainer`` (sdpa) on the same tiny model,
+prompts, completions and rewards, float32: the loss, every gradient at every optimizer step and the
+logged metrics (but the two reward standard deviations, which TRL takes over every process's copy)
+-- full fine-tuning with the ``dapo`` loss and LoRA with the ``grpo`` loss, the KL term against the
+adapter-disabled reference and a sampling temperature; gradient accumulation over 2 micro-batches.
+And generation as TRL does it: the ranks of a CP group train on the same completions."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from testkit.spawn import launcher_env, run_ranks
+
+pytest.importorskip("trl")
+
+from tests.test_dpo import assert_same_runs  # noqa: E402
+from tests.test_trl import _tokenizer  # noqa: E402
+
+VOCAB = 64
+CASES = {
+    "full-dapo": dict(loss_type="dapo", beta=0.0, lora=False),
+    "lora-grpo-kl-temperature": dict(loss_type="grpo", beta=0.05, temperature=0.7, lora=True),
+}
+SKIP = {"epoch", "step", "learning_rate", "train_runtime", "train_samples_per_second", "train_steps_per_second",
+        "total_flos", "train_loss", "step_time", "reward_std", "rewards/reward_words/std"}  # fmt: skip
+SEEN: list[list[str]] = []
+
+
+def _prompts() -> list[dict]:
+    g = torch.Generator().manual_seed(1)
+    sizes = torch.randint(3, 14, (8,), generator=g).tolist()
+    return [{"prompt": " ".join(f"w{int(i)}" for i in torch.randint(0, VOCAB - 3, (n,), generator=g))} for n in sizes]
+
+
+def reward_words(completions: list[str], **_: object) -> list[float]:
+    SEEN.append(list(completions))
+    return [float(len(c.split()) % 5) + 0.5 * c.count("w1") for c in completions]
+
+
+def _fixed_completions(cls: type) -> type:
+    """``cls`` generating fixed completions (a function of the prompt and its place in the batch)."""
+
+    class Fixed(cls):  # type: ignore[misc, valid-type]
+        def _generate_single_turn(self, prompt_ids, *args, **kwargs):  # noqa: ANN001, ANN202
+            out = []
+            for i, p in enumerate(prompt_ids):
+                g = torch.Generator().manual_seed(int(sum(p)) * 31 + i % 4)
+                n = int(torch.randint(2, 15, (1,), generator=g))
+                out.append((torch.randint(3, VOCAB, (n,), generator=g)).tolist() + ([1] if n % 2 else []))
+            return out, None
+
+    return Fixed
+
+
+def grpo_run(kind: str, case: str, out: str, tok_dir: str, fixed: bool = True) -> dict:
+    from datasets import Dataset
+    from transformers import AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from hf_ring.trainer.grpo import RingGRPOConfig, RingGRPOTrainer
+    from testkit.models import tiny_model
+
+    spec = dict(CASES[case])
+    lora = spec.pop("lora")
+    ring = kind == "ring"
+    if ring:
+        launcher_env()
+    common = dict(output_dir=out, max_steps=2, per_device_train_batch_size=4, gradient_accumulation_steps=2,
+                  num_generations=4, max_completion_length=16, learning_rate=0.05, optim="sgd", logging_steps=1,
+                  report_to="none", use_cpu=True, disable_tqdm=True, bf16=False, save_strategy="no", seed=0,
+                  **spec)  # fmt: skip
+    args = RingGRPOConfig(cp_size=2, **common) if ring else GRPOConfig(**common)
+    cls = RingGRPOTrainer if ring else GRPOTrainer
+    cls = _fixed_completions(cls) if fixed else cls
+    model = tiny_model("llama", "ring" if ring else "sdpa", vocab_size=VOCAB)
+    extra: dict = {}
+    if lora:
+        from peft import LoraConfig
+
+        extra["peft_config"] = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"])
+    grads: list[dict] = []
+
+    class Keep(TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, **kwargs):  # noqa: ANN001
+            grads.append({n: p.grad.detach().numpy().copy() for n, p in trainer.model.named_parameters()
+                          if p.requires_grad and p.grad is not None})  # fmt: skip
+
+    SEEN.clear()
+    trainer = cls(model=model, reward_funcs=reward_words, args=args, train_dataset=Dataset.from_list(_prompts()),
+                  processing_class=AutoTokenizer.from_pretrained(tok_dir), callbacks=[Keep()], **extra)  # fmt: skip
+    trainer.train()
+    logs = [{k: v for k, v in h.items() if k not in SKIP} for h in trainer.state.log_history if "loss" in h]
+    return {"logs": logs, "grads": grads, "cp": getattr(trainer, "cp_size", None), "seen": list(SEEN)}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_ring_grpo_trainer_cp2_matches_single_process_grpo_trainer(tmp_path: Path, case: str) -> None:
+    _tokenizer(tmp_path / "tok")
+    ring = run_ranks(2, grpo_run, "ring", case, str(tmp_path / "ring"), str(tmp_path / "tok"), timeout=300)
+    ref = run_ranks(1, grpo_run, "ref", case, str(tmp_path / "ref"), str(tmp_path / "tok"), timeout=300)[0]
+    assert ring[0]["cp"] == 2 and len(ref["logs"]) == len(ring[0]["logs"]) == 2
+    assert ring[0]["seen"] == ref["seen"], "the runs scored different completions"
+    assert len(ref["grads"]) == len(ring[0]["grads"]) == 2
+    assert_same_runs(case, ring, ref, "RingGRPOTrainer", "GRPOTrainer")
+
+
+def test_ring_grpo_trainer_generates_once_per_cp_group(tmp_path: Path) -> None:
+    """transformers' generate with sampling: both ranks of the CP group score the same completions."""
+    _tokenizer(tmp_path / "tok")
+    ring = run_ranks(2, grpo_run, "ring", "full-dapo", str(tmp_path / "ring"), str(tmp_path / "tok"), False,
+                     timeout=300)  # fmt: skip
+    assert ring[0]["seen"] == ring[1]["seen"] and len(ring[0]["seen"]) == 2
+    assert all(np.isfinite(h["loss"]) for h in ring[0]["logs"]) and ring[0]["logs"] == ring[1]["logs"]
+
+
+def test_refusals() -> None:
+    from hf_ring.trainer.grpo import _refuse
+
+    class Args:
+        cp_size, use_vllm, scale_rewards = 2, False, "batch"
+
+    with pytest.raises(NotImplementedError, match="scale_rewards='batch'"):
+        _refuse(Args())
+    Args.scale_rewards, Args.entropy_coef = "group", 0.01
+    with pytest.raises(NotImplementedError, match="entropy_coef"):
+        _refuse(Args())
+    Args.cp_size = 1
+    _refuse(Args())
