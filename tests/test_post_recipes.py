@@ -110,6 +110,10 @@ def test_bad_fields_are_refused_on_one_line(tmp_path: Path) -> None:
         assert want in _bad(tmp_path, "tiny-cpu-grpo", {}, data={"rewards": [name]}), name
     msg = _bad(tmp_path, "tiny-cpu-grpo", {}, data={"rewards": [{"function": "length", "targt": 3}]})
     assert "data.rewards[0] 'length': no option 'targt' (did you mean 'target'?)" in msg
+    from hf_ring.recipes.recipe import parse_recipe
+
+    with pytest.raises(RecipeError, match=r"world size 1 is not a multiple of cp_size=2: launch a multiple"):
+        parse_recipe([], source="tiny-cpu-grpo")  # one process
     assert "give keyword" in _bad(tmp_path, "tiny-cpu-grpo", {}, data={"rewards": [{"function": "keyword"}]})
     assert "data.rewards: a list" in _bad(tmp_path, "tiny-cpu-grpo", {}, data={"rewards": "length"})
 

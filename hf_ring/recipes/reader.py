@@ -221,11 +221,10 @@ def _notes(r: dict[str, Any], m: ModelShape, s: PlanSettings) -> list[str]:
     trainer = _trainer(r)
     if trainer == "sft":
         return []
-    per_device = int(r.get("per_device_train_batch_size", 8))
     out = []
     if trainer == "dpo":
         out.append(f"DPO: each pair is 2 sequences of {s.seq_len:,} tokens (chosen, rejected) in one forward: priced "
-                   f"as micro-batch {s.micro_batch} (2 x per_device_train_batch_size {per_device})")  # fmt: skip
+                   f"as micro-batch {s.micro_batch} = 2 x {s.micro_batch // 2} pair(s)")  # fmt: skip
     reference = trainer == "dpo" or float(r.get("beta", 0.0)) > 0  # GRPO: a KL term needs one (TRL's beta: 0)
     if reference and s.mode == "lora":
         out.append("reference model: the policy with its LoRA adapter disabled: no extra weights, and its forward "

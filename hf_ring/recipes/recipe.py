@@ -204,6 +204,9 @@ def parse_recipe(argv: list[str] | None = None, *, source: str | os.PathLike | N
     try:
         args, rest = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
     except ValueError as e:  # RingTrainingArguments' and TrainingArguments' own checks of the values
+        if "world size" in str(e):  # RingGRPOConfig lays out its generation batch over the launched processes
+            raise RecipeError(f"{where}: {e}: launch a multiple of cp_size processes (torchrun --nproc_per_node "
+                              f"N -m hf_ring.cli train {source}), or set --cp_size 1") from e  # fmt: skip
         raise RecipeError(f"{where}: {e}") from e
     if rest:
         flag = next((a for a in rest if a.startswith("-")), rest[0])
