@@ -144,6 +144,12 @@ RECIPES = {  # what each packaged recipe trains, in words; its memory is the rec
                         "8 x 2 (ring: `ulysses_size: 1`, the planner's choice)"),
     "qwen3.5-9b-1m": ("Qwen3.5-9B's language model (no vision tower), LoRA r16 on attention, MLP and Gated DeltaNet "
                       "projections, YaRN x4, offload, tiled MLP, FSDP2", "8 x 80 GB", "8 x 1"),
+    "tiny-cpu-dpo": ("tiny Llama, DPO, LoRA r8", "2 CPU processes", "2 x 1"),
+    "tiny-cpu-grpo": ("tiny Llama, GRPO, full fine-tune, built-in rewards", "2 CPU processes", "2 x 1"),
+    "llama-3.1-8b-dpo-128k": ("Llama-3.1-8B, DPO (pairs: 2 sequences per micro-batch; reference: the adapter "
+                              "disabled), LoRA r16, FSDP2", "8 x 80 GB", "8 x 1"),
+    "qwen3-8b-grpo-64k": ("Qwen3-8B, GRPO (prompt + completion; generation's KV cache not included), LoRA r16, "
+                          "FSDP2", "8 x 80 GB", "4 x 2"),
 }  # fmt: skip
 
 

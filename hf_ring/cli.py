@@ -32,6 +32,7 @@ from .recipes import (
     launch_configs,
     packaged_recipes,
     recipe_model,
+    recipe_notes,
     recipe_path,
     recipe_settings,
     write_recipe_memory,
@@ -163,6 +164,9 @@ def cmd_plan(a: argparse.Namespace) -> int:
         longest = max_seq_len(model, replace(settings, cp=None)) if a.max_len else None
     except ValueError as e:  # settings that contradict each other, each message naming them
         raise UserError(str(e)) from e
+    recipe = recipe_path(a.model)
+    if recipe is not None:  # DPO / GRPO: what the figures count and leave out
+        p.notes.extend(recipe_notes(recipe, p.settings))
     if a.json:
         out = p.as_dict()
         out["smallest_fitting_cp"] = best

@@ -33,10 +33,14 @@ NAMES = [
     "gpt-oss-20b-128k",
     "llama-3.1-8b-128k",
     "llama-3.1-8b-1m",
+    "llama-3.1-8b-dpo-128k",
     "qwen2.5-7b-256k",
+    "qwen3-8b-grpo-64k",
     "qwen3.5-9b-1m",
     "tiny-cpu-demo",
     "tiny-cpu-demo-pretrain",
+    "tiny-cpu-dpo",
+    "tiny-cpu-grpo",
 ]
 
 
@@ -109,11 +113,14 @@ def test_every_recipe_parses_and_builds_its_model_config(path: Path) -> None:
     from hf_ring.trainer import RingTrainingArguments
     from hf_ring.transformers.support import check_model
 
-    r = parse_recipe(["--output_dir", "runs/parse-test"], source=path)
+    cp = read_recipe(path).get("cp_size", 1)
+    # RingGRPOConfig checks cp_size against the launched processes (one here): parsed at cp_size 1
+    one = ["--cp_size", "1"] if read_recipe(path).get("trainer") == "grpo" else []
+    r = parse_recipe(["--output_dir", "runs/parse-test", *one], source=path)
     assert isinstance(r.args, RingTrainingArguments) and r.args.max_steps > 0
     assert r.args.train_batch_size >= 1 and r.args.cp_size >= 1
-    for stage in stages_of(r.data):
-        assert stage["seq_len"] >= 2 * r.args.cp_size
+    for stage in stages_of(r.data, r.trainer):
+        assert stage["seq_len"] >= 2 * cp
     fields = recipe_model_config(path)
     config = AutoConfig.for_model(fields.pop("model_type"), **fields)
     if "config" in r.model and not r.model.get("init_from"):
@@ -122,7 +129,7 @@ def test_every_recipe_parses_and_builds_its_model_config(path: Path) -> None:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, attn_implementation="ring")
     assert model.config.vocab_size == config.get_text_config().vocab_size  # a multimodal config: its text model
-    check_model(model, r.args.cp_size, max(s["seq_len"] for s in stages_of(r.data)))  # the ring computes it exactly
+    check_model(model, cp, max(s["seq_len"] for s in stages_of(r.data, r.trainer)))  # the ring computes it exactly
     if r.lora:
         from peft import LoraConfig
 

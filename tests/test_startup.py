@@ -41,7 +41,7 @@ def test_import_hf_ring_and_its_cli_load_no_torch() -> None:
     "argv",
     [["--help"], ["train", "--list"], ["train", "--config", "cpu-4proc"], ["train", "--help"],
      ["plan", "llama-3.1-8b-128k"], ["plan", "Llama-3.1-8B", "--seq-len", "128K", "--json"], ["eval", "--help"],
-     ["plan", "tiny-cpu-demo"]],  # fmt: skip
+     ["plan", "tiny-cpu-demo"], ["plan", "llama-3.1-8b-dpo-128k"], ["plan", "qwen3-8b-grpo-64k"]],  # fmt: skip
     ids=lambda a: " ".join(a),
 )
 def test_commands_that_answer_at_once_import_no_torch(argv: list[str]) -> None:

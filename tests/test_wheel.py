@@ -98,3 +98,13 @@ def test_train_under_torchrun(installed: tuple[Path, Path]) -> None:
     _sh(*torchrun, "-m", "hf_ring.cli", "train", "cp2.yaml", cwd=work)
     summary = json.loads((work / "cp2" / "summary.json").read_text())
     assert (summary["cp_size"], summary["dp_size"], summary["steps"]) == (2, 1, 2)
+
+
+def test_tiny_dpo_recipe_runs_from_the_wheel(installed: tuple[Path, Path]) -> None:
+    """``tiny-cpu-dpo`` from the installed wheel: its pairs and tokenizer are package data (``tiny/``)."""
+    bin_dir, work = installed
+    torchrun = [bin_dir / "python", "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    _sh(*torchrun, "-m", "hf_ring.cli", "train", "tiny-cpu-dpo", "--max_steps", "1", "--output_dir", "dpo", cwd=work)
+    summary = json.loads((work / "dpo" / "summary.json").read_text())
+    assert (summary["trainer"], summary["cp_size"], summary["steps"]) == ("dpo", 2, 1)
+    assert (work / "dpo" / "final" / "adapter_model.safetensors").is_file()

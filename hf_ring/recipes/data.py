@@ -45,10 +45,10 @@ _BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".arrow":
              ".txt": "text", ".text": "text"}  # fmt: skip
 
 
-def stages_of(data: dict[str, Any]) -> list[dict[str, int]]:
+def stages_of(data: dict[str, Any], trainer: str = "sft") -> list[dict[str, int]]:
     """The ``[{seq_len, steps}]`` stages of a data section (``seq_len`` alone: one stage, steps 0 =
-    as many as ``max_steps``), the section checked by ``sections.resolve_data``."""
-    return resolve_data(data)["stages"]
+    as many as ``max_steps``), the section checked by ``sections.resolve_data`` (for ``trainer``)."""
+    return resolve_data(data, trainer)["stages"]
 
 
 # --- documents -----------------------------------------------------------------------------------

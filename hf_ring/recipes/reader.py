@@ -34,7 +34,7 @@ from ..planner import (
     parse_ulysses_size,
     plan,
 )
-from .sections import PATH_KEYS, ModelSource, resolve_data, resolve_model, resolve_paths
+from .sections import PATH_KEYS, ModelSource, check_trainer, resolve_data, resolve_model, resolve_paths
 
 __all__ = [
     "RECIPES_DIR",
@@ -46,6 +46,7 @@ __all__ = [
     "recipe_memory",
     "recipe_model",
     "recipe_model_config",
+    "recipe_notes",
     "recipe_path",
     "recipe_plan",
     "recipe_settings",
@@ -159,8 +160,12 @@ def recipe_model(source: Source) -> ModelShape:
     return _shape(resolve_model(_load(path).get("model"), path))
 
 
+def _trainer(r: dict[str, Any]) -> str:
+    return check_trainer(r.get("trainer"))
+
+
 def _seq_len(r: dict[str, Any]) -> int:
-    return max(s["seq_len"] for s in resolve_data(r.get("data"))["stages"])
+    return max(s["seq_len"] for s in resolve_data(r.get("data"), _trainer(r))["stages"])
 
 
 def recipe_model_config(source: Source) -> dict[str, Any]:
@@ -191,7 +196,8 @@ def _settings(r: dict[str, Any]) -> PlanSettings:
         checkpointing=bool(checkpointing),
         offload=bool(r.get("activation_offload", False)),
         chunked_loss=bool(r.get("chunked_loss", True)),
-        micro_batch=int(r.get("per_device_train_batch_size", 8)),
+        # a DPO pair is two sequences (chosen, rejected) in one forward; GRPO's micro-batch counts completions
+        micro_batch=int(r.get("per_device_train_batch_size", 8)) * (2 if _trainer(r) == "dpo" else 1),
         tiled_mlp=r.get("tiled_mlp"),
         sharding=stated.get("sharding", "none"),
         gpu_gib=float(stated.get("gpu", 80)),
@@ -211,12 +217,52 @@ def recipe_settings(source: Source) -> PlanSettings:
     return _settings(read_recipe(source))
 
 
-def recipe_plan(source: Source, **overrides: Any) -> Plan:
-    """The plan of a recipe (``recipe_model``, ``recipe_settings``); ``overrides`` replace any
-    ``PlanSettings`` field (``gpus=16``, ``cp=4``)."""
+def _notes(r: dict[str, Any], m: ModelShape, s: PlanSettings) -> list[str]:
+    trainer = _trainer(r)
+    if trainer == "sft":
+        return []
+    out = []
+    if trainer == "dpo":
+        out.append(f"DPO: each pair is 2 sequences of {s.seq_len:,} tokens (chosen, rejected) in one forward: priced "
+                   f"as micro-batch {s.micro_batch} = 2 x {s.micro_batch // 2} pair(s)")  # fmt: skip
+    reference = trainer == "dpo" or float(r.get("beta", 0.0)) > 0  # GRPO: a KL term needs one (TRL's beta: 0)
+    if reference and s.mode == "lora":
+        out.append("reference model: the policy with its LoRA adapter disabled: no extra weights, and its forward "
+                   "keeps no activations (no gradient): nothing added")  # fmt: skip
+    elif reference:
+        size = 2 if s.dtype in ("bfloat16", "float16") else 4
+        shards = s.gpus if s.sharding == "fsdp" else 1
+        out.append(f"reference model: a second copy of the weights, {m.params * size / shards / GiB:.1f} GiB per "
+                   "GPU, NOT included above (use LoRA: the adapter disabled is the reference)")  # fmt: skip
+    if trainer == "grpo":
+        size = 2 if s.dtype in ("bfloat16", "float16") else 4
+        kv = 2 * m.layers * m.kv_heads * m.head_dim * size
+        out.append(f"GRPO: generation memory is NOT included (transformers generate, whole prompt on each rank): "
+                   f"its KV cache is {kv / 1024:.0f} KiB per token, {kv * s.seq_len / GiB:.1f} GiB per "
+                   f"{s.seq_len:,}-token sequence, times the sequences generated at once")  # fmt: skip
+    return out
+
+
+def recipe_notes(source: Source, settings: PlanSettings | None = None) -> list[str]:
+    """What the planner's figures of a DPO or GRPO recipe count and leave out, as notes for its
+    table (``settings``: those planned, default the recipe's): pairs as two sequences, the reference
+    model (nothing with LoRA; its weights, not included, without), generation's KV cache (not
+    included). ``[]`` for the causal-LM trainer."""
     path = _find(source)
     r = _load(path)
-    return plan(_shape(resolve_model(r.get("model"), path)), replace(_settings(r), **overrides))
+    return _notes(r, _shape(resolve_model(r.get("model"), path)), settings or _settings(r))
+
+
+def recipe_plan(source: Source, **overrides: Any) -> Plan:
+    """The plan of a recipe (``recipe_model``, ``recipe_settings``); ``overrides`` replace any
+    ``PlanSettings`` field (``gpus=16``, ``cp=4``). A DPO or GRPO recipe's notes say what its
+    figures count and leave out (``recipe_notes``)."""
+    path = _find(source)
+    r = _load(path)
+    shape, settings = _shape(resolve_model(r.get("model"), path)), replace(_settings(r), **overrides)
+    p = plan(shape, settings)
+    p.notes.extend(_notes(r, shape, settings))
+    return p
 
 
 def recipe_memory(source: Source) -> dict[str, Any]:

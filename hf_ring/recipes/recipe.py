@@ -9,7 +9,12 @@ As in TRL's and the alignment handbook's scripts, the YAML holds ``RingTrainingA
   fields); ``attn_implementation`` (default ``ring``);
 * ``lora``: ``peft.LoraConfig`` fields (absent or ``null``: every weight trains);
 * ``data``: see ``hf_ring.recipes.data``;
-* ``memory_gb``: the planner's estimate, for the reader (``hf-ring plan RECIPE --write``).
+* ``memory_gb``: the planner's estimate, for the reader (``hf-ring plan RECIPE --write``);
+* ``trainer``: ``sft`` (default: the causal-LM loss, ``RingTrainer``), ``dpo`` (``RingDPOTrainer``:
+  the fields are ``RingDPOConfig``'s, ``beta``, ``loss_type``, ...; the data section names
+  preference pairs) or ``grpo`` (``RingGRPOTrainer``: ``RingGRPOConfig``'s fields,
+  ``num_generations``, ``max_completion_length``, ...; the data section names prompts and reward
+  functions, ``hf_ring.recipes.rewards``).
 
 Flags override any field (``--max_steps 4 --output_dir X``, parsed by transformers'
 ``HfArgumentParser``) and any key of a section (``--data.seq_len 4096``, ``--lora.r 8``; values
@@ -44,6 +49,7 @@ from .sections import (
     MODEL_KEYS,
     PATH_RULE,
     ModelSource,
+    check_trainer,
     looks_local,
     resolve_data,
     resolve_model,
@@ -55,6 +61,7 @@ __all__ = [
     "ALIASES",
     "SECTIONS",
     "Recipe",
+    "arguments_class",
     "build_model",
     "check_config_fields",
     "check_local",
@@ -84,6 +91,7 @@ class Recipe:
     memory_gb: dict[str, Any] | None
     source: str
     path: Path | None = None  # the recipe file
+    trainer: str = "sft"  # one of sections.TRAINERS
 
 
 def _split_section_flags(argv: list[str]) -> tuple[dict[str, dict[str, Any]], list[str]]:
@@ -123,6 +131,20 @@ def _flags(names: set[str]) -> list[str]:
     return [f"--{n}" for n in names] + [f"--model.{k}" for k in MODEL_KEYS] + [f"--data.{k}" for k in DATA_KEYS]
 
 
+def arguments_class(trainer: str) -> type:
+    """The arguments a recipe's fields fill for ``trainer`` (``sections.TRAINERS``): ``RingTrainingArguments``,
+    ``RingDPOConfig`` or ``RingGRPOConfig`` (these two import TRL)."""
+    if trainer == "dpo":
+        from ..trainer.dpo import RingDPOConfig
+
+        return RingDPOConfig
+    if trainer == "grpo":
+        from ..trainer.grpo import RingGRPOConfig
+
+        return RingGRPOConfig
+    return RingTrainingArguments
+
+
 def parse_recipe(argv: list[str] | None = None, *, source: str | os.PathLike | None = None) -> Recipe:
     """Parse ``RECIPE [--field value ...]`` (``source`` given: the flags only). The sections are
     checked here, before any data or model is built: the model section (``resolve_model``), the data
@@ -145,31 +167,46 @@ def parse_recipe(argv: list[str] | None = None, *, source: str | os.PathLike | N
     for name, values in section_flags.items():
         values = resolve_paths(name, values, [Path.cwd()], path)  # flags: from the working directory
         sections[name] = {**(sections[name] or {}), **values}
-    names = {f.name for f in fields(RingTrainingArguments) if f.init}
-    unknown = unknown_keys(raw, names | set(SECTIONS), ALIASES)
+    try:
+        trainer = check_trainer(raw.pop("trainer", None))
+    except ValueError as e:
+        raise RecipeError(f"{where}: {e}") from None
+    cls = arguments_class(trainer)
+    names = {f.name for f in fields(cls) if f.init}
+    unknown = unknown_keys(raw, names | set(SECTIONS) | {"trainer"}, ALIASES)
     if unknown:
-        raise RecipeError(f"{where}: {unknown} are neither RingTrainingArguments fields nor sections {SECTIONS}; "
-                          "fix the names (hf-ring train RECIPE --help lists the fields)")  # fmt: skip
+        raise RecipeError(f"{where}: {unknown} are neither {cls.__name__} fields nor sections {SECTIONS} (trainer: "
+                          f"{trainer}); fix the names (hf-ring train RECIPE --help lists the fields)")  # fmt: skip
     if sections["model"] is None or sections["data"] is None:
         raise RecipeError(f"{where}: needs a model section and a data section")
     try:
         resolve_model(sections["model"], path)
-        stages = resolve_data(sections["data"])["stages"]
+        data = resolve_data(sections["data"], trainer)
+        stages = data["stages"]
         check_lora(sections["lora"])
+        if trainer == "grpo":  # the named functions import (a typo is refused before any model loads)
+            from .rewards import reward_functions
+
+            reward_functions(data["rewards"])
     except ValueError as e:
         raise RecipeError(f"{where}: {e}") from None
+    if trainer == "dpo":  # DPO truncates each prompt + completion to max_length: the planned length
+        raw.setdefault("max_length", stages[0]["seq_len"])
     if not torch.cuda.is_available():
         raw.setdefault("use_cpu", True)  # else Trainer ignores the launcher's processes on a CPU-only machine
     if "max_steps" not in raw and all(s["steps"] for s in stages):
         raw["max_steps"] = sum(s["steps"] for s in stages)
     from transformers import HfArgumentParser
 
-    parser = HfArgumentParser(RingTrainingArguments)
+    parser = HfArgumentParser(cls)
     parser.error = _flag_error  # type: ignore[method-assign]
     parser.set_defaults(**raw)
     try:
         args, rest = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
     except ValueError as e:  # RingTrainingArguments' and TrainingArguments' own checks of the values
+        if "world size" in str(e):  # RingGRPOConfig lays out its generation batch over the launched processes
+            raise RecipeError(f"{where}: {e}: launch a multiple of cp_size processes (torchrun --nproc_per_node "
+                              f"N -m hf_ring.cli train {source}), or set --cp_size 1") from e  # fmt: skip
         raise RecipeError(f"{where}: {e}") from e
     if rest:
         flag = next((a for a in rest if a.startswith("-")), rest[0])
@@ -184,8 +221,16 @@ def parse_recipe(argv: list[str] | None = None, *, source: str | os.PathLike | N
             f"{where}: max_steps={args.max_steps}: a recipe trains a set number of optimizer steps; give "
             "--max_steps N (e.g. --max_steps 100), or steps to every data stage (data.stages: [{seq_len, steps}])"
         )
+    seq_len = max(s["seq_len"] for s in stages)
+    if trainer == "grpo" and args.max_completion_length >= seq_len:
+        raise RecipeError(f"{where}: max_completion_length={args.max_completion_length} leaves no room for the "
+                          f"prompt in data.seq_len={seq_len} (prompt + completion); raise data.seq_len or lower "
+                          "max_completion_length")  # fmt: skip
+    if trainer == "dpo" and args.max_length is not None and args.max_length > seq_len:
+        raise RecipeError(f"{where}: max_length={args.max_length} is longer than data.seq_len={seq_len}, the length "
+                          "the planner prices; raise data.seq_len, or drop max_length (it defaults to data.seq_len)")
     return Recipe(args, sections["model"], sections["lora"], sections["data"], sections["memory_gb"], str(source),
-                  path)  # fmt: skip
+                  path, trainer)  # fmt: skip
 
 
 def check_lora(lora: Any) -> None:

@@ -165,22 +165,32 @@ def run(recipe: Recipe) -> dict[str, Any]:
     """Train a parsed recipe on this process; returns the summary (also written to output_dir)."""
     t0 = time.perf_counter()
     args = recipe.args
-    args.train_sampling_strategy = "sequential"  # StagedDataset lays the data out along the steps
+    if recipe.trainer == "sft":
+        args.train_sampling_strategy = "sequential"  # StagedDataset lays the data out along the steps
     world = int(os.environ.get("WORLD_SIZE", "1"))
     # everything that can be refused is refused before the data is built or any weight is read
     check_layout(recipe, world)
     prepare_output_dir(args)
     config = model_config(recipe.model, recipe.path)
     check_ulysses(args, config)
-    longest = max([s["seq_len"] for s in stages_of(recipe.data)] + [(recipe.data.get("eval") or {}).get("seq_len", 0)])
+    lengths = [s["seq_len"] for s in stages_of(recipe.data, recipe.trainer)]
+    longest = max([*lengths, (recipe.data.get("eval") or {}).get("seq_len", 0)])
     check_ring_model(config, recipe.model.get("attn_implementation", "ring"), args.cp_size, longest)
     tokenizer = _tokenizer(recipe) if recipe.data.get("task") != "passkey" else None
-    train = build_train_dataset(recipe, world // args.cp_size, tokenizer, config.get_text_config().vocab_size)
-    model = build_model(recipe.model, recipe.lora, args.seed, recipe.path)
-    trainer = RingTrainer(
-        model=model, args=args, train_dataset=train, data_collator=collate, processing_class=tokenizer
-    )
-    summary: dict[str, Any] = {"cp_size": trainer.cp_size, "dp_size": trainer.dp_size}
+    vocab_size = config.get_text_config().vocab_size
+    if recipe.trainer == "sft":
+        train = build_train_dataset(recipe, world // args.cp_size, tokenizer, vocab_size)
+        model = build_model(recipe.model, recipe.lora, args.seed, recipe.path)
+        trainer = RingTrainer(
+            model=model, args=args, train_dataset=train, data_collator=collate, processing_class=tokenizer
+        )
+    else:  # DPO, GRPO: TRL's trainers with the ring (hf_ring.recipes.post)
+        from .post import post_dataset, post_trainer
+
+        pairs = post_dataset(recipe, tokenizer, vocab_size)
+        model = build_model(recipe.model, recipe.lora, args.seed, recipe.path)
+        trainer = post_trainer(recipe, model, pairs, tokenizer)
+    summary: dict[str, Any] = {"trainer": recipe.trainer, "cp_size": trainer.cp_size, "dp_size": trainer.dp_size}
     resume = _resume(trainer)
     if resume is not None:
         step = _step(resume)

@@ -22,15 +22,20 @@ from typing import Any
 
 import yaml
 
-from ..errors import RecipeError, closest
+from ..errors import RecipeError, closest, did_you_mean
 from ..planner import known_config
 
 __all__ = [
     "BOUNDARIES",
+    "BUILTIN_REWARDS",
     "DATA_KEYS",
+    "PAIRS_KEYS",
+    "PROMPTS_KEYS",
+    "TRAINERS",
     "DTYPES",
     "MODEL_KEYS",
     "ModelSource",
+    "check_trainer",
     "PATH_KEYS",
     "PATH_RULE",
     "looks_local",
@@ -52,6 +57,13 @@ FILE_SUFFIXES = (".json", ".jsonl", ".parquet", ".arrow", ".csv", ".txt", ".text
 PASSKEY_KEYS = ("task", "seq_len", "stages", "eval")
 DATA_KEYS = (*PASSKEY_KEYS, "path", "name", "split", "text_field", "ids_field", "tokenizer", "add_eos",
              "boundaries", "pad_id", "num_proc")  # fmt: skip
+# the recipe's ``trainer``: the causal-LM loss (RingTrainer), DPO (RingDPOTrainer), GRPO (RingGRPOTrainer)
+TRAINERS = ("sft", "dpo", "grpo")
+# the data sections of DPO (preference pairs: prompt, chosen, rejected) and GRPO (prompts, reward functions)
+PAIRS_KEYS = ("path", "name", "split", "tokenizer", "seq_len")
+PROMPTS_KEYS = (*PAIRS_KEYS, "rewards")
+# the reward functions hf_ring ships (hf_ring.recipes.rewards); any other is named module:function
+BUILTIN_REWARDS = ("length", "keyword")
 
 
 @dataclass(frozen=True)
@@ -256,17 +268,70 @@ def _stages(data: dict[str, Any]) -> list[dict[str, int]]:
     return [{"seq_len": positive_int(data["seq_len"], "data.seq_len", 2), "steps": 0}]
 
 
-def resolve_data(section: Any) -> dict[str, Any]:
+def check_trainer(value: Any) -> str:
+    """A recipe's ``trainer`` (absent: ``sft``), refused with the closest name when it is none of ``TRAINERS``."""
+    if value is None:
+        return "sft"
+    if value not in TRAINERS:
+        raise RecipeError(f"trainer: one of {list(TRAINERS)}, not {value!r}{did_you_mean(str(value), TRAINERS)}")
+    return value
+
+
+def _check_rewards(rewards: Any) -> None:
+    """``data.rewards``: a non-empty list of built-in names (``BUILTIN_REWARDS``) or ``module:function``
+    import paths, each a string or ``{function: ..., <keyword arguments>}``; imported by the runner."""
+    if not isinstance(rewards, list) or not rewards:
+        raise RecipeError(f"data.rewards: a list of reward functions ({', '.join(BUILTIN_REWARDS)} or "
+                          f"module:function), not {rewards!r}")  # fmt: skip
+    for k, entry in enumerate(rewards):
+        name = entry.get("function") if isinstance(entry, dict) else entry
+        if not isinstance(name, str) or not name:
+            raise RecipeError(f"data.rewards[{k}]: a function name, or {{function: NAME, ...options}}, not {entry!r}")
+        if ":" not in name and name not in BUILTIN_REWARDS:
+            raise RecipeError(f"data.rewards[{k}] {name!r}: not a built-in reward ({', '.join(BUILTIN_REWARDS)})"
+                              f"{did_you_mean(name, BUILTIN_REWARDS)}; name your own as module:function")  # fmt: skip
+
+
+def _post_data(section: dict[str, Any], trainer: str) -> dict[str, Any]:
+    """The data section of a DPO or GRPO recipe: ``path`` (pairs with prompt, chosen, rejected; or
+    prompts), ``seq_len`` (the longest sequence: DPO's prompt + completion, GRPO's prompt +
+    completion), ``tokenizer``, ``name``, ``split``, and for GRPO ``rewards``."""
+    allowed = PAIRS_KEYS if trainer == "dpo" else PROMPTS_KEYS
+    what = "preference pairs" if trainer == "dpo" else "prompts and reward functions"
+    unknown = unknown_keys(section, allowed)
+    if unknown:
+        raise RecipeError(f"data: unknown keys {unknown}; the data section of trainer {trainer} ({what}) holds "
+                          f"{list(allowed)}")  # fmt: skip
+    if "seq_len" not in section:
+        raise RecipeError(f"data: give seq_len (tokens of the longest prompt + completion, trainer {trainer})")
+    if not section.get("path"):
+        raise RecipeError(f"data: give path (json/jsonl {what}, a save_to_disk folder, or a hub dataset name)")
+    for key in ("path", "name", "split", "tokenizer"):
+        if section.get(key) is not None and not isinstance(section[key], str):
+            raise RecipeError(f"data.{key}: a string, not {section[key]!r}")
+    if trainer == "grpo":
+        if "rewards" not in section:
+            raise RecipeError(f"data: give rewards (a list: {', '.join(BUILTIN_REWARDS)} or module:function)")
+        _check_rewards(section["rewards"])
+    data = dict(section)
+    data["stages"] = [{"seq_len": positive_int(section["seq_len"], "data.seq_len", 2), "steps": 0}]
+    return data
+
+
+def resolve_data(section: Any, trainer: str = "sft") -> dict[str, Any]:
     """The ``data`` section checked, as a new dict with its ``stages`` (``[{seq_len, steps}]``;
     ``seq_len`` alone: one stage whose ``steps`` 0 means as many as ``max_steps``).
 
     Refused, naming the field: a key that is not one of ``DATA_KEYS`` (or not the passkey task's),
     lengths, steps, sample counts and ``num_proc`` that are not positive whole numbers (a sequence
     holds at least 2 tokens), a ``boundaries`` outside ``BOUNDARIES``, a ``task`` other than
-    ``passkey``, and documents without a ``path``.
+    ``passkey``, and documents without a ``path``. ``trainer`` ``dpo`` / ``grpo``: the data section
+    of preference pairs / of prompts and reward functions instead (``_post_data``).
     """
     if not isinstance(section, dict):
         raise RecipeError(f"data: a mapping (task: passkey, or path; seq_len or stages), not {section!r}")
+    if trainer != "sft":
+        return _post_data(section, trainer)
     passkey = section.get("task") is not None
     if passkey and section["task"] != "passkey":
         raise RecipeError(f"data.task: 'passkey' (the demo's task) or absent (documents from data.path), not "
