@@ -56,7 +56,7 @@ def _fixed_completions(cls: type) -> type:
     return Fixed
 
 
-def grpo_run(kind: str, case: str, out: str, tok_dir: str, fixed: bool = True) -> dict:
+def grpo_run(kind: str, case: str, out: str, tok_dir: str, fixed: bool = True, cp: int = 2) -> dict:
     from datasets import Dataset
     from transformers import AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -73,7 +73,7 @@ def grpo_run(kind: str, case: str, out: str, tok_dir: str, fixed: bool = True) -
                   num_generations=4, max_completion_length=16, learning_rate=0.05, optim="sgd", logging_steps=1,
                   report_to="none", use_cpu=True, disable_tqdm=True, bf16=False, save_strategy="no", seed=0,
                   **spec)  # fmt: skip
-    args = RingGRPOConfig(cp_size=2, **common) if ring else GRPOConfig(**common)
+    args = RingGRPOConfig(cp_size=cp, **common) if ring else GRPOConfig(**common)
     cls = RingGRPOTrainer if ring else GRPOTrainer
     cls = _fixed_completions(cls) if fixed else cls
     model = tiny_model("llama", "ring" if ring else "sdpa", vocab_size=VOCAB)
@@ -106,6 +106,16 @@ def test_ring_grpo_trainer_cp2_matches_single_process_grpo_trainer(tmp_path: Pat
     assert ring[0]["seen"] == ref["seen"], "the runs scored different completions"
     assert len(ref["grads"]) == len(ring[0]["grads"]) == 2
     assert_same_runs(case, ring, ref, "RingGRPOTrainer", "GRPOTrainer")
+
+
+def test_ring_grpo_trainer_cp4_matches_single_process_grpo_trainer(tmp_path: Path) -> None:
+    _tokenizer(tmp_path / "tok")
+    ring = run_ranks(4, grpo_run, "ring", "full-dapo", str(tmp_path / "ring"), str(tmp_path / "tok"), True, 4,
+                     timeout=400)  # fmt: skip
+    ref = run_ranks(1, grpo_run, "ref", "full-dapo", str(tmp_path / "ref"), str(tmp_path / "tok"), timeout=300)[0]
+    assert all(r["cp"] == 4 for r in ring) and len(ref["logs"]) == len(ring[0]["logs"]) == 2
+    assert all(r["seen"] == ref["seen"] for r in ring), "the runs scored different completions"
+    assert_same_runs("full-dapo", ring, ref, "RingGRPOTrainer", "GRPOTrainer")
 
 
 def test_ring_grpo_trainer_generates_once_per_cp_group(tmp_path: Path) -> None:
