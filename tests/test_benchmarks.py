@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -51,8 +52,10 @@ def test_quick_benchmark_table_and_plots(tmp_path):
         ("memory_scaling", "hf_ring", "peak_P*P/peak_1(hf_ring)"),
     ]:
         assert (*key, 2, 512) in keys, key
-    times = [r for r in rows if r["unit"] == "s"]
-    assert all(r["median"] > 0 for r in times)
+    # "exposed" is t_ring - t_nocomm, a paired difference: on a noisy machine it may be <= 0 (all hidden)
+    times = [r for r in rows if r["unit"] == "s" and r["metric"] != "exposed"]
+    assert all(r["median"] > 0 for r in times), [r for r in times if r["median"] <= 0]
+    assert all(math.isfinite(r["median"]) for r in rows if r["metric"] == "exposed")
     assert all(r["median"] > 0 for r in rows if r["name"] == "peak_memory")
     assert (out.parent / "attention_raw.json").exists()
 
