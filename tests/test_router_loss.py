@@ -214,3 +214,17 @@ def unrouted() -> str:
 def test_unrouted_router_loss_is_refused() -> None:
     for msg in run_ranks(2, unrouted):
         assert msg.startswith("RingNotSupported") and "no context-parallel form" in msg, msg
+
+
+def test_router_loss_is_recognised_while_the_default_device_is_meta(monkeypatch) -> None:
+    """A model built under ``torch.device("meta")`` (how FSDP loads large models) is checked while that
+    device is the default: the check of the modeling module's loss runs on the CPU all the same, so its
+    router loss is routed, not refused."""
+    from transformers.models.gpt_oss import modeling_gpt_oss
+
+    from hf_ring.transformers import router
+
+    monkeypatch.setattr(router, "_ROUTED", {})
+    monkeypatch.setattr(router, "_CHECKED", {})
+    with torch.device("meta"):
+        assert router.routed(modeling_gpt_oss.__name__)

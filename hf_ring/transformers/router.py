@@ -70,18 +70,21 @@ def _same_loss(fn: Callable) -> bool:
 
 
 def _same_value(fn: Callable) -> bool:
-    g = torch.Generator().manual_seed(0)
-    logits = tuple(torch.randn(2 * 5, 4, generator=g, dtype=torch.float64) for _ in range(3))
-    mask = torch.ones(2, 5, dtype=torch.long)
-    mask[1, 3:] = 0
-    try:
-        for m in (None, mask):
-            want = fn(logits, 4, 2, m)
-            got = load_balancing_loss(logits, 4, 2, None if m is None else m.reshape(-1))
-            if not isinstance(want, Tensor) or not math.isclose(float(want), float(got), rel_tol=1e-6):
-                return False
-    except Exception:  # noqa: BLE001 - another signature or formula: leave the module alone
-        return False
+    # on the CPU whatever device the caller set as default (a model built under ``torch.device("meta")``
+    # is checked while that is in force): meta tensors have no value to compare
+    with torch.device("cpu"):
+        g = torch.Generator().manual_seed(0)
+        logits = tuple(torch.randn(2 * 5, 4, generator=g, dtype=torch.float64) for _ in range(3))
+        mask = torch.ones(2, 5, dtype=torch.long)
+        mask[1, 3:] = 0
+        try:
+            for m in (None, mask):
+                want = fn(logits, 4, 2, m)
+                got = load_balancing_loss(logits, 4, 2, None if m is None else m.reshape(-1))
+                if not isinstance(want, Tensor) or not math.isclose(float(want), float(got), rel_tol=1e-6):
+                    return False
+        except Exception:  # noqa: BLE001 - another signature or formula: leave the module alone
+            return False
     return True
 
 
