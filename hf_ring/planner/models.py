@@ -8,7 +8,7 @@ Hybrid models (Qwen3.5 / Qwen3-Next: Gated DeltaNet and gated full attention, ea
 Nemotron-H: one block per layer, Mamba2, attention or MLP) take their layer pattern from the config
 (``layer_types``, ``layers_block_type``, ``hybrid_override_pattern``) into ``ModelShape.blocks``
 and the sizes of their linear token mixer into ``MixerShape``. A multimodal config (Qwen3.5's) gives
-its language model (``text_config``).
+its language model (``text_config``) and its vision tower (``vision_config``: ``hf_ring.planner.vision``).
 
 Imports neither torch nor transformers.
 """
@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .vision import VisionShape
+
 __all__ = ["KNOWN_MODELS", "LORA_TARGETS", "MixerShape", "ModelShape", "known_config", "model_shape"]
 
 QWEN3_5_9B_TEXT: dict[str, Any] = dict(
@@ -30,6 +32,11 @@ QWEN3_5_9B_TEXT: dict[str, Any] = dict(
     linear_conv_kernel_dim=4, max_position_embeddings=262144,
     rope_parameters=dict(rope_type="default", rope_theta=10000000, partial_rotary_factor=0.25,
                          mrope_section=[11, 11, 10], mrope_interleaved=True),
+)  # fmt: skip
+
+QWEN3_5_9B_VISION: dict[str, Any] = dict(
+    model_type="qwen3_5", depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, patch_size=16,
+    spatial_merge_size=2, temporal_patch_size=2, in_channels=3, num_position_embeddings=2304, out_hidden_size=4096,
 )  # fmt: skip
 
 # Plain dicts of the published config.json fields that matter here (nothing is downloaded).
@@ -60,7 +67,9 @@ KNOWN_MODELS: dict[str, dict[str, Any]] = {
                             tie_word_embeddings=False),
     # Qwen3.5-9B, a multimodal config: its language model (text_config) interleaves 3 Gated DeltaNet
     # layers with one gated full-attention layer; 262K positions natively.
-    "Qwen3.5-9B": dict(model_type="qwen3_5", tie_word_embeddings=False, text_config=QWEN3_5_9B_TEXT),
+    # Its vision tower: 27 ViT blocks of 1152 over 16 x 16 x 2-frame patches, 2 x 2 patches per visual token.
+    "Qwen3.5-9B": dict(model_type="qwen3_5", tie_word_embeddings=False, text_config=QWEN3_5_9B_TEXT,
+                       vision_config=QWEN3_5_9B_VISION),
     # Nemotron-H-8B: 24 Mamba2, 4 attention and 24 MLP blocks (transformers' NemotronHConfig defaults).
     "Nemotron-H-8B-Base-8K": dict(model_type="nemotron_h", hidden_size=4096, intermediate_size=21504,
                                   num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=131072,
@@ -191,11 +200,13 @@ class ModelShape:
     window: int = 0  # the sliding window of the windowed layers (0: none)
     windowed_layers: int = 0  # layers that attend within ``window`` tokens; the others attend to all
     sinks: bool = False  # one learned attention-sink logit per head and layer (GPT-OSS)
+    vision: VisionShape | None = None  # a multimodal model's vision tower (priced when the data has visual tokens)
 
     @classmethod
     def from_config(cls, config: dict[str, Any], name: str = "model") -> ModelShape:
         """The shape of a transformers config (a ``config.json`` as a dict; a multimodal one's
-        ``text_config``)."""
+        ``text_config``, with its ``vision_config`` as ``vision``)."""
+        vision = VisionShape.from_config(config)
         c = dict(config)
         if isinstance(c.get("text_config"), dict):
             c = {**c["text_config"], "tie_word_embeddings": c.get("tie_word_embeddings", False)}
@@ -235,6 +246,7 @@ class ModelShape:
             window=window if windowed else 0,
             windowed_layers=windowed,
             sinks=mt == "gpt_oss",
+            vision=vision,
         )
 
     @property

@@ -37,6 +37,7 @@ from .terms import (
     window_buffer_bytes,
 )
 from .timing import StepTime, rates_for, step_time
+from .vision import ENCODER_ON_EVERY_RANK, VisionShape, vision_terms
 
 __all__ = ["GiB", "Plan", "max_seq_len", "plan", "smallest_cp"]
 
@@ -193,6 +194,8 @@ def plan(model: ModelShape, settings: PlanSettings) -> Plan:
     level = levels[s.sharding]
     if s.mode not in ("lora", "full"):
         raise ValueError(f"mode must be 'lora' or 'full', not {s.mode!r}")
+    if not 0 <= s.visual_fraction <= 1:
+        raise ValueError(f"visual_fraction must be between 0 and 1, not {s.visual_fraction}")
     u = s.ulysses_size
     if u == "auto":
         u = choose_ulysses_size(m.heads, m.kv_heads, cp, s.gpus_per_node)
@@ -222,6 +225,12 @@ def plan(model: ModelShape, settings: PlanSettings) -> Plan:
     if level == 3:
         # gathered while in use: two decoder layers, and the root unit (embedding, head)
         weights += 2 * m.layer_params * b + (1 if m.tied else 2) * m.vocab * m.hidden * b
+    vis = _vision(m, s)
+    if vis is not None:  # the tower's weights; AdamW on them when it is trained
+        weights += vis.params * b / shard_w
+        if s.train_vision:
+            grads += vis.params * b / shard_grad
+            optim += vis.params * (12 if not f32 else 8) / shard_opt
     rows: dict[str, float] = {"weights": weights, "gradients": grads, "optimizer state": optim}
 
     # activations kept through the step
@@ -265,6 +274,21 @@ def plan(model: ModelShape, settings: PlanSettings) -> Plan:
     kept = decoder_kept - offloaded + loss_kept
     rows["checkpointed activations" if checkpointing else "saved activations"] = decoder_kept - offloaded
     rows["loss (kept for backward)"] = loss_kept
+    vt: dict[str, float] = {}
+    if vis is not None:
+        visual = s.visual_fraction * s.seq_len * s.micro_batch  # visual tokens of the CP group's micro-batch
+        encoded = visual if ENCODER_ON_EVERY_RANK else visual / cp
+        vt = vision_terms(vis, encoded, b, s.train_vision, checkpointing)
+        vt["merged"] = t * cp * m.hidden * b  # the whole merged sequence's embeddings, before the cut
+        kept += vt["kept"]
+        if s.train_vision:
+            rows["vision tower (kept for backward)"] = vt["kept"]
+        notes.append(
+            f"vision tower: {vis.params / 1e6:,.0f}M parameters ({'trained' if s.train_vision else 'frozen'}), "
+            f"{visual:,.0f} visual tokens per sequence ({vis.patches(visual):,.0f} patches), encoded on "
+            f"{'every rank of the CP group' if ENCODER_ON_EVERY_RANK else 'the ranks of the CP group'} "
+            "before the merged sequence is cut into shards"
+        )
 
     # working sets, each at its own time in the backward pass
     unpacked = t * a["layer_input"] if offload else 0.0  # the input of the layer being recomputed, back
@@ -275,7 +299,7 @@ def plan(model: ModelShape, settings: PlanSettings) -> Plan:
         ring = window_buffer_bytes(m, b, n_tokens, cp, u) * s.micro_batch / t
     dx = t * m.hidden * b
     # decoder state once the loss's backward is done (and the full logits, which the output holds)
-    base = t * a["rope"] + (unpacked if offload else t * layers_kept)
+    base = t * a["rope"] + (unpacked if offload else t * layers_kept) + vt.get("kept", 0.0)
     if not s.chunked_loss:
         base += t * vocab_row * b
     # one MLP tile recomputed in backward: what it saves, two gradients; the tile's weight gradients
@@ -306,6 +330,11 @@ def plan(model: ModelShape, settings: PlanSettings) -> Plan:
     rows["runtime reserve"] = s.reserve_gib * GiB
     phases = {"loss backward": kept + loss_bwd}
     phases.update({names[part]: base + ws for part, ws in sorted(work.items(), key=lambda kv: kv[0] != "mlp")})
+    if vt:
+        # the step's start: the tower encodes one block at a time, then the features merge into the whole sequence
+        phases["vision tower forward, merge"] = vt["kept"] + vt["forward"] + vt["features"] + vt["merged"]
+        if s.train_vision:  # the step's end: the whole sequence's embedding gradient flows into the tower
+            phases["vision tower backward"] = vt["kept"] + vt["backward"] + vt["merged"]
 
     # ring overlap: per hop, 2 T^2 Hq d FLOPs forward (half a block, zigzag) vs K/V of T tokens; with
     # Ulysses T = N / R tokens on Hq / U heads, and K/V on Hkv / gcd(Hkv, U) heads
@@ -348,6 +377,17 @@ def plan(model: ModelShape, settings: PlanSettings) -> Plan:
     comm = attention_comm(m, b, t * cp, cp, u, checkpointing)
     time = step_time(m, resolved, cp, u, rates_for(s.gpu, s.attention_backend, m.head_dim))
     return Plan(m, resolved, t, rows, phases, host, overlap, notes, compare_grids(m, resolved, cp), comm, time)
+
+
+def _vision(m: ModelShape, s: PlanSettings) -> VisionShape | None:
+    """The vision tower the plan prices: the model's when the data has visual tokens."""
+    if s.visual_fraction > 0 and m.vision is None:
+        raise ValueError(f"visual_fraction={s.visual_fraction}: {m.name} has no vision tower (its config has no "
+                         "vision_config); give a multimodal config or visual_fraction=0")  # fmt: skip
+    if s.train_vision and (s.visual_fraction <= 0 or s.mode != "full"):
+        raise ValueError("train_vision prices AdamW on the vision tower's weights: it needs mode='full' and "
+                         "visual_fraction > 0")  # fmt: skip
+    return m.vision if s.visual_fraction > 0 else None
 
 
 def smallest_cp(model: ModelShape, settings: PlanSettings) -> int | None:

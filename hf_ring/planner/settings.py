@@ -141,6 +141,13 @@ class PlanSettings:
         "that GPU when flash-attn 2/3/4 and cuDNN are installed)",
         choices=ATTENTION_BACKENDS,
     )
+    visual_fraction: float = _setting(
+        0.0,
+        "fraction of the sequence's tokens that are image or video tokens (a multimodal model's vision tower is "
+        "priced when > 0; 0: text only, the tower neither loaded nor run)",
+        least=0,
+    )
+    train_vision: bool = _setting(False, "train the vision tower's weights too (needs --mode full; default: frozen)")
     ulysses_size: int | str = _setting(
         1,
         "Ulysses degree inside the CP group (cp = ulysses_size x ring; 1: ring only); auto: "

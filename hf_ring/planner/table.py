@@ -100,7 +100,8 @@ def time_lines(self: Plan) -> list[str]:
         f"  step time per micro-batch ({how}; attention on {r.kernel}, {r.attention / 1e12:.0f} TFLOP/s; GEMMs "
         f"{r.gemm / 1e12:.0f} TFLOP/s):",
         f"    {t.total_s:.2f} s = attention {t.attention_s:.2f} + GEMMs {t.gemm_s:.2f} + memory-bound "
-        f"{t.memory_s:.2f} + exposed communication {t.exposed_comm_s:.3f}",
+        f"{t.memory_s:.2f} + exposed communication {t.exposed_comm_s:.3f}"
+        + (f" + vision tower {t.vision_s:.2f}" if t.vision_s else ""),
         f"    {t.tokens_per_s:,.0f} tokens/s per GPU ({t.tokens_per_s * gpus:,.0f} on {gpus} GPUs), MFU "
         f"{t.mfu:.0%}{' (estimate)' if not r.measured else ''}",
     ]

@@ -38,6 +38,7 @@ from .grids import grid_cost
 from .models import ModelShape
 from .settings import PlanSettings
 from .terms import DTYPE_BYTES
+from .vision import ENCODER_ON_EVERY_RANK
 
 __all__ = ["DEFAULT_ATTENTION", "DEFAULT_GEMM", "Rates", "StepTime", "auto_kernel", "elementwise_bytes",
            "measured_rates", "rates_for", "step_flops", "step_time"]  # fmt: skip
@@ -182,10 +183,11 @@ class StepTime:
     tokens: float
     model_flops: float
     rates: Rates
+    vision_s: float = 0.0  # a multimodal model's vision tower (its matrix products and attention within frames)
 
     @property
     def total_s(self) -> float:
-        return self.attention_s + self.gemm_s + self.memory_s + self.exposed_comm_s
+        return self.attention_s + self.gemm_s + self.memory_s + self.exposed_comm_s + self.vision_s
 
     @property
     def tokens_per_s(self) -> float:
@@ -223,4 +225,10 @@ def step_time(m: ModelShape, s: PlanSettings, cp: int, ulysses: int, rates: Rate
     if cp > 1 and attention_layers:
         cost = grid_cost(m, replace(s, flops=rates.attention), cp, ulysses)
         exposed = cost.exposed_s * (attention_layers - m.windowed_layers)
-    return StepTime(attention_s, gemm_s, memory_s, exposed, f["tokens"], f["model"], rates)
+    vision_s = vision_model = 0.0
+    if m.vision is not None and s.visual_fraction > 0:
+        visual = s.visual_fraction * s.seq_len * s.micro_batch
+        patches = m.vision.patches(visual if ENCODER_ON_EVERY_RANK else visual / cp)
+        vision_s = m.vision.flops(patches, s.train_vision, s.checkpointing) / rates.gemm
+        vision_model = m.vision.flops(patches, s.train_vision, False)
+    return StepTime(attention_s, gemm_s, memory_s, exposed, f["tokens"], f["model"] + vision_model, rates, vision_s)
