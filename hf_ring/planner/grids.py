@@ -37,7 +37,7 @@ from .models import ModelShape
 from .settings import PlanSettings
 from .terms import DTYPE_BYTES, attention_comm_bytes
 
-__all__ = ["GridCost", "choose_ulysses_size", "compare_grids", "grid_cost", "recommend"]
+__all__ = ["GridCost", "choose_ulysses_size", "compare_grids", "grid_cost", "recommend", "ring_overlap"]
 
 
 def choose_ulysses_size(num_heads: int, num_kv_heads: int, cp_size: int, gpus_per_node: int) -> int:
@@ -139,6 +139,30 @@ def grid_cost(m: ModelShape, s: PlanSettings, cp: int, ulysses: int) -> GridCost
     sent = comm["total"] + (passes - 1) * (comm["ring_forward"] + comm["all_to_all_forward"])
     return GridCost(ulysses, r, ring_link if r > 1 else "none", a2a_link if ulysses > 1 else "none",
                       ulysses // g, sent, ring_s, a2a_s, exposed, compute)  # fmt: skip
+
+
+def ring_overlap(m: ModelShape, s: PlanSettings, cp: int, u: int, b: int, tokens: int) -> dict[str, Any]:
+    """Whether the ring's transfers hide behind attention compute: per hop, ``2 T^2 Hq d`` FLOPs forward
+    (half a block, zigzag) against the K/V of ``T`` tokens; with Ulysses ``T = N / R`` tokens on ``Hq / U``
+    heads and K/V on ``Hkv / gcd(Hkv, U)`` heads. ``tokens``: one sequence's tokens per rank; ``b``: bytes
+    per element."""
+    link, bw = ("NVLink", s.intra_GBps) if cp <= s.gpus_per_node else ("inter-node", s.inter_GBps)
+    gqa = m.kv_heads / math.gcd(m.kv_heads, u) / (m.heads / u)
+    fwd_thr = s.flops / (bw * 1e9) * b * gqa  # T >= F * b * Hkv / (BW * Hq)
+    bwd_thr = s.flops / (bw * 1e9) * (b + 4) / 2.5 * gqa  # 2.5x compute; K/V plus fp32 dK/dV travel
+    thr = math.ceil(max(fwd_thr, bwd_thr))
+    tpr = tokens * u  # tokens per ring position
+    ring_size = cp // u
+    return {
+        "ring_tokens": tpr,
+        "threshold_tokens": thr,
+        "forward_threshold": math.ceil(fwd_thr),
+        "backward_threshold": math.ceil(bwd_thr),
+        "hidden": ring_size == 1 or tpr >= thr,
+        "link": link if ring_size > 1 else "none",
+        "link_GBps": bw,
+        "flops": s.flops,
+    }
 
 
 def compare_grids(m: ModelShape, s: PlanSettings, cp: int | None = None) -> list[GridCost]:

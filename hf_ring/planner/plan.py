@@ -22,7 +22,7 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from .grids import GridCost, choose_ulysses_size, compare_grids, recommend
+from .grids import GridCost, choose_ulysses_size, compare_grids, recommend, ring_overlap
 from .models import ModelShape
 from .settings import PlanSettings
 from .table import grid_lines, plan_table
@@ -37,7 +37,7 @@ from .terms import (
     window_buffer_bytes,
 )
 from .timing import StepTime, rates_for, step_time
-from .vision import ENCODER_ON_EVERY_RANK, VisionShape, vision_terms
+from .vision import ENCODER_ON_EVERY_RANK, priced_tower, vision_terms
 
 __all__ = ["GiB", "Plan", "max_seq_len", "plan", "smallest_cp"]
 
@@ -225,7 +225,7 @@ def plan(model: ModelShape, settings: PlanSettings) -> Plan:
     if level == 3:
         # gathered while in use: two decoder layers, and the root unit (embedding, head)
         weights += 2 * m.layer_params * b + (1 if m.tied else 2) * m.vocab * m.hidden * b
-    vis = _vision(m, s)
+    vis = priced_tower(m, s)
     if vis is not None:  # the tower's weights; AdamW on them when it is trained
         weights += vis.params * b / shard_w
         if s.train_vision:
@@ -336,25 +336,7 @@ def plan(model: ModelShape, settings: PlanSettings) -> Plan:
         if s.train_vision:  # the step's end: the whole sequence's embedding gradient flows into the tower
             phases["vision tower backward"] = vt["kept"] + vt["backward"] + vt["merged"]
 
-    # ring overlap: per hop, 2 T^2 Hq d FLOPs forward (half a block, zigzag) vs K/V of T tokens; with
-    # Ulysses T = N / R tokens on Hq / U heads, and K/V on Hkv / gcd(Hkv, U) heads
-    link, bw = ("NVLink", s.intra_GBps) if cp <= s.gpus_per_node else ("inter-node", s.inter_GBps)
-    gqa = m.kv_heads / math.gcd(m.kv_heads, u) / (m.heads / u)
-    fwd_thr = s.flops / (bw * 1e9) * b * gqa  # T >= F * b * Hkv / (BW * Hq)
-    bwd_thr = s.flops / (bw * 1e9) * (b + 4) / 2.5 * gqa  # 2.5x compute; K/V plus fp32 dK/dV travel
-    thr = math.ceil(max(fwd_thr, bwd_thr))
-    tpr = t // s.micro_batch * u  # tokens per ring position
-    ring_size = cp // u
-    overlap = {
-        "ring_tokens": tpr,
-        "threshold_tokens": thr,
-        "forward_threshold": math.ceil(fwd_thr),
-        "backward_threshold": math.ceil(bwd_thr),
-        "hidden": ring_size == 1 or tpr >= thr,
-        "link": link if ring_size > 1 else "none",
-        "link_GBps": bw,
-        "flops": s.flops,
-    }
+    overlap = ring_overlap(m, s, cp, u, b, t // s.micro_batch)
     if s.mode == "lora" and level in (1, 2):
         notes.append("ZeRO-1/2 shard only trainable state; with LoRA that is the adapters")
     rep = u // math.gcd(m.kv_heads, u)
@@ -377,17 +359,6 @@ def plan(model: ModelShape, settings: PlanSettings) -> Plan:
     comm = attention_comm(m, b, t * cp, cp, u, checkpointing)
     time = step_time(m, resolved, cp, u, rates_for(s.gpu, s.attention_backend, m.head_dim))
     return Plan(m, resolved, t, rows, phases, host, overlap, notes, compare_grids(m, resolved, cp), comm, time)
-
-
-def _vision(m: ModelShape, s: PlanSettings) -> VisionShape | None:
-    """The vision tower the plan prices: the model's when the data has visual tokens."""
-    if s.visual_fraction > 0 and m.vision is None:
-        raise ValueError(f"visual_fraction={s.visual_fraction}: {m.name} has no vision tower (its config has no "
-                         "vision_config); give a multimodal config or visual_fraction=0")  # fmt: skip
-    if s.train_vision and (s.visual_fraction <= 0 or s.mode != "full"):
-        raise ValueError("train_vision prices AdamW on the vision tower's weights: it needs mode='full' and "
-                         "visual_fraction > 0")  # fmt: skip
-    return m.vision if s.visual_fraction > 0 else None
 
 
 def smallest_cp(model: ModelShape, settings: PlanSettings) -> int | None:

@@ -16,9 +16,13 @@ transformers.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["ENCODER_ON_EVERY_RANK", "FRAME_PATCHES", "VisionShape", "vision_terms"]
+if TYPE_CHECKING:
+    from .models import ModelShape
+    from .settings import PlanSettings
+
+__all__ = ["ENCODER_ON_EVERY_RANK", "FRAME_PATCHES", "VisionShape", "priced_tower", "vision_terms"]
 
 # Every rank of a CP group runs the tower on all of the group's images (hf_ring.transformers.batch).
 ENCODER_ON_EVERY_RANK = True
@@ -156,3 +160,14 @@ def vision_terms(v: VisionShape, visual_tokens: float, b: int, trained: bool, ch
     forward = p * (per_block + 2 * v.hidden * b)
     backward = (p * (per_block + 2 * v.hidden * b) + features) if trained else 0.0
     return {"kept": kept, "forward": forward, "backward": backward, "features": features}
+
+
+def priced_tower(m: ModelShape, s: PlanSettings) -> VisionShape | None:
+    """The vision tower the plan prices: the model's when the data has visual tokens."""
+    if s.visual_fraction > 0 and m.vision is None:
+        raise ValueError(f"visual_fraction={s.visual_fraction}: {m.name} has no vision tower (its config has no "
+                         "vision_config); give a multimodal config or visual_fraction=0")  # fmt: skip
+    if s.train_vision and (s.visual_fraction <= 0 or s.mode != "full"):
+        raise ValueError("train_vision prices AdamW on the vision tower's weights: it needs mode='full' and "
+                         "visual_fraction > 0")  # fmt: skip
+    return m.vision if s.visual_fraction > 0 else None
