@@ -29,7 +29,7 @@ from ..parallel import ContextParallel, context_parallel_state, setup_context_pa
 from ..transformers.batch import shard_batch
 from ..transformers.context import KEY
 from ..transformers.sequence import gather_tokens, sequence_logprobs
-from .mesh import adopt_parallelism_config
+from .mesh import adopt_parallelism_config, parallelism_sizes
 from .trainer import RingTrainer, resolve_ulysses_size
 
 __all__ = ["RingTrainerForTRL", "ring_fused_head"]
@@ -126,6 +126,7 @@ class RingTrainerForTRL(RingTrainer):
                             "not its name.")  # fmt: skip
         self._fused_stats, self._fused_temperature = stats, temperature
         requested = kw.get("cp_size") or getattr(args, "cp_size", None)
+        self._parallelism = parallelism_sizes(args)  # checked by RingTrainer.__init__ against the launch
         cp_size = adopt_parallelism_config(args, requested) or 1
         ulysses = kw.get("ulysses_size") or getattr(args, "ulysses_size", None) or 1
         self._cp = context_parallel_state()
