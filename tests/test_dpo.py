@@ -3,8 +3,9 @@ and pairs, float32: the loss, every gradient (each parameter's, at every optimiz
 DDP's averaging) and every logged metric (rewards, margins, accuracies, log-probabilities, logits,
 entropy, token accuracy, token count) -- full fine-tuning with a reference model and two loss
 types at once, LoRA with the adapter disabled as reference, precomputed reference
-log-probabilities with ``ld_alpha``, CP asked for through accelerate's ``ParallelismConfig``, and
-Ulysses (``ulysses_size=2``);
+log-probabilities with ``ld_alpha``, CP asked for through accelerate's ``ParallelismConfig``,
+Ulysses (``ulysses_size=2``), and ``padding_free=True`` (the pairs of a micro-batch packed as
+documents of one row, at CP = 2 and 4; TRL's own ``DPOTrainer`` pads: the reference);
 gradient accumulation over 2 micro-batches throughout."""
 
 from __future__ import annotations
@@ -30,6 +31,10 @@ CASES = {
     "lora-sigmoid-cp4": dict(loss_type=["sigmoid"], lora=True, ref=False, cp=4),
     # Ulysses inside the CP group (ulysses_size=2 of cp_size=2: the all-to-all over heads, no ring)
     "full-sigmoid-ulysses": dict(loss_type=["sigmoid"], lora=False, ref=True, ulysses=2),
+    # padding_free=True: the 2 pairs of a micro-batch run as 4 packed documents of one row (TRL pads: the reference)
+    "full-sigmoid+ipo-packed": dict(loss_type=["sigmoid", "ipo"], loss_weights=[1.0, 0.5], lora=False, ref=True,
+                                    padding_free=True, ld_alpha=0.5, evals=True),
+    "lora-sigmoid-packed-cp4": dict(loss_type=["sigmoid"], lora=True, ref=False, cp=4, padding_free=True),
     "precomputed-hinge-ld_alpha": dict(loss_type=["hinge"], lora=False, ref=True, precompute_ref_log_probs=True,
                                        ld_alpha=0.5),
 }  # fmt: skip
@@ -106,11 +111,21 @@ def dpo_run(kind: str, case: str, out: str, tok_dir: str, data_dir: str) -> dict
                   eval_dataset=load_from_disk(data_dir) if evals else None,
                   processing_class=AutoTokenizer.from_pretrained(tok_dir), callbacks=[keep], **extra)  # fmt: skip
     holder[0] = trainer.model
-    trainer.train()
+    rows: list[int] = []
+    if ring:  # the batches the ring ran: one packed row per micro-batch with padding_free=True
+        from hf_ring.trainer import fused_head
+
+        shard = fused_head.shard_batch
+        fused_head.shard_batch = lambda batch, **kw: rows.append(batch["input_ids"].shape[0]) or shard(batch, **kw)
+    try:
+        trainer.train()
+    finally:
+        if ring:
+            fused_head.shard_batch = shard
     logs = [{k: v for k, v in h.items() if k not in SKIP and not k.endswith(("_runtime", "_per_second"))}
             for h in trainer.state.log_history if "loss" in h or "eval_loss" in h]  # fmt: skip
     state = getattr(trainer, "_cp", None)
-    return {"logs": logs, "grads": keep.steps, "cp": getattr(trainer, "cp_size", None),
+    return {"logs": logs, "grads": keep.steps, "cp": getattr(trainer, "cp_size", None), "rows": sorted(set(rows)),
             "ulysses": state.ulysses_size if state is not None else None}  # fmt: skip
 
 
@@ -127,6 +142,8 @@ def test_ring_dpo_trainer_cp2_matches_single_process_dpo_trainer(tmp_path: Path,
     ref = run_ranks(1, dpo_run, "ref", case, str(tmp_path / "ref"), *run, str(tmp_path / "pairs-ref"), timeout=300)[0]
     assert ring[0]["cp"] == cp and len(ref["logs"]) == len(ring[0]["logs"]) == 2 + bool(CASES[case].get("evals"))
     assert ring[0]["ulysses"] == CASES[case].get("ulysses", 1)
+    packed = CASES[case].get("padding_free", False)
+    assert ring[0]["rows"] == ([1] if packed else [4]), ring[0]["rows"]  # 2 pairs: 4 rows, or 1 packed
     assert len(ref["grads"]) == len(ring[0]["grads"]) == 2
     assert_same_runs(case, ring, ref, "RingDPOTrainer", "DPOTrainer")
 
@@ -153,3 +170,38 @@ def assert_same_runs(case: str, ring: list[dict], ref: dict, name: str, ref_name
                 assert err <= 2e-5, f"step {step} {param}: relative gradient error {err}"
     print(f"{case}: metrics max abs {worst['metric']:.2e} (rel {worst['metric_rel']:.2e}); gradients max error "
           f"relative to the parameter's largest gradient {worst['grad']:.2e}")  # fmt: skip
+
+
+def test_pack_rows_keeps_each_row_a_document_and_refuses_what_it_cannot_pack() -> None:
+    from hf_ring.trainer.fused_head import pack_rows, unpack_rows
+
+    ids = torch.arange(1, 13).view(3, 4)
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1], [1, 0, 0, 0]])
+    packed, keep = pack_rows({"input_ids": ids, "labels": ids.masked_fill(mask == 0, -100), "attention_mask": mask})
+    assert packed["input_ids"].tolist() == [[1, 2, 3, 5, 6, 7, 8, 9]]
+    assert packed["position_ids"].tolist() == [[0, 1, 2, 0, 1, 2, 3, 0]]
+    values = torch.randn(1, 8, requires_grad=True)
+    rows = unpack_rows(values, keep)
+    assert rows.shape == (3, 4) and rows[mask == 0].eq(0).all() and rows[mask.bool()].equal(values[0].detach())
+    (rows * torch.arange(12.0).view(3, 4)).sum().backward()
+    assert values.grad.tolist() == [[0.0, 1.0, 2.0, 4.0, 5.0, 6.0, 7.0, 8.0]]
+    with pytest.raises(NotImplementedError, match="padding that is not on the right.*padding_free=False"):
+        pack_rows({"input_ids": ids, "attention_mask": mask.flip(1)})
+    with pytest.raises(NotImplementedError, match="position_ids"):
+        pack_rows({"input_ids": ids, "position_ids": ids})
+
+
+def test_padding_free_without_context_parallelism_is_refused(tmp_path: Path) -> None:
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+
+    from hf_ring.trainer.dpo import RingDPOConfig, RingDPOTrainer
+    from testkit.models import tiny_model
+
+    _tokenizer(tmp_path / "tok")
+    args = RingDPOConfig(output_dir=str(tmp_path / "out"), padding_free=True, use_cpu=True, report_to="none",
+                         max_length=48)  # fmt: skip
+    models = {k: tiny_model("llama", "ring", vocab_size=VOCAB) for k in ("model", "ref_model")}
+    with pytest.raises(ValueError, match="padding_free=True packs.*cp_size > 1 or padding_free=False"):
+        RingDPOTrainer(args=args, train_dataset=Dataset.from_list(_pairs()),
+                       processing_class=AutoTokenizer.from_pretrained(str(tmp_path / "tok")), **models)  # fmt: skip

@@ -1,7 +1,7 @@
 """Direct preference optimisation with context parallelism: ``RingDPOTrainer`` and ``RingDPOConfig``.
 
 ``RingDPOTrainer`` is ``RingTrainer`` mixed into ``trl.DPOTrainer``: TRL prepares the pairs (prompt +
-chosen, prompt + rejected, right padding, or padding-free rows with ``padding_free=True``) and
+chosen, prompt + rejected, right padding) and
 computes every DPO loss it offers (``loss_type``: sigmoid, hinge, ipo, robust, bco_pair, apo, ...,
 several at once with ``loss_weights``; ``ld_alpha``, ``use_weighting``, f-divergences) and its
 metrics (``rewards/chosen``, ``rewards/rejected``, ``rewards/margins``, ``rewards/accuracies``,
@@ -15,8 +15,12 @@ adapter disabled, or ``precompute_ref_log_probs=True`` (computed once, under CP 
     args = RingDPOConfig(output_dir="out", cp_size=4, max_length=131072, bf16=True, loss_type=["sigmoid"])
     RingDPOTrainer(model=model, args=args, train_dataset=pairs, processing_class=tok, peft_config=lora).train()
 
-Loss, gradients and metrics are those of one-process ``DPOTrainer`` on the same data
-(tests/test_dpo.py). Pass the model loaded with ``attn_implementation="ring"`` (not a name).
+``padding_free=True`` (TRL's name; TRL 1.16's own ``DPOTrainer`` falls back to padding) runs the
+chosen and rejected rows of each micro-batch as the packed documents of one row, with positions
+restarting at 0 at each document (``pack_rows``: no padding enters the ring, no token sees another
+document); the per-token values are put back in TRL's padded ``[2B, N - 1]`` rows, so its loss code
+runs unchanged. Loss, gradients and metrics are those of one-process ``DPOTrainer`` on the same
+data, padded or packed (tests/test_dpo.py). Pass the model loaded with ``attn_implementation="ring"`` (not a name).
 """
 
 from __future__ import annotations
@@ -35,7 +39,8 @@ __all__ = ["RingDPOConfig", "RingDPOTrainer"]
 @dataclass
 class RingDPOConfig(DPOConfig, RingTrainingArguments):
     """``trl.DPOConfig`` (its defaults) plus ``cp_size``, ``ulysses_size``, ``chunked_loss``, ``tiled_mlp``,
-    ``activation_offload``."""
+    ``activation_offload``. ``padding_free=True`` packs each micro-batch's chosen and rejected rows
+    as documents of one row (at ``cp_size > 1``; see the module docstring)."""
 
 
 class RingDPOTrainer(RingTrainerForTRL, DPOTrainer):
@@ -46,7 +51,19 @@ class RingDPOTrainer(RingTrainerForTRL, DPOTrainer):
         stats = ("entropy", "mean_logits", "is_top1")
         if getattr(args, "use_weighting", False):
             stats += ("log_sum_sq_probs",)
-        self._ring_init(model, args, stats, ref_model=ref_model, **kwargs)
+        self._fused_pack = bool(getattr(args, "padding_free", False))
+        if self._fused_pack:
+            args.padding_free = False  # TRL's DPOTrainer would warn that it falls back to padding
+        try:
+            self._ring_init(model, args, stats, ref_model=ref_model, **kwargs)
+        finally:
+            if self._fused_pack:
+                args.padding_free = True
+        if self._fused_pack and self.cp_size == 1:
+            raise ValueError(
+                "RingDPOConfig: padding_free=True packs each batch's pairs into one row for the ring, which runs at "
+                "cp_size > 1 only (TRL's DPOTrainer has no padding-free path); set cp_size > 1 or padding_free=False."
+            )
 
     def _precompute_ref_logps(self, dataset: Any, name: str, batch_size: int) -> Any:
         """TRL's, with the batches split over the DP replicas only (the ranks of a CP group share

@@ -32,7 +32,7 @@ from ..transformers.sequence import gather_tokens, sequence_logprobs
 from .mesh import adopt_parallelism_config, parallelism_sizes
 from .trainer import RingTrainer, resolve_ulysses_size
 
-__all__ = ["RingTrainerForTRL", "ring_fused_head"]
+__all__ = ["RingTrainerForTRL", "pack_rows", "ring_fused_head", "unpack_rows"]
 
 _PASSED = ("input_ids", "attention_mask", "position_ids", "labels")
 _DROPPED = ("use_cache", "return_dict", "logits_to_keep")
@@ -46,12 +46,19 @@ def _shift_left(x: Tensor, shift: Tensor) -> Tensor:
 
 
 def ring_fused_head(
-    lm: nn.Module, cp: Any, *, stats: tuple[str, ...], temperature: float = 1.0, pad_token_id: int = 0
+    lm: nn.Module,
+    cp: Any,
+    *,
+    stats: tuple[str, ...],
+    temperature: float = 1.0,
+    pad_token_id: int = 0,
+    pack: bool = False,
 ) -> None:
     """Wrap ``lm.forward`` (already patched by TRL's ``add_fused_lm_head``) so that its
     ``fused_lm_head=True`` calls run over the CP group ``cp()`` (a callable returning the
     ``ContextParallel`` state, or ``None``: TRL's own path). ``stats``: the per-token fields TRL asked
-    its head for besides ``log_probs``; ``temperature``: the one it divides the logits by."""
+    its head for besides ``log_probs``; ``temperature``: the one it divides the logits by; ``pack``:
+    run the batch's right-padded rows as the documents of one row (``pack_rows``)."""
     inner = lm.forward
     if getattr(inner, "hf_ring_fused", False):
         return
@@ -61,7 +68,7 @@ def ring_fused_head(
         state: ContextParallel | None = cp()
         if not fused_lm_head or state is None or state.cp_size == 1:
             return inner(*args, fused_lm_head=fused_lm_head, **kwargs) if fused_lm_head else inner(*args, **kwargs)
-        return _ring_forward(self, inner, state, args, kwargs, stats, temperature, pad_token_id)
+        return _ring_forward(self, inner, state, args, kwargs, stats, temperature, pad_token_id, pack)
 
     forward.hf_ring_fused = True  # type: ignore[attr-defined]
     lm.forward = types.MethodType(forward, lm)
@@ -76,6 +83,7 @@ def _ring_forward(
     stats: tuple[str, ...],
     temperature: float,
     pad_token_id: int,
+    pack: bool = False,
 ) -> Any:
     from trl.trainer.utils import FusedCausalLMOutput
 
@@ -87,20 +95,23 @@ def _ring_forward(
             "with cp_size=1, or without the inputs it cannot shard (images, MoE router logits)."
         )
     batch = {k: kwargs[k] for k in _PASSED if kwargs.get(k) is not None}
-    mask = batch.get("attention_mask")
-    shift = None
-    if mask is not None and not bool(mask[:, 0].all()):  # left padding (GRPO's prompts): move it right
-        if batch.get("position_ids") is not None:
-            raise NotImplementedError("hf_ring: left padding together with position_ids is not supported")
-        shift = (mask == 0).long().cumprod(1).sum(1)  # the leading zeros of each row
-        batch = {k: _shift_left(v, shift) for k, v in batch.items()}
     n = batch["input_ids"].shape[1]
-    sharded = shard_batch(batch, group=state, pad_token_id=pad_token_id)
-    ctx = sharded[KEY]
-    local = sequence_logprobs(lm, sharded, stats=stats, temperature=temperature, forward=inner)
-    full = {k: gather_tokens(ctx, v, grad_scale=float(ctx.size))[:, :n] for k, v in local.items()}
-    if shift is not None:
-        full = {k: _shift_left(v, -shift) for k, v in full.items()}
+    if pack:
+        packed, keep = pack_rows(batch)
+        full = _token_values(lm, inner, state, packed, stats, temperature, pad_token_id)
+        full = {k: unpack_rows(v[:, : int(keep.sum())], keep) for k, v in full.items()}
+    else:
+        mask = batch.get("attention_mask")
+        shift = None
+        if mask is not None and not bool(mask[:, 0].all()):  # left padding (GRPO's prompts): move it right
+            if batch.get("position_ids") is not None:
+                raise NotImplementedError("hf_ring: left padding together with position_ids is not supported")
+            shift = (mask == 0).long().cumprod(1).sum(1)  # the leading zeros of each row
+            batch = {k: _shift_left(v, shift) for k, v in batch.items()}
+        full = _token_values(lm, inner, state, batch, stats, temperature, pad_token_id)
+        full = {k: v[:, :n] for k, v in full.items()}
+        if shift is not None:
+            full = {k: _shift_left(v, -shift) for k, v in full.items()}
     label_mask = kwargs["labels"][:, 1:] != IGNORE_INDEX
     full = {k: v[:, : n - 1] for k, v in full.items()}
     log_probs = full["log_probs"]
@@ -111,6 +122,53 @@ def _ring_forward(
     return FusedCausalLMOutput(loss=loss, log_probs=log_probs, label_mask=label_mask, **fields)
 
 
+def _token_values(
+    lm: nn.Module,
+    inner: Any,
+    state: ContextParallel,
+    batch: dict[str, Tensor],
+    stats: tuple[str, ...],
+    temperature: float,
+    pad_token_id: int,
+) -> dict[str, Tensor]:
+    """Per-token values ``[B, N_layout]`` of the full ``batch``: sharded, run on this rank's shard,
+    gathered over the CP group (the backward: this rank's tokens' gradient, times ``P``)."""
+    sharded = shard_batch(batch, group=state, pad_token_id=pad_token_id)
+    ctx = sharded[KEY]
+    local = sequence_logprobs(lm, sharded, stats=stats, temperature=temperature, forward=inner)
+    return {k: gather_tokens(ctx, v, grad_scale=float(ctx.size)) for k, v in local.items()}
+
+
+def pack_rows(batch: dict[str, Tensor]) -> tuple[dict[str, Tensor], Tensor]:
+    """The right-padded rows of ``batch`` (``input_ids``, ``labels``, ``attention_mask [R, N]``) as
+    the packed documents of one row: ``input_ids``/``labels [1, T]`` (``T``: the real tokens) with
+    ``position_ids [1, T]`` restarting at 0 at each row's first token, so that every token sees its
+    own row only and the RoPE positions are the padded rows' own; and ``keep [R, N]``, where the
+    tokens came from. Raises ``NotImplementedError`` for left padding or given ``position_ids``."""
+    ids = batch["input_ids"]
+    mask = batch.get("attention_mask")
+    keep = torch.ones_like(ids, dtype=torch.bool) if mask is None else mask.bool()
+    lengths = keep.sum(1)
+    right = torch.arange(ids.shape[1], device=ids.device)[None] < lengths[:, None]
+    if batch.get("position_ids") is not None or not bool(right.eq(keep).all()):
+        raise NotImplementedError(
+            "hf_ring: padding_free=True packs right-padded rows without position_ids; this batch has "
+            f"{'position_ids' if batch.get('position_ids') is not None else 'padding that is not on the right'}. "
+            "Set padding_free=False."
+        )
+    pos = torch.cat([torch.arange(int(n), device=ids.device) for n in lengths.tolist()])
+    packed = {k: batch[k][keep][None] for k in ("input_ids", "labels") if batch.get(k) is not None}
+    return {**packed, "position_ids": pos[None]}, keep
+
+
+def unpack_rows(values: Tensor, keep: Tensor) -> Tensor:
+    """``values [1, T, ...]`` of a ``pack_rows`` row back in the rows ``[R, N, ...]`` (0 on padding);
+    differentiable."""
+    flat = keep.reshape(-1).nonzero().squeeze(1)
+    out = values.new_zeros((keep.numel(), *values.shape[2:]))
+    return out.index_copy(0, flat, values[0]).view(*keep.shape, *values.shape[2:])
+
+
 class RingTrainerForTRL(RingTrainer):
     """What TRL's trainers on the fused LM head share under CP (``RingDPOTrainer``, ``RingGRPOTrainer``):
     the CP group set up before TRL's ``__init__`` (which may already run the model: precomputed
@@ -118,6 +176,7 @@ class RingTrainerForTRL(RingTrainer):
     ``compute_loss`` and ``prediction_step`` (not ``RingTrainer``'s causal-LM loss)."""
 
     _cp: ContextParallel | None
+    _fused_pack = False  # RingDPOTrainer with padding_free=True
 
     def _ring_init(self, model: Any, args: Any, stats: tuple[str, ...], temperature: float = 1.0, **kw: Any) -> None:
         name = type(self).__name__
@@ -147,7 +206,10 @@ class RingTrainerForTRL(RingTrainer):
         for m in (getattr(self, "model", None), getattr(self, "ref_model", None)):
             if m is not None:
                 lm = m.get_base_model() if is_peft_model(m) else m
-                ring_fused_head(lm, lambda: self._cp, stats=self._fused_stats, temperature=self._fused_temperature)
+                ring_fused_head(
+                    lm, lambda: self._cp, stats=self._fused_stats, temperature=self._fused_temperature,
+                    pack=self._fused_pack,
+                )  # fmt: skip
 
     def compute_loss(self, model: Any, inputs: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
         return super(RingTrainer, self).compute_loss(model, inputs, *args, **kwargs)
