@@ -112,20 +112,23 @@ def dpo_run(kind: str, case: str, out: str, tok_dir: str, data_dir: str) -> dict
                   processing_class=AutoTokenizer.from_pretrained(tok_dir), callbacks=[keep], **extra)  # fmt: skip
     holder[0] = trainer.model
     rows: list[int] = []
-    if ring:  # the batches the ring ran: one packed row per micro-batch with padding_free=True
+    gathered: list[int] = []
+    if ring:  # the batches the ring ran (one packed row per micro-batch with padding_free=True); per-token gathers
         from hf_ring.trainer import fused_head
 
-        shard = fused_head.shard_batch
+        shard, gather = fused_head.shard_batch, fused_head.gather_tokens
         fused_head.shard_batch = lambda batch, **kw: rows.append(batch["input_ids"].shape[0]) or shard(batch, **kw)
+        fused_head.gather_tokens = lambda *a, **kw: gathered.append(1) or gather(*a, **kw)
     try:
         trainer.train()
     finally:
         if ring:
-            fused_head.shard_batch = shard
+            fused_head.shard_batch, fused_head.gather_tokens = shard, gather
     logs = [{k: v for k, v in h.items() if k not in SKIP and not k.endswith(("_runtime", "_per_second"))}
             for h in trainer.state.log_history if "loss" in h or "eval_loss" in h]  # fmt: skip
     state = getattr(trainer, "_cp", None)
     return {"logs": logs, "grads": keep.steps, "cp": getattr(trainer, "cp_size", None), "rows": sorted(set(rows)),
+            "gathered": bool(gathered),
             "ulysses": state.ulysses_size if state is not None else None}  # fmt: skip
 
 
@@ -144,6 +147,8 @@ def test_ring_dpo_trainer_cp2_matches_single_process_dpo_trainer(tmp_path: Path,
     assert ring[0]["ulysses"] == CASES[case].get("ulysses", 1)
     packed = CASES[case].get("padding_free", False)
     assert ring[0]["rows"] == ([1] if packed else [4]), ring[0]["rows"]  # 2 pairs: 4 rows, or 1 packed
+    # TRL reads per-row sums only (sequence_sums, nothing gathered per token), but for ld_alpha's split
+    assert ring[0]["gathered"] == ("ld_alpha" in CASES[case]), ring[0]["gathered"]
     assert len(ref["grads"]) == len(ring[0]["grads"]) == 2
     assert_same_runs(case, ring, ref, "RingDPOTrainer", "DPOTrainer")
 
@@ -173,7 +178,7 @@ def assert_same_runs(case: str, ring: list[dict], ref: dict, name: str, ref_name
 
 
 def test_pack_rows_keeps_each_row_a_document_and_refuses_what_it_cannot_pack() -> None:
-    from hf_ring.trainer.fused_head import pack_rows, unpack_rows
+    from hf_ring.trainer.rows import pack_rows, unpack_rows
 
     ids = torch.arange(1, 13).view(3, 4)
     mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1], [1, 0, 0, 0]])
@@ -189,6 +194,22 @@ def test_pack_rows_keeps_each_row_a_document_and_refuses_what_it_cannot_pack() -
         pack_rows({"input_ids": ids, "attention_mask": mask.flip(1)})
     with pytest.raises(NotImplementedError, match="position_ids"):
         pack_rows({"input_ids": ids, "position_ids": ids})
+
+
+def test_planted_row_sums_give_trl_its_masked_row_sums() -> None:
+    """What TRL's DPO reads from its fused head (masked row sums, the masked count of ``is_top1``) equals the
+    given per-row sums; the gradient reaches them."""
+    from hf_ring.trainer.rows import plant_row_sums
+
+    mask = torch.tensor([[0, 1, 1, 0], [1, 1, 1, 1], [0, 0, 0, 0]], dtype=torch.bool)
+    lp = torch.tensor([-3.5, -7.25, 0.0], requires_grad=True)
+    out = plant_row_sums({"log_probs": lp, "entropy": torch.tensor([1.5, 2.0, 0.0]),
+                          "is_top1": torch.tensor([1.0, 3.0, 0.0])}, mask)  # fmt: skip
+    assert out["log_probs"].sum(1).tolist() == [-3.5, -7.25, 0.0] and (out["log_probs"] * ~mask).abs().sum() == 0
+    assert (out["entropy"] * mask).sum(1).tolist() == [1.5, 2.0, 0.0]
+    assert (out["is_top1"] & mask).sum(1).tolist() == [1, 3, 0] and out["is_top1"].dtype == torch.bool
+    (out["log_probs"].sum(1) * torch.tensor([1.0, 2.0, 3.0])).sum().backward()
+    assert lp.grad.tolist() == [1.0, 2.0, 0.0]  # a row without labels: nothing planted
 
 
 def test_padding_free_without_context_parallelism_is_refused(tmp_path: Path) -> None:

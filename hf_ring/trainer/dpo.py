@@ -52,6 +52,8 @@ class RingDPOTrainer(RingTrainerForTRL, DPOTrainer):
         if getattr(args, "use_weighting", False):
             stats += ("log_sum_sq_probs",)
         self._fused_pack = bool(getattr(args, "padding_free", False))
+        # TRL reads the per-token outputs only through row sums, but for ld_alpha's split of each row
+        self._fused_row_sums = getattr(args, "ld_alpha", None) is None
         if self._fused_pack:
             args.padding_free = False  # TRL's DPOTrainer would warn that it falls back to padding
         try:

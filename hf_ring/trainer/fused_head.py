@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import types
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -28,11 +29,12 @@ from ..ops.cross_entropy import IGNORE_INDEX
 from ..parallel import ContextParallel, context_parallel_state, setup_context_parallel
 from ..transformers.batch import shard_batch
 from ..transformers.context import KEY
-from ..transformers.sequence import gather_tokens, sequence_logprobs
+from ..transformers.sequence import gather_tokens, sequence_logprobs, sequence_sums
 from .mesh import adopt_parallelism_config, parallelism_sizes
+from .rows import pack_rows, plant_row_sums, unpack_rows
 from .trainer import RingTrainer, resolve_ulysses_size
 
-__all__ = ["RingTrainerForTRL", "pack_rows", "ring_fused_head", "unpack_rows"]
+__all__ = ["HeadOptions", "RingTrainerForTRL", "ring_fused_head"]
 
 _PASSED = ("input_ids", "attention_mask", "position_ids", "labels")
 _DROPPED = ("use_cache", "return_dict", "logits_to_keep")
@@ -45,20 +47,28 @@ def _shift_left(x: Tensor, shift: Tensor) -> Tensor:
     return x.gather(1, idx.view(*idx.shape, *([1] * (x.dim() - 2))).expand_as(x))
 
 
-def ring_fused_head(
-    lm: nn.Module,
-    cp: Any,
-    *,
-    stats: tuple[str, ...],
-    temperature: float = 1.0,
-    pad_token_id: int = 0,
-    pack: bool = False,
-) -> None:
+@dataclass(frozen=True)
+class HeadOptions:
+    """How ``ring_fused_head`` runs TRL's fused LM head over the CP group.
+
+    ``stats``: the per-token fields TRL asked its head for besides ``log_probs``; ``temperature``:
+    the one it divides the logits by; ``pad_token_id``: pads the rows to the zigzag's multiple;
+    ``pack``: the batch's right-padded rows run as the documents of one row (``pack_rows``);
+    ``row_sums``: TRL reads the outputs only through sums over each row's labelled tokens (DPO
+    without ``ld_alpha``): each row's sums come from ``sequence_sums`` (a few floats per row over
+    the CP group) and are planted in TRL's rows (``plant_row_sums``), no per-token value gathered."""
+
+    stats: tuple[str, ...] = ()
+    temperature: float = 1.0
+    pad_token_id: int = 0
+    pack: bool = False
+    row_sums: bool = False
+
+
+def ring_fused_head(lm: nn.Module, cp: Any, options: HeadOptions) -> None:
     """Wrap ``lm.forward`` (already patched by TRL's ``add_fused_lm_head``) so that its
     ``fused_lm_head=True`` calls run over the CP group ``cp()`` (a callable returning the
-    ``ContextParallel`` state, or ``None``: TRL's own path). ``stats``: the per-token fields TRL asked
-    its head for besides ``log_probs``; ``temperature``: the one it divides the logits by; ``pack``:
-    run the batch's right-padded rows as the documents of one row (``pack_rows``)."""
+    ``ContextParallel`` state, or ``None``: TRL's own path), as ``options`` say."""
     inner = lm.forward
     if getattr(inner, "hf_ring_fused", False):
         return
@@ -68,22 +78,14 @@ def ring_fused_head(
         state: ContextParallel | None = cp()
         if not fused_lm_head or state is None or state.cp_size == 1:
             return inner(*args, fused_lm_head=fused_lm_head, **kwargs) if fused_lm_head else inner(*args, **kwargs)
-        return _ring_forward(self, inner, state, args, kwargs, stats, temperature, pad_token_id, pack)
+        return _ring_forward(self, inner, state, args, kwargs, options)
 
     forward.hf_ring_fused = True  # type: ignore[attr-defined]
     lm.forward = types.MethodType(forward, lm)
 
 
 def _ring_forward(
-    lm: nn.Module,
-    inner: Any,
-    state: ContextParallel,
-    args: tuple,
-    kwargs: dict[str, Any],
-    stats: tuple[str, ...],
-    temperature: float,
-    pad_token_id: int,
-    pack: bool = False,
+    lm: nn.Module, inner: Any, state: ContextParallel, args: tuple, kwargs: dict[str, Any], opt: HeadOptions
 ) -> Any:
     from trl.trainer.utils import FusedCausalLMOutput
 
@@ -96,10 +98,17 @@ def _ring_forward(
         )
     batch = {k: kwargs[k] for k in _PASSED if kwargs.get(k) is not None}
     n = batch["input_ids"].shape[1]
-    if pack:
+    label_mask = kwargs["labels"][:, 1:] != IGNORE_INDEX
+    if opt.row_sums:
+        rows = batch["input_ids"].shape[0]
+        if opt.pack:
+            batch = pack_rows(batch)[0]
+        sums = _sums(lm, inner, state, batch, opt, per_document=opt.pack)
+        full = plant_row_sums({k: v[:rows] for k, v in sums.items()}, label_mask)
+    elif opt.pack:
         packed, keep = pack_rows(batch)
-        full = _token_values(lm, inner, state, packed, stats, temperature, pad_token_id)
-        full = {k: unpack_rows(v[:, : int(keep.sum())], keep) for k, v in full.items()}
+        full = _token_values(lm, inner, state, packed, opt)
+        full = {k: unpack_rows(v[:, : int(keep.sum())], keep)[:, : n - 1] for k, v in full.items()}
     else:
         mask = batch.get("attention_mask")
         shift = None
@@ -108,12 +117,10 @@ def _ring_forward(
                 raise NotImplementedError("hf_ring: left padding together with position_ids is not supported")
             shift = (mask == 0).long().cumprod(1).sum(1)  # the leading zeros of each row
             batch = {k: _shift_left(v, shift) for k, v in batch.items()}
-        full = _token_values(lm, inner, state, batch, stats, temperature, pad_token_id)
-        full = {k: v[:, :n] for k, v in full.items()}
+        full = {k: v[:, :n] for k, v in _token_values(lm, inner, state, batch, opt).items()}
         if shift is not None:
             full = {k: _shift_left(v, -shift) for k, v in full.items()}
-    label_mask = kwargs["labels"][:, 1:] != IGNORE_INDEX
-    full = {k: v[:, : n - 1] for k, v in full.items()}
+        full = {k: v[:, : n - 1] for k, v in full.items()}
     log_probs = full["log_probs"]
     loss = -log_probs.sum() / label_mask.sum().clamp(min=1)
     fields = {k: full.get(k) for k in ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")}
@@ -122,51 +129,43 @@ def _ring_forward(
     return FusedCausalLMOutput(loss=loss, log_probs=log_probs, label_mask=label_mask, **fields)
 
 
+def _local(
+    lm: nn.Module, inner: Any, state: ContextParallel, batch: dict[str, Tensor], opt: HeadOptions
+) -> tuple[dict[str, Any], dict[str, Tensor]]:
+    """The batch sharded over the CP group, and this rank's per-token values of its shard."""
+    sharded = shard_batch(batch, group=state, pad_token_id=opt.pad_token_id)
+    local = sequence_logprobs(lm, sharded, stats=opt.stats, temperature=opt.temperature, forward=inner)
+    return sharded, local
+
+
 def _token_values(
+    lm: nn.Module, inner: Any, state: ContextParallel, batch: dict[str, Tensor], opt: HeadOptions
+) -> dict[str, Tensor]:
+    """Per-token values ``[B, N_layout]`` of the full ``batch``, gathered over the CP group (the
+    backward: this rank's tokens' gradient, times ``P``)."""
+    sharded, local = _local(lm, inner, state, batch, opt)
+    ctx = sharded[KEY]
+    return {k: gather_tokens(ctx, v, grad_scale=float(ctx.size)) for k, v in local.items()}
+
+
+def _sums(
     lm: nn.Module,
     inner: Any,
     state: ContextParallel,
     batch: dict[str, Tensor],
-    stats: tuple[str, ...],
-    temperature: float,
-    pad_token_id: int,
+    opt: HeadOptions,
+    per_document: bool,
 ) -> dict[str, Tensor]:
-    """Per-token values ``[B, N_layout]`` of the full ``batch``: sharded, run on this rank's shard,
-    gathered over the CP group (the backward: this rank's tokens' gradient, times ``P``)."""
-    sharded = shard_batch(batch, group=state, pad_token_id=pad_token_id)
+    """Sums of each field over each row's (or packed document's) labelled tokens, ``[R]`` per field,
+    over the CP group (the backward: this rank's tokens' gradient, times ``P``)."""
+    sharded, local = _local(lm, inner, state, batch, opt)
     ctx = sharded[KEY]
-    local = sequence_logprobs(lm, sharded, stats=stats, temperature=temperature, forward=inner)
-    return {k: gather_tokens(ctx, v, grad_scale=float(ctx.size)) for k, v in local.items()}
-
-
-def pack_rows(batch: dict[str, Tensor]) -> tuple[dict[str, Tensor], Tensor]:
-    """The right-padded rows of ``batch`` (``input_ids``, ``labels``, ``attention_mask [R, N]``) as
-    the packed documents of one row: ``input_ids``/``labels [1, T]`` (``T``: the real tokens) with
-    ``position_ids [1, T]`` restarting at 0 at each row's first token, so that every token sees its
-    own row only and the RoPE positions are the padded rows' own; and ``keep [R, N]``, where the
-    tokens came from. Raises ``NotImplementedError`` for left padding or given ``position_ids``."""
-    ids = batch["input_ids"]
-    mask = batch.get("attention_mask")
-    keep = torch.ones_like(ids, dtype=torch.bool) if mask is None else mask.bool()
-    lengths = keep.sum(1)
-    right = torch.arange(ids.shape[1], device=ids.device)[None] < lengths[:, None]
-    if batch.get("position_ids") is not None or not bool(right.eq(keep).all()):
-        raise NotImplementedError(
-            "hf_ring: padding_free=True packs right-padded rows without position_ids; this batch has "
-            f"{'position_ids' if batch.get('position_ids') is not None else 'padding that is not on the right'}. "
-            "Set padding_free=False."
-        )
-    pos = torch.cat([torch.arange(int(n), device=ids.device) for n in lengths.tolist()])
-    packed = {k: batch[k][keep][None] for k in ("input_ids", "labels") if batch.get(k) is not None}
-    return {**packed, "position_ids": pos[None]}, keep
-
-
-def unpack_rows(values: Tensor, keep: Tensor) -> Tensor:
-    """``values [1, T, ...]`` of a ``pack_rows`` row back in the rows ``[R, N, ...]`` (0 on padding);
-    differentiable."""
-    flat = keep.reshape(-1).nonzero().squeeze(1)
-    out = values.new_zeros((keep.numel(), *values.shape[2:]))
-    return out.index_copy(0, flat, values[0]).view(*keep.shape, *values.shape[2:])
+    labelled = (sharded["shift_labels"] != IGNORE_INDEX).float()
+    names = ["log_probs", *opt.stats]
+    values = torch.stack([local[k].float() * labelled for k in names], -1)  # [B, S_local, K]
+    sums = sequence_sums(ctx, values, per_document=per_document, grad_scale=float(ctx.size))
+    sums = sums[0] if per_document else sums  # one packed row: [D, K], its documents are the rows
+    return dict(zip(names, sums.unbind(-1), strict=True))
 
 
 class RingTrainerForTRL(RingTrainer):
@@ -177,6 +176,7 @@ class RingTrainerForTRL(RingTrainer):
 
     _cp: ContextParallel | None
     _fused_pack = False  # RingDPOTrainer with padding_free=True
+    _fused_row_sums = False  # RingDPOTrainer without ld_alpha: per-row sums, no gathered tokens
 
     def _ring_init(self, model: Any, args: Any, stats: tuple[str, ...], temperature: float = 1.0, **kw: Any) -> None:
         name = type(self).__name__
@@ -206,10 +206,9 @@ class RingTrainerForTRL(RingTrainer):
         for m in (getattr(self, "model", None), getattr(self, "ref_model", None)):
             if m is not None:
                 lm = m.get_base_model() if is_peft_model(m) else m
-                ring_fused_head(
-                    lm, lambda: self._cp, stats=self._fused_stats, temperature=self._fused_temperature,
-                    pack=self._fused_pack,
-                )  # fmt: skip
+                opts = HeadOptions(self._fused_stats, self._fused_temperature, pack=self._fused_pack,
+                                   row_sums=self._fused_row_sums)  # fmt: skip
+                ring_fused_head(lm, lambda: self._cp, opts)
 
     def compute_loss(self, model: Any, inputs: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
         return super(RingTrainer, self).compute_loss(model, inputs, *args, **kwargs)
