@@ -1,14 +1,16 @@
 """Direct preference optimisation with context parallelism: ``RingDPOTrainer`` and ``RingDPOConfig``.
 
 ``RingDPOTrainer`` is ``RingTrainer`` mixed into ``trl.DPOTrainer``: TRL prepares the pairs (prompt +
-chosen, prompt + rejected, right padding) and
-computes every DPO loss it offers (``loss_type``: sigmoid, hinge, ipo, robust, bco_pair, apo, ...,
-several at once with ``loss_weights``; ``ld_alpha``, ``use_weighting``, f-divergences) and its
+chosen, prompt + rejected, right padding) and computes every DPO loss it offers (``loss_type``:
+sigmoid, hinge, ipo, robust, bco_pair, apo, ..., several at once with ``loss_weights``;
+``ld_alpha``, ``use_weighting``, f-divergences) and its
 metrics (``rewards/chosen``, ``rewards/rejected``, ``rewards/margins``, ``rewards/accuracies``,
 ``logps/*``, ``logits/*``, ``entropy``, ``mean_token_accuracy``) from per-token log-probabilities.
-Here those come from the ring: each rank of a CP group holds ``1/P`` of every sequence, and the
-per-token values of its tokens are gathered over the group (``hf_ring.trainer.fused_head``), for
-the policy and for the reference alike -- a separate ``ref_model``, the same model with its LoRA
+Here those come from the ring: each rank of a CP group holds ``1/P`` of every sequence; TRL reads
+the per-token values only through sums over each row's completion, so each row's sums are summed
+over the group and put where TRL reads them (``hf_ring.trainer.fused_head``; with ``ld_alpha``,
+which splits a row's sum at a position, the per-token values are gathered instead), for the
+policy and for the reference alike -- a separate ``ref_model``, the same model with its LoRA
 adapter disabled, or ``precompute_ref_log_probs=True`` (computed once, under CP too)::
 
     model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="ring")

@@ -8,10 +8,12 @@ hidden states in chunks. ``ring_fused_head(lm, cp, ...)`` wraps that forward: wi
 ``P > 1`` each rank shards the full batch (``shard_batch``: zigzag, right padding, packed documents;
 left padding, as GRPO's prompts have, is moved to the right first: the rows' RoPE positions shift
 by a constant, which changes no attention score), runs the ring model on its shard, computes its
-tokens' log-probabilities from the LM head's input in chunks (``sequence_logprobs``) and gathers
-the per-token values of the CP group into the full ``[B, N - 1]`` (``gather_tokens``: one float per
-token and field; never hidden states or logits). TRL's own loss code then runs unchanged on every
-rank, and the backward hands each rank the gradient of its own tokens, times ``P`` (DDP and FSDP
+tokens' log-probabilities from the LM head's input in chunks (``sequence_logprobs``) and either
+gathers the per-token values of the CP group into the full ``[B, N - 1]`` (``gather_tokens``: one
+float per token and field; GRPO) or, where TRL reads them only through per-row sums (DPO without
+``ld_alpha``), sums them per row over the group (``sequence_sums``) and plants the sums in the rows
+(``hf_ring.trainer.rows``); never hidden states or logits. TRL's own loss code then runs unchanged
+on every rank, and the backward hands each rank the gradient of its own tokens, times ``P`` (DDP and FSDP
 average gradients over the ``P`` ranks that hold one sequence's shards).
 """
 
