@@ -6,6 +6,7 @@ alone through the config: tests/test_dpo.py, case ``lora-sigmoid-parallelism_con
 
 from __future__ import annotations
 
+import os
 from types import SimpleNamespace
 
 import numpy as np
@@ -125,11 +126,9 @@ def _keep_grads(holder: list):
 def mesh_run(kind: str, trainer: str, out: str, tok_dir: str | None = None, data_dir: str | None = None) -> dict:
     """Two optimizer steps (2 micro-batches of gradient accumulation each) over 8 rows or pairs: ``kind="ring"``
     on 4 ranks with ``ParallelismConfig(dp_shard_size=2, cp_size=2)`` and accelerate's FSDP2 ``prepare``
-    (``testkit.fsdp``); ``kind="ref"`` one process, transformers' ``Trainer`` / TRL's ``DPOTrainer``, sdpa."""
-    from contextlib import nullcontext
-
-    from testkit.fsdp import fsdp2_on_cpu
-    from testkit.models import tiny_model
+    (``testkit.fsdp``), the sizes in ``TrainingArguments`` or, for ``trainer="lm-env"``, in the environment
+    ``accelerate launch`` sets; ``kind="ref"``: one process, transformers' ``Trainer`` / TRL's ``DPOTrainer``,
+    sdpa."""
     from testkit.spawn import launcher_env
 
     ring = kind == "ring"
@@ -139,10 +138,32 @@ def mesh_run(kind: str, trainer: str, out: str, tok_dir: str | None = None, data
     common = dict(output_dir=out, max_steps=2, gradient_accumulation_steps=2, learning_rate=0.05, optim="sgd",
                   logging_steps=1, report_to="none", use_cpu=True, disable_tqdm=True, save_strategy="no", seed=0,
                   per_device_train_batch_size=1 if ring else 2)  # fmt: skip
-    if ring:
+    env = {"ACCELERATE_USE_PARALLELISM_CONFIG": "true", "PARALLELISM_CONFIG_DP_SHARD_SIZE": "2",
+           "PARALLELISM_CONFIG_CP_SIZE": "2"}  # what `accelerate launch` sets from its config file  # fmt: skip
+    saved = {k: os.environ.get(k) for k in env}
+    if ring and trainer.endswith("-env"):
+        os.environ.update(env)
+    elif ring:
         from accelerate.parallelism_config import ParallelismConfig
 
         common["parallelism_config"] = ParallelismConfig(dp_shard_size=2, cp_size=2)
+    try:
+        res = _mesh_train(ring, trainer.removesuffix("-env"), attn, common, tok_dir, data_dir)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    return res
+
+
+def _mesh_train(ring: bool, trainer: str, attn: str, common: dict, tok_dir: str | None, data_dir: str | None) -> dict:
+    from contextlib import nullcontext
+
+    from testkit.fsdp import fsdp2_on_cpu
+    from testkit.models import tiny_model
+
     holder: list = [None]
     keep = _keep_grads(holder)
     keep.steps = []
@@ -179,7 +200,7 @@ def mesh_run(kind: str, trainer: str, out: str, tok_dir: str | None = None, data
             "dp": getattr(t, "dp_size", 1), "world": t.args.world_size}  # fmt: skip
 
 
-@pytest.mark.parametrize("trainer", ["lm", "dpo"])
+@pytest.mark.parametrize("trainer", ["lm", "lm-env", "dpo"])
 def test_fsdp2_over_dp_shard_x_cp_equals_one_process(tmp_path, trainer: str) -> None:
     """``ParallelismConfig(dp_shard_size=2, cp_size=2)`` on 4 processes: hf_ring's ring over CP groups of 2,
     FSDP2 over all 4 (accelerate's real ``fsdp2_prepare_model``): the loss, the logged metrics and every
