@@ -147,8 +147,8 @@ def test_ring_dpo_trainer_cp2_matches_single_process_dpo_trainer(tmp_path: Path,
     assert ring[0]["ulysses"] == CASES[case].get("ulysses", 1)
     packed = CASES[case].get("padding_free", False)
     assert ring[0]["rows"] == ([1] if packed else [4]), ring[0]["rows"]  # 2 pairs: 4 rows, or 1 packed
-    # TRL reads per-row sums only (sequence_sums, nothing gathered per token), but for ld_alpha's split
-    assert ring[0]["gathered"] == ("ld_alpha" in CASES[case]), ring[0]["gathered"]
+    # TRL reads per-row sums only (sequence_sums, two per row with ld_alpha): nothing gathered per token
+    assert not ring[0]["gathered"]
     assert len(ref["grads"]) == len(ring[0]["grads"]) == 2
     assert_same_runs(case, ring, ref, "RingDPOTrainer", "DPOTrainer")
 
@@ -210,6 +210,18 @@ def test_planted_row_sums_give_trl_its_masked_row_sums() -> None:
     assert (out["is_top1"] & mask).sum(1).tolist() == [1, 3, 0] and out["is_top1"].dtype == torch.bool
     (out["log_probs"].sum(1) * torch.tensor([1.0, 2.0, 3.0])).sum().backward()
     assert lp.grad.tolist() == [1.0, 2.0, 0.0]  # a row without labels: nothing planted
+    # ld_alpha: two sums per row, read by TRL through its shared and tail masks (the tail of row 1: its last 2)
+    from hf_ring.trainer.dpo import ld_alpha_tail
+
+    mask = torch.tensor([[0, 1, 1, 1, 1], [0, 0, 1, 1, 0]], dtype=torch.bool)  # chosen 4 tokens, rejected 2
+    tail = ld_alpha_tail(mask)
+    assert (tail & mask).tolist() == [[False, False, False, True, True], [False] * 5]
+    out = plant_row_sums({"log_probs": torch.tensor([-1.0, -2.0]), "log_probs_tail": torch.tensor([-4.0, 0.0])},
+                         mask, tail)  # fmt: skip
+    comp_pos = mask.long().cumsum(1)  # TRL's masks
+    shared = (comp_pos > 0) & (comp_pos <= 2)
+    assert (out["log_probs"] * shared).sum(1).tolist() == [-1.0, -2.0]
+    assert (out["log_probs"] * (comp_pos > 2)).sum(1).tolist() == [-4.0, 0.0]
 
 
 def test_padding_free_without_context_parallelism_is_refused(tmp_path: Path) -> None:

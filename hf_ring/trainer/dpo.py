@@ -9,8 +9,8 @@ metrics (``rewards/chosen``, ``rewards/rejected``, ``rewards/margins``, ``reward
 Here those come from the ring: each rank of a CP group holds ``1/P`` of every sequence; TRL reads
 the per-token values only through sums over each row's completion, so each row's sums are summed
 over the group and put where TRL reads them (``hf_ring.trainer.fused_head``; with ``ld_alpha``,
-which splits a row's sum at a position, the per-token values are gathered instead), for the
-policy and for the reference alike -- a separate ``ref_model``, the same model with its LoRA
+two sums per row: within the pair's shorter completion, and past it), for the policy and for the
+reference alike -- a separate ``ref_model``, the same model with its LoRA
 adapter disabled, or ``precompute_ref_log_probs=True`` (computed once, under CP too)::
 
     model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="ring")
@@ -30,6 +30,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+from torch import Tensor
 from trl import DPOConfig, DPOTrainer
 
 from .arguments import RingTrainingArguments
@@ -45,6 +47,16 @@ class RingDPOConfig(DPOConfig, RingTrainingArguments):
     as documents of one row (at ``cp_size > 1``; see the module docstring)."""
 
 
+def ld_alpha_tail(label_mask: Tensor) -> Tensor:
+    """``[2B, N - 1]`` bool: the completion positions of each row past the shorter completion of its
+    pair (rows ``b`` and ``B + b``), whose log-probabilities DPO with ``ld_alpha`` weighs by it
+    (``trl/trainer/dpo_trainer.py``, ``_compute_loss``, TRL 1.16: ``tail_mask = comp_pos > shared_lens``)."""
+    lengths = label_mask.sum(1)
+    chosen, rejected = lengths.chunk(2)
+    shared = torch.minimum(chosen, rejected).repeat(2)
+    return label_mask.long().cumsum(1) > shared[:, None]
+
+
 class RingDPOTrainer(RingTrainerForTRL, DPOTrainer):
     """``trl.DPOTrainer`` with context parallelism: see the module docstring. Takes ``DPOTrainer``'s
     arguments (by keyword after ``model``), plus ``cp_size`` and ``ulysses_size`` (or in ``args``)."""
@@ -54,8 +66,10 @@ class RingDPOTrainer(RingTrainerForTRL, DPOTrainer):
         if getattr(args, "use_weighting", False):
             stats += ("log_sum_sq_probs",)
         self._fused_pack = bool(getattr(args, "padding_free", False))
-        # TRL reads the per-token outputs only through row sums, but for ld_alpha's split of each row
-        self._fused_row_sums = getattr(args, "ld_alpha", None) is None
+        # TRL reads the per-token outputs only through row sums (two per row with ld_alpha)
+        self._fused_row_sums = True
+        if getattr(args, "ld_alpha", None) is not None:
+            self._fused_split = ld_alpha_tail
         if self._fused_pack:
             args.padding_free = False  # TRL's DPOTrainer would warn that it falls back to padding
         try:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import types
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,15 +57,18 @@ class HeadOptions:
     ``stats``: the per-token fields TRL asked its head for besides ``log_probs``; ``temperature``:
     the one it divides the logits by; ``pad_token_id``: pads the rows to the zigzag's multiple;
     ``pack``: the batch's right-padded rows run as the documents of one row (``pack_rows``);
-    ``row_sums``: TRL reads the outputs only through sums over each row's labelled tokens (DPO
-    without ``ld_alpha``): each row's sums come from ``sequence_sums`` (a few floats per row over
-    the CP group) and are planted in TRL's rows (``plant_row_sums``), no per-token value gathered."""
+    ``row_sums``: TRL reads the outputs only through sums over each row's labelled tokens (DPO):
+    each row's sums come from ``sequence_sums`` (a few floats per row over the CP group) and are
+    planted in TRL's rows (``plant_row_sums``), no per-token value gathered; ``split``: from the
+    label mask ``[R, N - 1]``, the positions whose log-probabilities TRL sums apart (DPO's
+    ``ld_alpha`` tail), or ``None``."""
 
     stats: tuple[str, ...] = ()
     temperature: float = 1.0
     pad_token_id: int = 0
     pack: bool = False
     row_sums: bool = False
+    split: Callable[[Tensor], Tensor] | None = None
 
 
 def ring_fused_head(lm: nn.Module, cp: Any, options: HeadOptions) -> None:
@@ -103,10 +107,13 @@ def _ring_forward(
     label_mask = kwargs["labels"][:, 1:] != IGNORE_INDEX
     if opt.row_sums:
         rows = batch["input_ids"].shape[0]
+        tail = None if opt.split is None else opt.split(label_mask) & label_mask  # [R, N - 1]
+        where = None if tail is None else torch.cat([tail, tail.new_zeros((rows, 1))], 1)  # [R, N]: by position
         if opt.pack:
-            batch = pack_rows(batch)[0]
-        sums = _sums(lm, inner, state, batch, opt, per_document=opt.pack)
-        full = plant_row_sums({k: v[:rows] for k, v in sums.items()}, label_mask)
+            batch, keep = pack_rows(batch)
+            where = None if where is None else where[keep][None]
+        sums = _sums(lm, inner, state, batch, opt, per_document=opt.pack, tail=where)
+        full = plant_row_sums({k: v[:rows] for k, v in sums.items()}, label_mask, tail)
     elif opt.pack:
         packed, keep = pack_rows(batch)
         full = _token_values(lm, inner, state, packed, opt)
@@ -157,17 +164,36 @@ def _sums(
     batch: dict[str, Tensor],
     opt: HeadOptions,
     per_document: bool,
+    tail: Tensor | None = None,
 ) -> dict[str, Tensor]:
     """Sums of each field over each row's (or packed document's) labelled tokens, ``[R]`` per field,
-    over the CP group (the backward: this rank's tokens' gradient, times ``P``)."""
+    over the CP group (the backward: this rank's tokens' gradient, times ``P``). ``tail``: ``[B, N]``
+    of ``batch``, the positions whose log-probabilities are summed apart (``log_probs_tail``)."""
     sharded, local = _local(lm, inner, state, batch, opt)
     ctx = sharded[KEY]
-    labelled = (sharded["shift_labels"] != IGNORE_INDEX).float()
+    labelled = sharded["shift_labels"] != IGNORE_INDEX
     names = ["log_probs", *opt.stats]
-    values = torch.stack([local[k].float() * labelled for k in names], -1)  # [B, S_local, K]
+    weights = {k: labelled.float() for k in names}
+    if tail is not None:
+        pos = _positions(ctx, labelled.shape[0]).to(labelled.device)  # [B, S_local], -1 on padding
+        local_tail = tail.gather(1, pos.clamp(0, tail.shape[1] - 1)) & (pos >= 0) & labelled
+        weights["log_probs"] = (labelled & ~local_tail).float()
+        weights["log_probs_tail"] = local_tail.float()
+        names.append("log_probs_tail")
+    values = torch.stack([local[k.removesuffix("_tail")].float() * weights[k] for k in names], -1)  # [B, S, K]
     sums = sequence_sums(ctx, values, per_document=per_document, grad_scale=float(ctx.size))
     sums = sums[0] if per_document else sums  # one packed row: [D, K], its documents are the rows
     return dict(zip(names, sums.unbind(-1), strict=True))
+
+
+def _positions(ctx: Any, batch: int) -> Tensor:
+    """``[B, S_local]`` int64: the position in its batch row of every token this rank holds (the
+    batch's layout), ``-1`` for the zigzag's padding."""
+    out = torch.full((batch, ctx.layout.local), -1, dtype=torch.long)
+    for b in range(batch):
+        for seg in ctx.layout.segments(ctx.rank, b):
+            out[b, seg.local : seg.local + seg.stop - seg.start] = torch.arange(seg.start, seg.stop)
+    return out
 
 
 class RingTrainerForTRL(RingTrainer):
@@ -178,7 +204,8 @@ class RingTrainerForTRL(RingTrainer):
 
     _cp: ContextParallel | None
     _fused_pack = False  # RingDPOTrainer with padding_free=True
-    _fused_row_sums = False  # RingDPOTrainer without ld_alpha: per-row sums, no gathered tokens
+    _fused_row_sums = False  # RingDPOTrainer: per-row sums, no gathered tokens
+    _fused_split: Callable[[Tensor], Tensor] | None = None  # RingDPOTrainer with ld_alpha
 
     def _ring_init(self, model: Any, args: Any, stats: tuple[str, ...], temperature: float = 1.0, **kw: Any) -> None:
         name = type(self).__name__
@@ -209,7 +236,7 @@ class RingTrainerForTRL(RingTrainer):
             if m is not None:
                 lm = m.get_base_model() if is_peft_model(m) else m
                 opts = HeadOptions(self._fused_stats, self._fused_temperature, pack=self._fused_pack,
-                                   row_sums=self._fused_row_sums)  # fmt: skip
+                                   row_sums=self._fused_row_sums, split=self._fused_split)  # fmt: skip
                 ring_fused_head(lm, lambda: self._cp, opts)
 
     def compute_loss(self, model: Any, inputs: dict[str, Any], *args: Any, **kwargs: Any) -> Any:

@@ -5,10 +5,11 @@ TRL's ``DPOTrainer`` hands its fused LM head ``R = 2B`` right-padded rows (the c
 rejected completions) and reads the per-token outputs ``[R, N - 1]`` only through sums over each
 row's completion tokens (``trl/trainer/dpo_trainer.py``, ``_compute_loss`` and
 ``compute_ref_log_probs``, TRL 1.16: ``log_probs.sum(1)``, the masked sums of ``entropy``,
-``mean_logits``, ``log_sum_sq_probs``, the masked count of ``is_top1``; ``ld_alpha`` is the
-exception: it splits each row's sum at a position). ``pack_rows`` / ``unpack_rows`` move rows into
-one packed row and back; ``plant_row_sums`` builds ``[R, N - 1]`` tensors whose masked row sums are
-given per-row sums, so no per-token value has to be gathered over the CP group.
+``mean_logits``, ``log_sum_sq_probs``, the masked count of ``is_top1``; with ``ld_alpha`` the
+log-probabilities' sums over two parts of each row: the tokens within the shorter completion of the
+pair, and the rest). ``pack_rows`` / ``unpack_rows`` move rows into one packed row and back;
+``plant_row_sums`` builds ``[R, N - 1]`` tensors whose masked row sums are given per-row sums, so
+no per-token value has to be gathered over the CP group.
 """
 
 from __future__ import annotations
@@ -53,14 +54,28 @@ def unpack_rows(values: Tensor, keep: Tensor) -> Tensor:
     return out.index_copy(0, flat, values[0]).view(*keep.shape, *values.shape[2:])
 
 
-def plant_row_sums(sums: dict[str, Tensor], label_mask: Tensor) -> dict[str, Tensor]:
+def _first(mask: Tensor) -> Tensor:
+    """``[R, N]`` float: 1 at each row's first ``True`` of ``mask``, 0 elsewhere (and on rows without one)."""
+    return (F.one_hot(mask.float().argmax(1), mask.shape[1]) * mask.any(1, keepdim=True)).float()
+
+
+def plant_row_sums(sums: dict[str, Tensor], label_mask: Tensor, tail: Tensor | None = None) -> dict[str, Tensor]:
     """``[R, N - 1]`` tensors whose sums over each row's ``label_mask`` are the given per-row
     ``sums[k] [R]``: the sum sits at the row's first labelled position (differentiable), and for
     ``is_top1`` (a count) the row's first ``sums["is_top1"]`` labelled positions are ``True``. Zero
-    (``False``) everywhere else, and on rows without labels."""
+    (``False``) everywhere else, and on rows without labels. With ``tail [R, N - 1]`` (positions
+    whose log-probabilities TRL sums apart: DPO's ``ld_alpha``), ``sums["log_probs"]`` is the sum
+    over the labelled positions outside ``tail``, planted at the first of them, and
+    ``sums["log_probs_tail"]`` the sum over the labelled ``tail``, planted at its first position."""
     mask = label_mask.bool()
-    first = F.one_hot(mask.float().argmax(1), mask.shape[1]) * mask.any(1, keepdim=True)  # [R, N - 1]
-    out = {k: v[:, None] * first.to(v.dtype) for k, v in sums.items() if k != "is_top1"}
+    first = _first(mask)
+    out = {k: v[:, None] * first.to(v.dtype) for k, v in sums.items() if k not in ("is_top1", "log_probs_tail")}
+    if tail is not None:
+        tail = tail.bool() & mask
+        lp, lp_tail = sums["log_probs"], sums["log_probs_tail"]
+        out["log_probs"] = lp[:, None] * _first(mask & ~tail).to(lp.dtype) + lp_tail[:, None] * _first(tail).to(
+            lp.dtype
+        )
     if "is_top1" in sums:
         count = sums["is_top1"].detach().round().long()
         out["is_top1"] = mask & (mask.long().cumsum(1) <= count[:, None])
