@@ -238,3 +238,29 @@ def test_fsdp2_over_dp_shard_x_cp_equals_one_process(tmp_path, trainer: str) -> 
                 assert err <= 2e-5, f"step {step + 1} {name}: relative gradient error {err}"
     print(f"{trainer} dp_shard 2 x cp 2, FSDP2: metrics max abs {worst['metric']:.2e}; gradients max error "
           f"relative to the parameter's largest {worst['grad']:.2e}")  # fmt: skip
+
+
+def dp_shard_without_fsdp(out: str) -> str:
+    from accelerate.parallelism_config import ParallelismConfig
+    from datasets import Dataset
+
+    from hf_ring.trainer import RingTrainer, RingTrainingArguments
+    from testkit.models import tiny_model
+    from testkit.spawn import launcher_env
+
+    launcher_env()
+    args = RingTrainingArguments(output_dir=out, use_cpu=True, report_to="none",
+                                 parallelism_config=ParallelismConfig(dp_shard_size=2, cp_size=2))  # fmt: skip
+    data = Dataset.from_list(_lm_data())
+    RingTrainer(model=tiny_model("llama", "ring", vocab_size=VOCAB), args=args, train_dataset=data)
+    return "built"
+
+
+def test_dp_shard_without_fsdp_is_one_clear_error_on_every_rank(tmp_path) -> None:
+    from testkit.spawn import run_ranks
+
+    with pytest.raises(RuntimeError) as err:
+        run_ranks(4, dp_shard_without_fsdp, str(tmp_path), timeout=MESH_TIMEOUT)
+    msg = str(err.value)
+    assert "failed on 4 rank(s)" in msg and "dp_shard_size=2 shards the model with FSDP2" in msg
+    assert 'set fsdp="full_shard"' in msg and "or set dp_shard_size to 1" in msg
