@@ -178,18 +178,14 @@ def assert_same_runs(case: str, ring: list[dict], ref: dict, name: str, ref_name
 
 
 def test_pack_rows_keeps_each_row_a_document_and_refuses_what_it_cannot_pack() -> None:
-    from hf_ring.trainer.rows import pack_rows, unpack_rows
+    from hf_ring.trainer.rows import pack_rows
 
     ids = torch.arange(1, 13).view(3, 4)
     mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1], [1, 0, 0, 0]])
     packed, keep = pack_rows({"input_ids": ids, "labels": ids.masked_fill(mask == 0, -100), "attention_mask": mask})
     assert packed["input_ids"].tolist() == [[1, 2, 3, 5, 6, 7, 8, 9]]
     assert packed["position_ids"].tolist() == [[0, 1, 2, 0, 1, 2, 3, 0]]
-    values = torch.randn(1, 8, requires_grad=True)
-    rows = unpack_rows(values, keep)
-    assert rows.shape == (3, 4) and rows[mask == 0].eq(0).all() and rows[mask.bool()].equal(values[0].detach())
-    (rows * torch.arange(12.0).view(3, 4)).sum().backward()
-    assert values.grad.tolist() == [[0.0, 1.0, 2.0, 4.0, 5.0, 6.0, 7.0, 8.0]]
+    assert keep.equal(mask.bool())
     with pytest.raises(NotImplementedError, match="padding that is not on the right.*padding_free=False"):
         pack_rows({"input_ids": ids, "attention_mask": mask.flip(1)})
     with pytest.raises(NotImplementedError, match="position_ids"):

@@ -20,9 +20,10 @@ adapter disabled, or ``precompute_ref_log_probs=True`` (computed once, under CP 
 ``padding_free=True`` (TRL's name; TRL 1.16's own ``DPOTrainer`` falls back to padding) runs the
 chosen and rejected rows of each micro-batch as the packed documents of one row, with positions
 restarting at 0 at each document (``pack_rows``: no padding enters the ring, no token sees another
-document); the per-token values are put back in TRL's padded ``[2B, N - 1]`` rows, so its loss code
-runs unchanged. Loss, gradients and metrics are those of one-process ``DPOTrainer`` on the same
-data, padded or packed (tests/test_dpo.py). Pass the model loaded with ``attn_implementation="ring"`` (not a name).
+document); each document's sums (``sequence_sums(..., per_document=True)``) are planted in TRL's
+padded ``[2B, N - 1]`` rows, so its loss code runs unchanged. Loss, gradients and metrics are
+those of one-process ``DPOTrainer`` on the same data, padded or packed (tests/test_dpo.py). Pass
+the model loaded with ``attn_implementation="ring"`` (not a name).
 """
 
 from __future__ import annotations

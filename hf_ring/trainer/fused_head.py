@@ -34,7 +34,7 @@ from ..transformers.batch import shard_batch
 from ..transformers.context import KEY
 from ..transformers.sequence import gather_tokens, sequence_logprobs, sequence_sums
 from .mesh import adopt_parallelism_config, parallelism_sizes
-from .rows import pack_rows, plant_row_sums, unpack_rows
+from .rows import pack_rows, plant_row_sums
 from .trainer import RingTrainer, resolve_ulysses_size
 
 __all__ = ["HeadOptions", "RingTrainerForTRL", "ring_fused_head"]
@@ -56,7 +56,8 @@ class HeadOptions:
 
     ``stats``: the per-token fields TRL asked its head for besides ``log_probs``; ``temperature``:
     the one it divides the logits by; ``pad_token_id``: pads the rows to the zigzag's multiple;
-    ``pack``: the batch's right-padded rows run as the documents of one row (``pack_rows``);
+    ``pack``: the batch's right-padded rows run as the documents of one row (``pack_rows``; with
+    ``row_sums``, their sums are per document);
     ``row_sums``: TRL reads the outputs only through sums over each row's labelled tokens (DPO):
     each row's sums come from ``sequence_sums`` (a few floats per row over the CP group) and are
     planted in TRL's rows (``plant_row_sums``), no per-token value gathered; ``split``: from the
@@ -69,6 +70,10 @@ class HeadOptions:
     pack: bool = False
     row_sums: bool = False
     split: Callable[[Tensor], Tensor] | None = None
+
+    def __post_init__(self) -> None:
+        if self.pack and not self.row_sums:
+            raise ValueError("HeadOptions: pack=True needs row_sums=True (packed rows give per-document sums)")
 
 
 def ring_fused_head(lm: nn.Module, cp: Any, options: HeadOptions) -> None:
@@ -114,10 +119,6 @@ def _ring_forward(
             where = None if where is None else where[keep][None]
         sums = _sums(lm, inner, state, batch, opt, per_document=opt.pack, tail=where)
         full = plant_row_sums({k: v[:rows] for k, v in sums.items()}, label_mask, tail)
-    elif opt.pack:
-        packed, keep = pack_rows(batch)
-        full = _token_values(lm, inner, state, packed, opt)
-        full = {k: unpack_rows(v[:, : int(keep.sum())], keep)[:, : n - 1] for k, v in full.items()}
     else:
         mask = batch.get("attention_mask")
         shift = None

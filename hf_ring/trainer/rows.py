@@ -7,7 +7,7 @@ row's completion tokens (``trl/trainer/dpo_trainer.py``, ``_compute_loss`` and
 ``compute_ref_log_probs``, TRL 1.16: ``log_probs.sum(1)``, the masked sums of ``entropy``,
 ``mean_logits``, ``log_sum_sq_probs``, the masked count of ``is_top1``; with ``ld_alpha`` the
 log-probabilities' sums over two parts of each row: the tokens within the shorter completion of the
-pair, and the rest). ``pack_rows`` / ``unpack_rows`` move rows into one packed row and back;
+pair, and the rest). ``pack_rows`` moves rows into one packed row (its documents);
 ``plant_row_sums`` builds ``[R, N - 1]`` tensors whose masked row sums are given per-row sums, so
 no per-token value has to be gathered over the CP group.
 """
@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["pack_rows", "plant_row_sums", "unpack_rows"]
+__all__ = ["pack_rows", "plant_row_sums"]
 
 
 def pack_rows(batch: dict[str, Tensor]) -> tuple[dict[str, Tensor], Tensor]:
@@ -44,14 +44,6 @@ def pack_rows(batch: dict[str, Tensor]) -> tuple[dict[str, Tensor], Tensor]:
     pos = torch.cat([torch.arange(int(n), device=ids.device) for n in lengths.tolist()])
     packed = {k: batch[k][keep][None] for k in ("input_ids", "labels") if batch.get(k) is not None}
     return {**packed, "position_ids": pos[None]}, keep
-
-
-def unpack_rows(values: Tensor, keep: Tensor) -> Tensor:
-    """``values [1, T, ...]`` of a ``pack_rows`` row back in the rows ``[R, N, ...]`` (0 on padding);
-    differentiable."""
-    flat = keep.reshape(-1).nonzero().squeeze(1)
-    out = values.new_zeros((keep.numel(), *values.shape[2:]))
-    return out.index_copy(0, flat, values[0]).view(*keep.shape, *values.shape[2:])
 
 
 def _first(mask: Tensor) -> Tensor:
