@@ -57,22 +57,42 @@ def _fixed_completions(cls: type) -> type:
     return Fixed
 
 
-def grpo_run(kind: str, case: str, out: str, tok_dir: str, fixed: bool = True, cp: int = 2, vllm: bool = False) -> dict:
-    """One run on this rank; ``vllm``: TRL's vLLM server mode, its client the stand-in ``testkit.vllm_standin``."""
+def grpo_run(
+    kind: str, case: str, out: str, tok_dir: str, fixed: bool = True, cp: int = 2, vllm: bool = False,
+    mesh: bool = False,
+) -> dict:  # fmt: skip
+    """One run on this rank (``kind``: ``ring``, ``ref`` one process, ``ddp`` TRL over the launched processes);
+    ``vllm``: TRL's vLLM server mode, its client the stand-in ``testkit.vllm_standin``; ``mesh``: the ring's
+    CP size from ``ParallelismConfig(dp_shard_size=2, cp_size=cp)``, with FSDP2 (``testkit.fsdp``)."""
+    from contextlib import nullcontext
+
+    more: dict = {}
+    if mesh:
+        from accelerate.parallelism_config import ParallelismConfig
+
+        more["parallelism_config"] = ParallelismConfig(dp_shard_size=2, cp_size=cp)
+        cp = 1  # from the config
     if not vllm:
         return _grpo_run(kind, case, out, tok_dir, fixed, cp)
     import trl.generation.vllm_generation as vg
 
+    from testkit.fsdp import fsdp2_on_cpu
     from testkit.vllm_standin import VLLMClientStandIn
 
     before = vg.is_vllm_available, vg.VLLMClient
     vg.is_vllm_available, vg.VLLMClient = (lambda: True), VLLMClientStandIn
     VLLMClientStandIn.requests, VLLMClientStandIn.synced = [], []
     try:
-        res = _grpo_run(kind, case, out, tok_dir, False, cp, use_vllm=True, vllm_mode="server")
+        with fsdp2_on_cpu() if mesh else nullcontext():
+            res = _grpo_run(kind, case, out, tok_dir, False, cp, use_vllm=True, vllm_mode="server", **more)
     finally:
         vg.is_vllm_available, vg.VLLMClient = before
     return {**res, "requests": VLLMClientStandIn.requests, "synced": VLLMClientStandIn.synced}
+
+
+def _whole(grad: torch.Tensor) -> np.ndarray:
+    """A gradient, gathered when FSDP2 holds it as ``DTensor`` shards."""
+    return (grad.full_tensor() if hasattr(grad, "full_tensor") else grad).detach().numpy().copy()
 
 
 def _grpo_run(kind: str, case: str, out: str, tok_dir: str, fixed: bool, cp: int, **more: object) -> dict:
@@ -86,13 +106,13 @@ def _grpo_run(kind: str, case: str, out: str, tok_dir: str, fixed: bool, cp: int
     spec = dict(CASES[case])
     lora = spec.pop("lora")
     ring = kind == "ring"
-    if ring:
+    if kind != "ref":
         launcher_env()
     common = dict(output_dir=out, max_steps=2, per_device_train_batch_size=4, gradient_accumulation_steps=2,
                   num_generations=4, max_completion_length=16, learning_rate=0.05, optim="sgd", logging_steps=1,
                   report_to="none", use_cpu=True, disable_tqdm=True, bf16=False, save_strategy="no", seed=0,
                   **spec, **more)  # fmt: skip
-    args = RingGRPOConfig(cp_size=cp, **common) if ring else GRPOConfig(**common)
+    args = RingGRPOConfig(cp_size=cp, **common) if ring else GRPOConfig(**common)  # type: ignore[arg-type]
     cls = RingGRPOTrainer if ring else GRPOTrainer
     cls = _fixed_completions(cls) if fixed else cls
     model = tiny_model("llama", "ring" if ring else "sdpa", vocab_size=VOCAB)
@@ -105,7 +125,7 @@ def _grpo_run(kind: str, case: str, out: str, tok_dir: str, fixed: bool, cp: int
 
     class Keep(TrainerCallback):
         def on_pre_optimizer_step(self, args, state, control, **kwargs):  # noqa: ANN001
-            grads.append({n: p.grad.detach().numpy().copy() for n, p in trainer.model.named_parameters()
+            grads.append({n: _whole(p.grad) for n, p in trainer.model.named_parameters()
                           if p.requires_grad and p.grad is not None})  # fmt: skip
 
     SEEN.clear()
@@ -181,6 +201,23 @@ def test_refusals() -> None:
     _refuse(Args())  # server mode: one request per CP group
     Args.cp_size, Args.vllm_mode = 1, "colocate"
     _refuse(Args())
+
+
+@pytest.mark.parametrize("mesh", [False, True])
+def test_ring_grpo_trainer_vllm_server_mode_dp2_matches_trl_over_2_processes(tmp_path: Path, mesh: bool) -> None:
+    """4 processes, 2 CP groups of 2 (``cp_size=2``, DDP; or ``ParallelismConfig(dp_shard_size=2, cp_size=2)``
+    with FSDP2 over all 4): the vLLM server (stand-in) is asked once per generation for the 2 groups'
+    prompts, as TRL's ``GRPOTrainer`` on 2 processes asks for its 2 processes', and the runs are equal."""
+    _tokenizer(tmp_path / "tok")
+    tok = str(tmp_path / "tok")
+    ring = run_ranks(4, grpo_run, "ring", "full-dapo", str(tmp_path / "ring"), tok, False, 2, True, mesh,
+                     timeout=400)  # fmt: skip
+    ddp = run_ranks(2, grpo_run, "ddp", "full-dapo", str(tmp_path / "ddp"), tok, False, 2, True, timeout=300)
+    assert all(r["cp"] == 2 for r in ring) and len(ring[0]["logs"]) == len(ddp[0]["logs"]) == 2
+    assert ring[0]["requests"] == ddp[0]["requests"] and [len(q) for q in ring[0]["requests"]] == [4, 4]
+    assert all(not r["requests"] for r in ring[1:])
+    assert ring[0]["seen"] == ring[1]["seen"] == ddp[0]["seen"] and ring[2]["seen"] == ring[3]["seen"] == ddp[1]["seen"]
+    assert_same_runs(f"vllm-server-dp2-cp2{'-fsdp2' if mesh else ''}", ring, ddp[0], "RingGRPOTrainer", "GRPOTrainer")
 
 
 def test_one_request_per_cp_group_asks_each_group_once_and_hands_its_ranks_the_same_completions() -> None:

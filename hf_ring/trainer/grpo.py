@@ -39,6 +39,7 @@ from trl import GRPOConfig, GRPOTrainer
 
 from .arguments import RingTrainingArguments
 from .fused_head import RingTrainerForTRL
+from .mesh import parallelism_sizes
 
 __all__ = ["RingGRPOConfig", "RingGRPOTrainer", "one_request_per_cp_group"]
 
@@ -48,11 +49,21 @@ class RingGRPOConfig(GRPOConfig, RingTrainingArguments):
     """``trl.GRPOConfig`` (its defaults) plus ``cp_size``, ``ulysses_size``, ``chunked_loss``, ``tiled_mlp``,
     ``activation_offload``. The generation batch spans the DP replicas (``world_size / cp_size``
     processes, not ``world_size``), and each replica's share holds whole groups of
-    ``num_generations`` completions."""
+    ``num_generations`` completions. A ``parallelism_config`` with ``cp_size > 1`` (which TRL's
+    ``GRPOConfig`` refuses: its CP would shard the raw generation batch) is hf_ring's CP size."""
 
     def __post_init__(self) -> None:
         given = self.generation_batch_size
-        super().__post_init__()
+        pc = self.parallelism_config
+        sizes = parallelism_sizes(self)
+        if sizes is not None and self.cp_size == 1:
+            self.cp_size = sizes["cp_size"]
+        if pc is not None and sizes is not None:
+            self.parallelism_config = None  # hidden from GRPOConfig's check; RingGRPOTrainer adopts it
+        try:
+            super().__post_init__()
+        finally:
+            self.parallelism_config = pc
         cp = self.cp_size or 1
         if cp <= 1:
             return
