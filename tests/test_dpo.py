@@ -35,6 +35,9 @@ CASES = {
     "full-sigmoid+ipo-packed": dict(loss_type=["sigmoid", "ipo"], loss_weights=[1.0, 0.5], lora=False, ref=True,
                                     padding_free=True, ld_alpha=0.5, evals=True),
     "lora-sigmoid-packed-cp4": dict(loss_type=["sigmoid"], lora=True, ref=False, cp=4, padding_free=True),
+    # packed under Ulysses x ring (cp_size=4 = ulysses 2 x ring 2), ld_alpha's two sums per document
+    "full-hinge-packed-ulysses2x2-ld_alpha": dict(loss_type=["hinge"], lora=False, ref=True, cp=4, ulysses=2,
+                                                  padding_free=True, ld_alpha=0.3),
     "precomputed-hinge-ld_alpha": dict(loss_type=["hinge"], lora=False, ref=True, precompute_ref_log_probs=True,
                                        ld_alpha=0.5),
 }  # fmt: skip
