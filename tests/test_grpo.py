@@ -216,6 +216,7 @@ def test_ring_grpo_trainer_vllm_server_mode_dp2_matches_trl_over_2_processes(tmp
     assert all(r["cp"] == 2 for r in ring) and len(ring[0]["logs"]) == len(ddp[0]["logs"]) == 2
     assert ring[0]["requests"] == ddp[0]["requests"] and [len(q) for q in ring[0]["requests"]] == [4, 4]
     assert all(not r["requests"] for r in ring[1:])
+    assert ring[0]["synced"] == ddp[0]["synced"] and ddp[0]["synced"][0] > 0  # every weight streamed, FSDP2 too
     assert ring[0]["seen"] == ring[1]["seen"] == ddp[0]["seen"] and ring[2]["seen"] == ring[3]["seen"] == ddp[1]["seen"]
     assert_same_runs(f"vllm-server-dp2-cp2{'-fsdp2' if mesh else ''}", ring, ddp[0], "RingGRPOTrainer", "GRPOTrainer")
 
