@@ -38,6 +38,8 @@ CASES = {
     # packed under Ulysses x ring (cp_size=4 = ulysses 2 x ring 2), ld_alpha's two sums per document
     "full-hinge-packed-ulysses2x2-ld_alpha": dict(loss_type=["hinge"], lora=False, ref=True, cp=4, ulysses=2,
                                                   padding_free=True, ld_alpha=0.3),
+    "precomputed-sigmoid-packed": dict(loss_type=["sigmoid"], lora=False, ref=True, precompute_ref_log_probs=True,
+                                       padding_free=True),
     "precomputed-hinge-ld_alpha": dict(loss_type=["hinge"], lora=False, ref=True, precompute_ref_log_probs=True,
                                        ld_alpha=0.5),
 }  # fmt: skip
