@@ -4,7 +4,9 @@ logged metrics (but the two reward standard deviations, which TRL takes over eve
 -- full fine-tuning with the ``dapo`` loss and LoRA with the ``grpo`` loss, the KL term against the
 adapter-disabled reference and a sampling temperature; gradient accumulation over 2 micro-batches.
 And generation as TRL does it: the ranks of a CP group train on the same completions, from
-transformers' ``generate`` or from TRL's vLLM server mode (its client a stand-in, at CP = 2 and 4)."""
+transformers' ``generate`` or from TRL's vLLM server mode (its client a stand-in, at CP = 2 and 4,
+and on 4 processes as DP 2 x CP 2 against TRL's ``GRPOTrainer`` on 2, with DDP or through
+``ParallelismConfig(dp_shard_size=2, cp_size=2)`` with FSDP2)."""
 
 from __future__ import annotations
 
