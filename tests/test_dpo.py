@@ -3,8 +3,9 @@ and pairs, float32: the loss, every gradient (each parameter's, at every optimiz
 DDP's averaging) and every logged metric (rewards, margins, accuracies, log-probabilities, logits,
 entropy, token accuracy, token count) -- full fine-tuning with a reference model and two loss
 types at once, LoRA with the adapter disabled as reference, precomputed reference
-log-probabilities with ``ld_alpha``, CP asked for through accelerate's ``ParallelismConfig``, and
-Ulysses (``ulysses_size=2``);
+log-probabilities with ``ld_alpha``, CP asked for through accelerate's ``ParallelismConfig``,
+Ulysses (``ulysses_size=2``), and ``padding_free=True`` (the pairs of a micro-batch packed as
+documents of one row, at CP = 2 and 4; TRL's own ``DPOTrainer`` pads: the reference);
 gradient accumulation over 2 micro-batches throughout."""
 
 from __future__ import annotations
@@ -30,6 +31,15 @@ CASES = {
     "lora-sigmoid-cp4": dict(loss_type=["sigmoid"], lora=True, ref=False, cp=4),
     # Ulysses inside the CP group (ulysses_size=2 of cp_size=2: the all-to-all over heads, no ring)
     "full-sigmoid-ulysses": dict(loss_type=["sigmoid"], lora=False, ref=True, ulysses=2),
+    # padding_free=True: the 2 pairs of a micro-batch run as 4 packed documents of one row (TRL pads: the reference)
+    "full-sigmoid+ipo-packed": dict(loss_type=["sigmoid", "ipo"], loss_weights=[1.0, 0.5], lora=False, ref=True,
+                                    padding_free=True, ld_alpha=0.5, evals=True),
+    "lora-sigmoid-packed-cp4": dict(loss_type=["sigmoid"], lora=True, ref=False, cp=4, padding_free=True),
+    # packed under Ulysses x ring (cp_size=4 = ulysses 2 x ring 2), ld_alpha's two sums per document
+    "full-hinge-packed-ulysses2x2-ld_alpha": dict(loss_type=["hinge"], lora=False, ref=True, cp=4, ulysses=2,
+                                                  padding_free=True, ld_alpha=0.3),
+    "precomputed-sigmoid-packed": dict(loss_type=["sigmoid"], lora=False, ref=True, precompute_ref_log_probs=True,
+                                       padding_free=True),
     "precomputed-hinge-ld_alpha": dict(loss_type=["hinge"], lora=False, ref=True, precompute_ref_log_probs=True,
                                        ld_alpha=0.5),
 }  # fmt: skip
@@ -106,11 +116,24 @@ def dpo_run(kind: str, case: str, out: str, tok_dir: str, data_dir: str) -> dict
                   eval_dataset=load_from_disk(data_dir) if evals else None,
                   processing_class=AutoTokenizer.from_pretrained(tok_dir), callbacks=[keep], **extra)  # fmt: skip
     holder[0] = trainer.model
-    trainer.train()
+    rows: list[int] = []
+    gathered: list[int] = []
+    if ring:  # the batches the ring ran (one packed row per micro-batch with padding_free=True); per-token gathers
+        from hf_ring.trainer import fused_head
+
+        shard, gather = fused_head.shard_batch, fused_head.gather_tokens
+        fused_head.shard_batch = lambda batch, **kw: rows.append(batch["input_ids"].shape[0]) or shard(batch, **kw)
+        fused_head.gather_tokens = lambda *a, **kw: gathered.append(1) or gather(*a, **kw)
+    try:
+        trainer.train()
+    finally:
+        if ring:
+            fused_head.shard_batch, fused_head.gather_tokens = shard, gather
     logs = [{k: v for k, v in h.items() if k not in SKIP and not k.endswith(("_runtime", "_per_second"))}
             for h in trainer.state.log_history if "loss" in h or "eval_loss" in h]  # fmt: skip
     state = getattr(trainer, "_cp", None)
-    return {"logs": logs, "grads": keep.steps, "cp": getattr(trainer, "cp_size", None),
+    return {"logs": logs, "grads": keep.steps, "cp": getattr(trainer, "cp_size", None), "rows": sorted(set(rows)),
+            "gathered": bool(gathered),
             "ulysses": state.ulysses_size if state is not None else None}  # fmt: skip
 
 
@@ -127,6 +150,10 @@ def test_ring_dpo_trainer_cp2_matches_single_process_dpo_trainer(tmp_path: Path,
     ref = run_ranks(1, dpo_run, "ref", case, str(tmp_path / "ref"), *run, str(tmp_path / "pairs-ref"), timeout=300)[0]
     assert ring[0]["cp"] == cp and len(ref["logs"]) == len(ring[0]["logs"]) == 2 + bool(CASES[case].get("evals"))
     assert ring[0]["ulysses"] == CASES[case].get("ulysses", 1)
+    packed = CASES[case].get("padding_free", False)
+    assert ring[0]["rows"] == ([1] if packed else [4]), ring[0]["rows"]  # 2 pairs: 4 rows, or 1 packed
+    # TRL reads per-row sums only (sequence_sums, two per row with ld_alpha): nothing gathered per token
+    assert not ring[0]["gathered"]
     assert len(ref["grads"]) == len(ring[0]["grads"]) == 2
     assert_same_runs(case, ring, ref, "RingDPOTrainer", "DPOTrainer")
 
@@ -153,3 +180,62 @@ def assert_same_runs(case: str, ring: list[dict], ref: dict, name: str, ref_name
                 assert err <= 2e-5, f"step {step} {param}: relative gradient error {err}"
     print(f"{case}: metrics max abs {worst['metric']:.2e} (rel {worst['metric_rel']:.2e}); gradients max error "
           f"relative to the parameter's largest gradient {worst['grad']:.2e}")  # fmt: skip
+
+
+def test_pack_rows_keeps_each_row_a_document_and_refuses_what_it_cannot_pack() -> None:
+    from hf_ring.trainer.rows import pack_rows
+
+    ids = torch.arange(1, 13).view(3, 4)
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1], [1, 0, 0, 0]])
+    packed, keep = pack_rows({"input_ids": ids, "labels": ids.masked_fill(mask == 0, -100), "attention_mask": mask})
+    assert packed["input_ids"].tolist() == [[1, 2, 3, 5, 6, 7, 8, 9]]
+    assert packed["position_ids"].tolist() == [[0, 1, 2, 0, 1, 2, 3, 0]]
+    assert keep.equal(mask.bool())
+    with pytest.raises(NotImplementedError, match="padding that is not on the right.*padding_free=False"):
+        pack_rows({"input_ids": ids, "attention_mask": mask.flip(1)})
+    with pytest.raises(NotImplementedError, match="position_ids"):
+        pack_rows({"input_ids": ids, "position_ids": ids})
+
+
+def test_planted_row_sums_give_trl_its_masked_row_sums() -> None:
+    """What TRL's DPO reads from its fused head (masked row sums, the masked count of ``is_top1``) equals the
+    given per-row sums; the gradient reaches them."""
+    from hf_ring.trainer.rows import plant_row_sums
+
+    mask = torch.tensor([[0, 1, 1, 0], [1, 1, 1, 1], [0, 0, 0, 0]], dtype=torch.bool)
+    lp = torch.tensor([-3.5, -7.25, 0.0], requires_grad=True)
+    out = plant_row_sums({"log_probs": lp, "entropy": torch.tensor([1.5, 2.0, 0.0]),
+                          "is_top1": torch.tensor([1.0, 3.0, 0.0])}, mask)  # fmt: skip
+    assert out["log_probs"].sum(1).tolist() == [-3.5, -7.25, 0.0] and (out["log_probs"] * ~mask).abs().sum() == 0
+    assert (out["entropy"] * mask).sum(1).tolist() == [1.5, 2.0, 0.0]
+    assert (out["is_top1"] & mask).sum(1).tolist() == [1, 3, 0] and out["is_top1"].dtype == torch.bool
+    (out["log_probs"].sum(1) * torch.tensor([1.0, 2.0, 3.0])).sum().backward()
+    assert lp.grad.tolist() == [1.0, 2.0, 0.0]  # a row without labels: nothing planted
+    # ld_alpha: two sums per row, read by TRL through its shared and tail masks (the tail of row 1: its last 2)
+    from hf_ring.trainer.dpo import ld_alpha_tail
+
+    mask = torch.tensor([[0, 1, 1, 1, 1], [0, 0, 1, 1, 0]], dtype=torch.bool)  # chosen 4 tokens, rejected 2
+    tail = ld_alpha_tail(mask)
+    assert (tail & mask).tolist() == [[False, False, False, True, True], [False] * 5]
+    out = plant_row_sums({"log_probs": torch.tensor([-1.0, -2.0]), "log_probs_tail": torch.tensor([-4.0, 0.0])},
+                         mask, tail)  # fmt: skip
+    comp_pos = mask.long().cumsum(1)  # TRL's masks
+    shared = (comp_pos > 0) & (comp_pos <= 2)
+    assert (out["log_probs"] * shared).sum(1).tolist() == [-1.0, -2.0]
+    assert (out["log_probs"] * (comp_pos > 2)).sum(1).tolist() == [-4.0, 0.0]
+
+
+def test_padding_free_without_context_parallelism_is_refused(tmp_path: Path) -> None:
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+
+    from hf_ring.trainer.dpo import RingDPOConfig, RingDPOTrainer
+    from testkit.models import tiny_model
+
+    _tokenizer(tmp_path / "tok")
+    args = RingDPOConfig(output_dir=str(tmp_path / "out"), padding_free=True, use_cpu=True, report_to="none",
+                         max_length=48)  # fmt: skip
+    models = {k: tiny_model("llama", "ring", vocab_size=VOCAB) for k in ("model", "ref_model")}
+    with pytest.raises(ValueError, match="padding_free=True packs.*cp_size > 1 or padding_free=False"):
+        RingDPOTrainer(args=args, train_dataset=Dataset.from_list(_pairs()),
+                       processing_class=AutoTokenizer.from_pretrained(str(tmp_path / "tok")), **models)  # fmt: skip

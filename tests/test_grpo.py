@@ -3,7 +3,10 @@ prompts, completions and rewards, float32: the loss, every gradient at every opt
 logged metrics (but the two reward standard deviations, which TRL takes over every process's copy)
 -- full fine-tuning with the ``dapo`` loss and LoRA with the ``grpo`` loss, the KL term against the
 adapter-disabled reference and a sampling temperature; gradient accumulation over 2 micro-batches.
-And generation as TRL does it: the ranks of a CP group train on the same completions."""
+And generation as TRL does it: the ranks of a CP group train on the same completions, from
+transformers' ``generate`` or from TRL's vLLM server mode (its client a stand-in, at CP = 2 and 4,
+and on 4 processes as DP 2 x CP 2 against TRL's ``GRPOTrainer`` on 2, with DDP or through
+``ParallelismConfig(dp_shard_size=2, cp_size=2)`` with FSDP2)."""
 
 from __future__ import annotations
 
@@ -56,7 +59,45 @@ def _fixed_completions(cls: type) -> type:
     return Fixed
 
 
-def grpo_run(kind: str, case: str, out: str, tok_dir: str, fixed: bool = True, cp: int = 2) -> dict:
+def grpo_run(
+    kind: str, case: str, out: str, tok_dir: str, fixed: bool = True, cp: int = 2, vllm: bool = False,
+    mesh: bool = False,
+) -> dict:  # fmt: skip
+    """One run on this rank (``kind``: ``ring``, ``ref`` one process, ``ddp`` TRL over the launched processes);
+    ``vllm``: TRL's vLLM server mode, its client the stand-in ``testkit.vllm_standin``; ``mesh``: the ring's
+    CP size from ``ParallelismConfig(dp_shard_size=2, cp_size=cp)``, with FSDP2 (``testkit.fsdp``)."""
+    from contextlib import nullcontext
+
+    more: dict = {}
+    if mesh:
+        from accelerate.parallelism_config import ParallelismConfig
+
+        more["parallelism_config"] = ParallelismConfig(dp_shard_size=2, cp_size=cp)
+        cp = 1  # from the config
+    if not vllm:
+        return _grpo_run(kind, case, out, tok_dir, fixed, cp)
+    import trl.generation.vllm_generation as vg
+
+    from testkit.fsdp import fsdp2_on_cpu
+    from testkit.vllm_standin import VLLMClientStandIn
+
+    before = vg.is_vllm_available, vg.VLLMClient
+    vg.is_vllm_available, vg.VLLMClient = (lambda: True), VLLMClientStandIn
+    VLLMClientStandIn.requests, VLLMClientStandIn.synced = [], []
+    try:
+        with fsdp2_on_cpu() if mesh else nullcontext():
+            res = _grpo_run(kind, case, out, tok_dir, False, cp, use_vllm=True, vllm_mode="server", **more)
+    finally:
+        vg.is_vllm_available, vg.VLLMClient = before
+    return {**res, "requests": VLLMClientStandIn.requests, "synced": VLLMClientStandIn.synced}
+
+
+def _whole(grad: torch.Tensor) -> np.ndarray:
+    """A gradient, gathered when FSDP2 holds it as ``DTensor`` shards."""
+    return (grad.full_tensor() if hasattr(grad, "full_tensor") else grad).detach().numpy().copy()
+
+
+def _grpo_run(kind: str, case: str, out: str, tok_dir: str, fixed: bool, cp: int, **more: object) -> dict:
     from datasets import Dataset
     from transformers import AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -67,13 +108,13 @@ def grpo_run(kind: str, case: str, out: str, tok_dir: str, fixed: bool = True, c
     spec = dict(CASES[case])
     lora = spec.pop("lora")
     ring = kind == "ring"
-    if ring:
+    if kind != "ref":
         launcher_env()
     common = dict(output_dir=out, max_steps=2, per_device_train_batch_size=4, gradient_accumulation_steps=2,
                   num_generations=4, max_completion_length=16, learning_rate=0.05, optim="sgd", logging_steps=1,
                   report_to="none", use_cpu=True, disable_tqdm=True, bf16=False, save_strategy="no", seed=0,
-                  **spec)  # fmt: skip
-    args = RingGRPOConfig(cp_size=cp, **common) if ring else GRPOConfig(**common)
+                  **spec, **more)  # fmt: skip
+    args = RingGRPOConfig(cp_size=cp, **common) if ring else GRPOConfig(**common)  # type: ignore[arg-type]
     cls = RingGRPOTrainer if ring else GRPOTrainer
     cls = _fixed_completions(cls) if fixed else cls
     model = tiny_model("llama", "ring" if ring else "sdpa", vocab_size=VOCAB)
@@ -86,7 +127,7 @@ def grpo_run(kind: str, case: str, out: str, tok_dir: str, fixed: bool = True, c
 
     class Keep(TrainerCallback):
         def on_pre_optimizer_step(self, args, state, control, **kwargs):  # noqa: ANN001
-            grads.append({n: p.grad.detach().numpy().copy() for n, p in trainer.model.named_parameters()
+            grads.append({n: _whole(p.grad) for n, p in trainer.model.named_parameters()
                           if p.requires_grad and p.grad is not None})  # fmt: skip
 
     SEEN.clear()
@@ -127,6 +168,23 @@ def test_ring_grpo_trainer_generates_once_per_cp_group(tmp_path: Path) -> None:
     assert all(np.isfinite(h["loss"]) for h in ring[0]["logs"]) and ring[0]["logs"] == ring[1]["logs"]
 
 
+@pytest.mark.parametrize("cp", [2, 4])
+def test_ring_grpo_trainer_vllm_server_mode_matches_single_process(tmp_path: Path, cp: int) -> None:
+    """``use_vllm=True, vllm_mode="server"`` (TRL's client replaced by ``testkit.vllm_standin``, whose
+    completions are a fixed function of the prompt): the server is asked for the CP group's prompts
+    once, exactly the prompts one process asks for, and the run (with vLLM's importance sampling
+    correction) equals one-process ``GRPOTrainer``'s."""
+    _tokenizer(tmp_path / "tok")
+    tok = str(tmp_path / "tok")
+    ring = run_ranks(cp, grpo_run, "ring", "full-dapo", str(tmp_path / "ring"), tok, False, cp, True, timeout=400)
+    ref = run_ranks(1, grpo_run, "ref", "full-dapo", str(tmp_path / "ref"), tok, False, 2, True, timeout=300)[0]
+    assert ring[0]["requests"] == ref["requests"] and len(ref["requests"]) == 2  # one generation batch per step
+    assert [len(q) for q in ref["requests"]] == [2, 2] and all(not r["requests"] for r in ring[1:])  # main process
+    assert ring[0]["synced"] == ref["synced"] and ref["synced"][0] > 0  # the weights were streamed
+    assert all(r["seen"] == ref["seen"] for r in ring), "the runs scored different completions"
+    assert_same_runs(f"vllm-server-cp{cp}", ring, ref, "RingGRPOTrainer", "GRPOTrainer")
+
+
 def test_refusals() -> None:
     from hf_ring.trainer.grpo import _refuse
 
@@ -138,5 +196,50 @@ def test_refusals() -> None:
     Args.scale_rewards, Args.entropy_coef = "group", 0.01
     with pytest.raises(NotImplementedError, match="entropy_coef"):
         _refuse(Args())
-    Args.cp_size = 1
+    Args.entropy_coef, Args.use_vllm, Args.vllm_mode = 0.0, True, "colocate"
+    with pytest.raises(NotImplementedError, match="use_vllm with vllm_mode='colocate'"):
+        _refuse(Args())
+    Args.vllm_mode = "server"
+    _refuse(Args())  # server mode: one request per CP group
+    Args.cp_size, Args.vllm_mode = 1, "colocate"
     _refuse(Args())
+
+
+@pytest.mark.parametrize("mesh", [False, True])
+def test_ring_grpo_trainer_vllm_server_mode_dp2_matches_trl_over_2_processes(tmp_path: Path, mesh: bool) -> None:
+    """4 processes, 2 CP groups of 2 (``cp_size=2``, DDP; or ``ParallelismConfig(dp_shard_size=2, cp_size=2)``
+    with FSDP2 over all 4): the vLLM server (stand-in) is asked once per generation for the 2 groups'
+    prompts, as TRL's ``GRPOTrainer`` on 2 processes asks for its 2 processes', and the runs are equal."""
+    _tokenizer(tmp_path / "tok")
+    tok = str(tmp_path / "tok")
+    ring = run_ranks(4, grpo_run, "ring", "full-dapo", str(tmp_path / "ring"), tok, False, 2, True, mesh,
+                     timeout=400)  # fmt: skip
+    ddp = run_ranks(2, grpo_run, "ddp", "full-dapo", str(tmp_path / "ddp"), tok, False, 2, True, timeout=300)
+    assert all(r["cp"] == 2 for r in ring) and len(ring[0]["logs"]) == len(ddp[0]["logs"]) == 2
+    assert ring[0]["requests"] == ddp[0]["requests"] and [len(q) for q in ring[0]["requests"]] == [4, 4]
+    assert all(not r["requests"] for r in ring[1:])
+    assert ring[0]["synced"] == ddp[0]["synced"] and ddp[0]["synced"][0] > 0  # every weight streamed, FSDP2 too
+    assert ring[0]["seen"] == ring[1]["seen"] == ddp[0]["seen"] and ring[2]["seen"] == ring[3]["seen"] == ddp[1]["seen"]
+    assert_same_runs(f"vllm-server-dp2-cp2{'-fsdp2' if mesh else ''}", ring, ddp[0], "RingGRPOTrainer", "GRPOTrainer")
+
+
+def test_one_request_per_cp_group_asks_each_group_once_and_hands_its_ranks_the_same_completions() -> None:
+    """World 4 = 2 CP groups of 2: TRL's main process gathers 4 ranks' prompts (1 distinct prompt each, n = 2
+    completions); the server is asked for the 2 groups' prompts, and ranks 0, 1 get group 0's completions."""
+    from hf_ring.trainer.grpo import one_request_per_cp_group
+    from testkit.vllm_standin import VLLMClientStandIn
+
+    VLLMClientStandIn.requests = []
+    client = VLLMClientStandIn()
+    a, b = [5, 6, 7], [9, 10]
+    one_request_per_cp_group(client, world=4, cp_size=2)
+    one_request_per_cp_group(client, world=4, cp_size=2)  # once only
+    out = client.generate(prompts=[a, a, b, b], n=2, max_tokens=8, logprobs=0)
+    assert VLLMClientStandIn.requests == [[a, b]]
+    once = VLLMClientStandIn().generate(prompts=[a, b], n=2, max_tokens=8, logprobs=0)
+    assert out["prompt_ids"] == [a, a, b, b]
+    for key in ("completion_ids", "logprobs", "logprob_token_ids"):
+        ga, gb = once[key][:2], once[key][2:]
+        assert out[key] == ga + ga + gb + gb, key  # TRL's slice for rank r: entries 2r, 2r + 1
+    with pytest.raises(RuntimeError, match="rank 1 asked vLLM for other prompts than rank 0"):
+        client.generate(prompts=[a, b, b, b], n=2)

@@ -13,6 +13,7 @@ from ..errors import UserError
 from ..ops.kernels import check_backend
 from ..planner.settings import parse_ulysses_size
 from ..transformers.patches import enable_activation_checkpointing, enable_chunked_loss, enable_tiled_mlp
+from .mesh import parallelism_sizes
 
 __all__ = ["NUMBERS", "RingTrainingArguments", "apply_model_options", "check_numbers"]
 
@@ -96,6 +97,9 @@ class RingTrainingArguments(TrainingArguments):
     def __post_init__(self) -> None:
         check_numbers(self)
         super().__post_init__()
+        sizes = parallelism_sizes(self)  # accelerate's ParallelismConfig(cp_size=P), here or from the launcher
+        if sizes is not None and self.cp_size == 1:
+            self.cp_size = sizes["cp_size"]  # what RingTrainer will adopt; configs sized by it see it now
         if self.activation_offload and not self.activation_checkpointing:
             raise UserError(
                 "RingTrainingArguments: activation_offload=True needs activation_checkpointing=True "

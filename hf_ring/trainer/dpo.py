@@ -1,22 +1,29 @@
 """Direct preference optimisation with context parallelism: ``RingDPOTrainer`` and ``RingDPOConfig``.
 
 ``RingDPOTrainer`` is ``RingTrainer`` mixed into ``trl.DPOTrainer``: TRL prepares the pairs (prompt +
-chosen, prompt + rejected, right padding, or padding-free rows with ``padding_free=True``) and
-computes every DPO loss it offers (``loss_type``: sigmoid, hinge, ipo, robust, bco_pair, apo, ...,
-several at once with ``loss_weights``; ``ld_alpha``, ``use_weighting``, f-divergences) and its
+chosen, prompt + rejected, right padding) and computes every DPO loss it offers (``loss_type``:
+sigmoid, hinge, ipo, robust, bco_pair, apo, ..., several at once with ``loss_weights``;
+``ld_alpha``, ``use_weighting``, f-divergences) and its
 metrics (``rewards/chosen``, ``rewards/rejected``, ``rewards/margins``, ``rewards/accuracies``,
 ``logps/*``, ``logits/*``, ``entropy``, ``mean_token_accuracy``) from per-token log-probabilities.
-Here those come from the ring: each rank of a CP group holds ``1/P`` of every sequence, and the
-per-token values of its tokens are gathered over the group (``hf_ring.trainer.fused_head``), for
-the policy and for the reference alike -- a separate ``ref_model``, the same model with its LoRA
+Here those come from the ring: each rank of a CP group holds ``1/P`` of every sequence; TRL reads
+the per-token values only through sums over each row's completion, so each row's sums are summed
+over the group and put where TRL reads them (``hf_ring.trainer.fused_head``; with ``ld_alpha``,
+two sums per row: within the pair's shorter completion, and past it), for the policy and for the
+reference alike -- a separate ``ref_model``, the same model with its LoRA
 adapter disabled, or ``precompute_ref_log_probs=True`` (computed once, under CP too)::
 
     model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="ring")
     args = RingDPOConfig(output_dir="out", cp_size=4, max_length=131072, bf16=True, loss_type=["sigmoid"])
     RingDPOTrainer(model=model, args=args, train_dataset=pairs, processing_class=tok, peft_config=lora).train()
 
-Loss, gradients and metrics are those of one-process ``DPOTrainer`` on the same data
-(tests/test_dpo.py). Pass the model loaded with ``attn_implementation="ring"`` (not a name).
+``padding_free=True`` (TRL's name; TRL 1.16's own ``DPOTrainer`` falls back to padding) runs the
+chosen and rejected rows of each micro-batch as the packed documents of one row, with positions
+restarting at 0 at each document (``pack_rows``: no padding enters the ring, no token sees another
+document); each document's sums (``sequence_sums(..., per_document=True)``) are planted in TRL's
+padded ``[2B, N - 1]`` rows, so its loss code runs unchanged. Loss, gradients and metrics are
+those of one-process ``DPOTrainer`` on the same data, padded or packed (tests/test_dpo.py). Pass
+the model loaded with ``attn_implementation="ring"`` (not a name).
 """
 
 from __future__ import annotations
@@ -24,6 +31,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+from torch import Tensor
 from trl import DPOConfig, DPOTrainer
 
 from .arguments import RingTrainingArguments
@@ -35,7 +44,18 @@ __all__ = ["RingDPOConfig", "RingDPOTrainer"]
 @dataclass
 class RingDPOConfig(DPOConfig, RingTrainingArguments):
     """``trl.DPOConfig`` (its defaults) plus ``cp_size``, ``ulysses_size``, ``chunked_loss``, ``tiled_mlp``,
-    ``activation_offload``."""
+    ``activation_offload``. ``padding_free=True`` packs each micro-batch's chosen and rejected rows
+    as documents of one row (at ``cp_size > 1``; see the module docstring)."""
+
+
+def ld_alpha_tail(label_mask: Tensor) -> Tensor:
+    """``[2B, N - 1]`` bool: the completion positions of each row past the shorter completion of its
+    pair (rows ``b`` and ``B + b``), whose log-probabilities DPO with ``ld_alpha`` weighs by it
+    (``trl/trainer/dpo_trainer.py``, ``_compute_loss``, TRL 1.16: ``tail_mask = comp_pos > shared_lens``)."""
+    lengths = label_mask.sum(1)
+    chosen, rejected = lengths.chunk(2)
+    shared = torch.minimum(chosen, rejected).repeat(2)
+    return label_mask.long().cumsum(1) > shared[:, None]
 
 
 class RingDPOTrainer(RingTrainerForTRL, DPOTrainer):
@@ -46,7 +66,23 @@ class RingDPOTrainer(RingTrainerForTRL, DPOTrainer):
         stats = ("entropy", "mean_logits", "is_top1")
         if getattr(args, "use_weighting", False):
             stats += ("log_sum_sq_probs",)
-        self._ring_init(model, args, stats, ref_model=ref_model, **kwargs)
+        self._fused_pack = bool(getattr(args, "padding_free", False))
+        # TRL reads the per-token outputs only through row sums (two per row with ld_alpha)
+        self._fused_row_sums = True
+        if getattr(args, "ld_alpha", None) is not None:
+            self._fused_split = ld_alpha_tail
+        if self._fused_pack:
+            args.padding_free = False  # TRL's DPOTrainer would warn that it falls back to padding
+        try:
+            self._ring_init(model, args, stats, ref_model=ref_model, **kwargs)
+        finally:
+            if self._fused_pack:
+                args.padding_free = True
+        if self._fused_pack and self.cp_size == 1:
+            raise ValueError(
+                "RingDPOConfig: padding_free=True packs each batch's pairs into one row for the ring, which runs at "
+                "cp_size > 1 only (TRL's DPOTrainer has no padding-free path); set cp_size > 1 or padding_free=False."
+            )
 
     def _precompute_ref_logps(self, dataset: Any, name: str, batch_size: int) -> Any:
         """TRL's, with the batches split over the DP replicas only (the ranks of a CP group share

@@ -8,10 +8,12 @@ hidden states in chunks. ``ring_fused_head(lm, cp, ...)`` wraps that forward: wi
 ``P > 1`` each rank shards the full batch (``shard_batch``: zigzag, right padding, packed documents;
 left padding, as GRPO's prompts have, is moved to the right first: the rows' RoPE positions shift
 by a constant, which changes no attention score), runs the ring model on its shard, computes its
-tokens' log-probabilities from the LM head's input in chunks (``sequence_logprobs``) and gathers
-the per-token values of the CP group into the full ``[B, N - 1]`` (``gather_tokens``: one float per
-token and field; never hidden states or logits). TRL's own loss code then runs unchanged on every
-rank, and the backward hands each rank the gradient of its own tokens, times ``P`` (DDP and FSDP
+tokens' log-probabilities from the LM head's input in chunks (``sequence_logprobs``) and either
+gathers the per-token values of the CP group into the full ``[B, N - 1]`` (``gather_tokens``: one
+float per token and field; GRPO) or, where TRL reads them only through per-row sums (DPO without
+``ld_alpha``), sums them per row over the group (``sequence_sums``) and plants the sums in the rows
+(``hf_ring.trainer.rows``); never hidden states or logits. TRL's own loss code then runs unchanged
+on every rank, and the backward hands each rank the gradient of its own tokens, times ``P`` (DDP and FSDP
 average gradients over the ``P`` ranks that hold one sequence's shards).
 """
 
@@ -19,6 +21,8 @@ from __future__ import annotations
 
 import functools
 import types
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -28,11 +32,12 @@ from ..ops.cross_entropy import IGNORE_INDEX
 from ..parallel import ContextParallel, context_parallel_state, setup_context_parallel
 from ..transformers.batch import shard_batch
 from ..transformers.context import KEY
-from ..transformers.sequence import gather_tokens, sequence_logprobs
-from .mesh import adopt_parallelism_config
+from ..transformers.sequence import gather_tokens, sequence_logprobs, sequence_sums
+from .mesh import adopt_parallelism_config, parallelism_sizes
+from .rows import pack_rows, plant_row_sums
 from .trainer import RingTrainer, resolve_ulysses_size
 
-__all__ = ["RingTrainerForTRL", "ring_fused_head"]
+__all__ = ["HeadOptions", "RingTrainerForTRL", "ring_fused_head"]
 
 _PASSED = ("input_ids", "attention_mask", "position_ids", "labels")
 _DROPPED = ("use_cache", "return_dict", "logits_to_keep")
@@ -45,13 +50,36 @@ def _shift_left(x: Tensor, shift: Tensor) -> Tensor:
     return x.gather(1, idx.view(*idx.shape, *([1] * (x.dim() - 2))).expand_as(x))
 
 
-def ring_fused_head(
-    lm: nn.Module, cp: Any, *, stats: tuple[str, ...], temperature: float = 1.0, pad_token_id: int = 0
-) -> None:
+@dataclass(frozen=True)
+class HeadOptions:
+    """How ``ring_fused_head`` runs TRL's fused LM head over the CP group.
+
+    ``stats``: the per-token fields TRL asked its head for besides ``log_probs``; ``temperature``:
+    the one it divides the logits by; ``pad_token_id``: pads the rows to the zigzag's multiple;
+    ``pack``: the batch's right-padded rows run as the documents of one row (``pack_rows``; with
+    ``row_sums``, their sums are per document);
+    ``row_sums``: TRL reads the outputs only through sums over each row's labelled tokens (DPO):
+    each row's sums come from ``sequence_sums`` (a few floats per row over the CP group) and are
+    planted in TRL's rows (``plant_row_sums``), no per-token value gathered; ``split``: from the
+    label mask ``[R, N - 1]``, the positions whose log-probabilities TRL sums apart (DPO's
+    ``ld_alpha`` tail), or ``None``."""
+
+    stats: tuple[str, ...] = ()
+    temperature: float = 1.0
+    pad_token_id: int = 0
+    pack: bool = False
+    row_sums: bool = False
+    split: Callable[[Tensor], Tensor] | None = None
+
+    def __post_init__(self) -> None:
+        if self.pack and not self.row_sums:
+            raise ValueError("HeadOptions: pack=True needs row_sums=True (packed rows give per-document sums)")
+
+
+def ring_fused_head(lm: nn.Module, cp: Any, options: HeadOptions) -> None:
     """Wrap ``lm.forward`` (already patched by TRL's ``add_fused_lm_head``) so that its
     ``fused_lm_head=True`` calls run over the CP group ``cp()`` (a callable returning the
-    ``ContextParallel`` state, or ``None``: TRL's own path). ``stats``: the per-token fields TRL asked
-    its head for besides ``log_probs``; ``temperature``: the one it divides the logits by."""
+    ``ContextParallel`` state, or ``None``: TRL's own path), as ``options`` say."""
     inner = lm.forward
     if getattr(inner, "hf_ring_fused", False):
         return
@@ -61,21 +89,14 @@ def ring_fused_head(
         state: ContextParallel | None = cp()
         if not fused_lm_head or state is None or state.cp_size == 1:
             return inner(*args, fused_lm_head=fused_lm_head, **kwargs) if fused_lm_head else inner(*args, **kwargs)
-        return _ring_forward(self, inner, state, args, kwargs, stats, temperature, pad_token_id)
+        return _ring_forward(self, inner, state, args, kwargs, options)
 
     forward.hf_ring_fused = True  # type: ignore[attr-defined]
     lm.forward = types.MethodType(forward, lm)
 
 
 def _ring_forward(
-    lm: nn.Module,
-    inner: Any,
-    state: ContextParallel,
-    args: tuple,
-    kwargs: dict[str, Any],
-    stats: tuple[str, ...],
-    temperature: float,
-    pad_token_id: int,
+    lm: nn.Module, inner: Any, state: ContextParallel, args: tuple, kwargs: dict[str, Any], opt: HeadOptions
 ) -> Any:
     from trl.trainer.utils import FusedCausalLMOutput
 
@@ -87,28 +108,93 @@ def _ring_forward(
             "with cp_size=1, or without the inputs it cannot shard (images, MoE router logits)."
         )
     batch = {k: kwargs[k] for k in _PASSED if kwargs.get(k) is not None}
-    mask = batch.get("attention_mask")
-    shift = None
-    if mask is not None and not bool(mask[:, 0].all()):  # left padding (GRPO's prompts): move it right
-        if batch.get("position_ids") is not None:
-            raise NotImplementedError("hf_ring: left padding together with position_ids is not supported")
-        shift = (mask == 0).long().cumprod(1).sum(1)  # the leading zeros of each row
-        batch = {k: _shift_left(v, shift) for k, v in batch.items()}
     n = batch["input_ids"].shape[1]
-    sharded = shard_batch(batch, group=state, pad_token_id=pad_token_id)
-    ctx = sharded[KEY]
-    local = sequence_logprobs(lm, sharded, stats=stats, temperature=temperature, forward=inner)
-    full = {k: gather_tokens(ctx, v, grad_scale=float(ctx.size))[:, :n] for k, v in local.items()}
-    if shift is not None:
-        full = {k: _shift_left(v, -shift) for k, v in full.items()}
     label_mask = kwargs["labels"][:, 1:] != IGNORE_INDEX
-    full = {k: v[:, : n - 1] for k, v in full.items()}
+    if opt.row_sums:
+        rows = batch["input_ids"].shape[0]
+        tail = None if opt.split is None else opt.split(label_mask) & label_mask  # [R, N - 1]
+        where = None if tail is None else torch.cat([tail, tail.new_zeros((rows, 1))], 1)  # [R, N]: by position
+        if opt.pack:
+            batch, keep = pack_rows(batch)
+            where = None if where is None else where[keep][None]
+        sums = _sums(lm, inner, state, batch, opt, per_document=opt.pack, tail=where)
+        full = plant_row_sums({k: v[:rows] for k, v in sums.items()}, label_mask, tail)
+    else:
+        mask = batch.get("attention_mask")
+        shift = None
+        if mask is not None and not bool(mask[:, 0].all()):  # left padding (GRPO's prompts): move it right
+            if batch.get("position_ids") is not None:
+                raise NotImplementedError("hf_ring: left padding together with position_ids is not supported")
+            shift = (mask == 0).long().cumprod(1).sum(1)  # the leading zeros of each row
+            batch = {k: _shift_left(v, shift) for k, v in batch.items()}
+        full = {k: v[:, :n] for k, v in _token_values(lm, inner, state, batch, opt).items()}
+        if shift is not None:
+            full = {k: _shift_left(v, -shift) for k, v in full.items()}
+        full = {k: v[:, : n - 1] for k, v in full.items()}
     log_probs = full["log_probs"]
     loss = -log_probs.sum() / label_mask.sum().clamp(min=1)
     fields = {k: full.get(k) for k in ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")}
     if fields["is_top1"] is not None:
         fields["is_top1"] = fields["is_top1"].bool()
     return FusedCausalLMOutput(loss=loss, log_probs=log_probs, label_mask=label_mask, **fields)
+
+
+def _local(
+    lm: nn.Module, inner: Any, state: ContextParallel, batch: dict[str, Tensor], opt: HeadOptions
+) -> tuple[dict[str, Any], dict[str, Tensor]]:
+    """The batch sharded over the CP group, and this rank's per-token values of its shard."""
+    sharded = shard_batch(batch, group=state, pad_token_id=opt.pad_token_id)
+    local = sequence_logprobs(lm, sharded, stats=opt.stats, temperature=opt.temperature, forward=inner)
+    return sharded, local
+
+
+def _token_values(
+    lm: nn.Module, inner: Any, state: ContextParallel, batch: dict[str, Tensor], opt: HeadOptions
+) -> dict[str, Tensor]:
+    """Per-token values ``[B, N_layout]`` of the full ``batch``, gathered over the CP group (the
+    backward: this rank's tokens' gradient, times ``P``)."""
+    sharded, local = _local(lm, inner, state, batch, opt)
+    ctx = sharded[KEY]
+    return {k: gather_tokens(ctx, v, grad_scale=float(ctx.size)) for k, v in local.items()}
+
+
+def _sums(
+    lm: nn.Module,
+    inner: Any,
+    state: ContextParallel,
+    batch: dict[str, Tensor],
+    opt: HeadOptions,
+    per_document: bool,
+    tail: Tensor | None = None,
+) -> dict[str, Tensor]:
+    """Sums of each field over each row's (or packed document's) labelled tokens, ``[R]`` per field,
+    over the CP group (the backward: this rank's tokens' gradient, times ``P``). ``tail``: ``[B, N]``
+    of ``batch``, the positions whose log-probabilities are summed apart (``log_probs_tail``)."""
+    sharded, local = _local(lm, inner, state, batch, opt)
+    ctx = sharded[KEY]
+    labelled = sharded["shift_labels"] != IGNORE_INDEX
+    names = ["log_probs", *opt.stats]
+    weights = {k: labelled.float() for k in names}
+    if tail is not None:
+        pos = _positions(ctx, labelled.shape[0]).to(labelled.device)  # [B, S_local], -1 on padding
+        local_tail = tail.gather(1, pos.clamp(0, tail.shape[1] - 1)) & (pos >= 0) & labelled
+        weights["log_probs"] = (labelled & ~local_tail).float()
+        weights["log_probs_tail"] = local_tail.float()
+        names.append("log_probs_tail")
+    values = torch.stack([local[k.removesuffix("_tail")].float() * weights[k] for k in names], -1)  # [B, S, K]
+    sums = sequence_sums(ctx, values, per_document=per_document, grad_scale=float(ctx.size))
+    sums = sums[0] if per_document else sums  # one packed row: [D, K], its documents are the rows
+    return dict(zip(names, sums.unbind(-1), strict=True))
+
+
+def _positions(ctx: Any, batch: int) -> Tensor:
+    """``[B, S_local]`` int64: the position in its batch row of every token this rank holds (the
+    batch's layout), ``-1`` for the zigzag's padding."""
+    out = torch.full((batch, ctx.layout.local), -1, dtype=torch.long)
+    for b in range(batch):
+        for seg in ctx.layout.segments(ctx.rank, b):
+            out[b, seg.local : seg.local + seg.stop - seg.start] = torch.arange(seg.start, seg.stop)
+    return out
 
 
 class RingTrainerForTRL(RingTrainer):
@@ -118,6 +204,9 @@ class RingTrainerForTRL(RingTrainer):
     ``compute_loss`` and ``prediction_step`` (not ``RingTrainer``'s causal-LM loss)."""
 
     _cp: ContextParallel | None
+    _fused_pack = False  # RingDPOTrainer with padding_free=True
+    _fused_row_sums = False  # RingDPOTrainer: per-row sums, no gathered tokens
+    _fused_split: Callable[[Tensor], Tensor] | None = None  # RingDPOTrainer with ld_alpha
 
     def _ring_init(self, model: Any, args: Any, stats: tuple[str, ...], temperature: float = 1.0, **kw: Any) -> None:
         name = type(self).__name__
@@ -126,6 +215,7 @@ class RingTrainerForTRL(RingTrainer):
                             "not its name.")  # fmt: skip
         self._fused_stats, self._fused_temperature = stats, temperature
         requested = kw.get("cp_size") or getattr(args, "cp_size", None)
+        self._parallelism = parallelism_sizes(args)  # checked by RingTrainer.__init__ against the launch
         cp_size = adopt_parallelism_config(args, requested) or 1
         ulysses = kw.get("ulysses_size") or getattr(args, "ulysses_size", None) or 1
         self._cp = context_parallel_state()
@@ -146,7 +236,9 @@ class RingTrainerForTRL(RingTrainer):
         for m in (getattr(self, "model", None), getattr(self, "ref_model", None)):
             if m is not None:
                 lm = m.get_base_model() if is_peft_model(m) else m
-                ring_fused_head(lm, lambda: self._cp, stats=self._fused_stats, temperature=self._fused_temperature)
+                opts = HeadOptions(self._fused_stats, self._fused_temperature, pack=self._fused_pack,
+                                   row_sums=self._fused_row_sums, split=self._fused_split)  # fmt: skip
+                ring_fused_head(lm, lambda: self._cp, opts)
 
     def compute_loss(self, model: Any, inputs: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
         return super(RingTrainer, self).compute_loss(model, inputs, *args, **kwargs)

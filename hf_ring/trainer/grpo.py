@@ -13,8 +13,13 @@ and TRL's loss (``loss_type`` grpo, dr_grpo, dapo, bnpo, cispo, ...) runs on the
     args = RingGRPOConfig(output_dir="out", cp_size=4, max_completion_length=65536, bf16=True)
     RingGRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=prompts).train()
 
+With ``use_vllm=True, vllm_mode="server"`` TRL's main process asks the vLLM server for the
+completions of every process's prompts; here it asks for each CP group's prompts once and every rank
+of the group gets the group's completions (``one_request_per_cp_group``), so the ranks train on the
+same completions and vLLM's sampling log-probabilities (importance sampling correction) come along.
+
 Refused at ``cp_size > 1`` (each would see the CP group's duplicated rewards or entropies, or is not
-wired yet): ``use_vllm``, ``scale_rewards="batch"``, ``multi_objective_aggregation="normalize_then_sum"``,
+wired yet): ``vllm_mode="colocate"``, ``scale_rewards="batch"``, ``multi_objective_aggregation="normalize_then_sum"``,
 ``top_entropy_quantile < 1``, the entropy bonus (``entropy_coef != 0``, ``use_adaptive_entropy``:
 the entropy computed here has no gradient), ``cast_lm_head_to_fp32``. The logged ``reward_std``
 and ``rewards/<name>/std`` are computed by
@@ -34,8 +39,9 @@ from trl import GRPOConfig, GRPOTrainer
 
 from .arguments import RingTrainingArguments
 from .fused_head import RingTrainerForTRL
+from .mesh import parallelism_sizes
 
-__all__ = ["RingGRPOConfig", "RingGRPOTrainer"]
+__all__ = ["RingGRPOConfig", "RingGRPOTrainer", "one_request_per_cp_group"]
 
 
 @dataclass
@@ -43,11 +49,21 @@ class RingGRPOConfig(GRPOConfig, RingTrainingArguments):
     """``trl.GRPOConfig`` (its defaults) plus ``cp_size``, ``ulysses_size``, ``chunked_loss``, ``tiled_mlp``,
     ``activation_offload``. The generation batch spans the DP replicas (``world_size / cp_size``
     processes, not ``world_size``), and each replica's share holds whole groups of
-    ``num_generations`` completions."""
+    ``num_generations`` completions. A ``parallelism_config`` with ``cp_size > 1`` (which TRL's
+    ``GRPOConfig`` refuses: its CP would shard the raw generation batch) is hf_ring's CP size."""
 
     def __post_init__(self) -> None:
         given = self.generation_batch_size
-        super().__post_init__()
+        pc = self.parallelism_config
+        sizes = parallelism_sizes(self)
+        if sizes is not None and self.cp_size == 1:
+            self.cp_size = sizes["cp_size"]
+        if pc is not None and sizes is not None:
+            self.parallelism_config = None  # hidden from GRPOConfig's check; RingGRPOTrainer adopts it
+        try:
+            super().__post_init__()
+        finally:
+            self.parallelism_config = pc
         cp = self.cp_size or 1
         if cp <= 1:
             return
@@ -75,7 +91,9 @@ def _refuse(args: Any) -> None:
     if (getattr(args, "cp_size", 1) or 1) <= 1:
         return
     bad = {
-        "use_vllm": bool(getattr(args, "use_vllm", False)),
+        # colocated vLLM engines would each hold the whole prompt and sample on their own
+        "use_vllm with vllm_mode='colocate'": bool(getattr(args, "use_vllm", False))
+        and getattr(args, "vllm_mode", "server") != "server",
         "scale_rewards='batch'": getattr(args, "scale_rewards", "group") == "batch",
         "multi_objective_aggregation='normalize_then_sum'": getattr(args, "multi_objective_aggregation", "")
         == "normalize_then_sum",
@@ -91,10 +109,52 @@ def _refuse(args: Any) -> None:
         raise NotImplementedError(
             f"RingGRPOTrainer: {', '.join(found)} is not supported with cp_size > 1 (TRL would compute it over the "
             "CP group's duplicated rewards or entropies, or it is not wired to the ring yet); set it back to its "
-            "default (use_vllm=False, scale_rewards='group', multi_objective_aggregation='sum_then_normalize', "
+            "default (vllm_mode='server' or use_vllm=False, scale_rewards='group', "
+            "multi_objective_aggregation='sum_then_normalize', "
             "top_entropy_quantile=1.0, entropy_coef=0.0, use_adaptive_entropy=False, cast_lm_head_to_fp32=False) "
             "or train with cp_size=1."
         )
+
+
+def one_request_per_cp_group(client: Any, world: int, cp_size: int) -> None:
+    """Make ``client.generate`` (TRL's ``VLLMClient`` on the main process, vLLM server mode) ask the
+    server for the prompts of each CP group's first rank only and hand the group's other ranks the
+    same completions.
+
+    TRL gathers every process's prompts (``len(prompts) / n`` distinct ones each, in rank order),
+    asks the server once for all of them, and gives each process the slice at its rank
+    (``trl/generation/vllm_generation.py``, ``VLLMGeneration.generate``, TRL 1.16). The ranks of a
+    CP group hold the same prompts and must train on the same completions: here the server samples
+    each group's prompts once (not ``cp_size`` times), and every rank's slice is its group's."""
+    ask = client.generate
+    if getattr(ask, "hf_ring_cp", False):
+        return
+
+    def generate(prompts: list, features: list | None = None, n: int = 1, **kwargs: Any) -> dict:
+        if len(prompts) % world:
+            raise RuntimeError(f"hf_ring: {len(prompts)} prompts from {world} processes; expected a multiple")
+        m = len(prompts) // world
+        groups = range(0, world, cp_size)  # CP groups are consecutive ranks; their first ranks
+        for r in range(world):
+            first = r - r % cp_size
+            if prompts[r * m : (r + 1) * m] != prompts[first * m : (first + 1) * m]:
+                raise RuntimeError(
+                    f"hf_ring: rank {r} asked vLLM for other prompts than rank {first} of its CP group; the ranks of "
+                    "a CP group must hold the same batch."
+                )
+        asked = [p for g in groups for p in prompts[g * m : (g + 1) * m]]
+        feats = None if features is None else [f for g in groups for f in features[g * m : (g + 1) * m]]
+        out = ask(prompts=asked, features=feats, n=n, **kwargs)
+
+        def spread(values: list | None, per: int) -> list | None:  # each rank: its group's block
+            if values is None:
+                return None
+            return [v for r in range(world) for v in values[(r // cp_size) * per : (r // cp_size + 1) * per]]
+
+        return {k: spread(v, m if k == "prompt_ids" else m * n) for k, v in out.items()}
+
+    generate.hf_ring_cp = True  # type: ignore[attr-defined]
+    client.generate = generate
 
 
 class RingGRPOTrainer(RingTrainerForTRL, GRPOTrainer):
@@ -105,6 +165,9 @@ class RingGRPOTrainer(RingTrainerForTRL, GRPOTrainer):
         _refuse(args)
         temperature = float(getattr(args, "temperature", 1.0) or 1.0)
         self._ring_init(model, args, ("entropy",), temperature, reward_funcs=reward_funcs, **kwargs)
+        client = getattr(getattr(self, "vllm_generation", None), "vllm_client", None)  # the main process's
+        if client is not None and self.cp_size > 1:
+            one_request_per_cp_group(client, self.accelerator.num_processes, self.cp_size)
 
     @contextmanager
     def _generation_attention(self) -> Any:

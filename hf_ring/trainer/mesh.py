@@ -8,8 +8,11 @@ hf_ring's exact ring over CP groups of ``P`` processes instead of accelerate's t
 (``args.parallelism_config = None``, and the launcher's switch turned off), so the batch is sharded
 once (by ``shard_batch``), no attention module is hooked, and sliding-window or hybrid models that
 hf_ring computes exactly are not refused. ``dp_shard_size`` then maps onto FSDP2 over the whole
-DP x CP world (``fsdp="full_shard"``, as with ``cp_size`` alone). What cannot work raises one
-``ValueError`` naming the field to change.
+DP x CP world: FSDP2 (enabled as for any run: ``fsdp="full_shard"`` with ``fsdp_config={"version": 2}``,
+or an accelerate FSDP2 launch config) shards every parameter over all ``dp_shard_size x cp_size``
+processes and averages the gradients over them, which the ring's loss scale expects (tested equal to
+one process at ``dp_shard_size=2, cp_size=2``: tests/test_mesh.py). What cannot work raises one
+``ValueError`` naming the field to change (``check_layout`` once the trainer knows whether FSDP is on).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-__all__ = ["adopt_parallelism_config"]
+__all__ = ["adopt_parallelism_config", "check_layout", "parallelism_sizes"]
 
 _ENV = "ACCELERATE_USE_PARALLELISM_CONFIG"
 _SIZES = ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size", "sp_size")
@@ -29,42 +32,80 @@ def _from_env() -> dict[str, int] | None:
     return {k: int(os.environ.get(f"PARALLELISM_CONFIG_{k.upper()}", "1")) for k in _SIZES}
 
 
+def parallelism_sizes(args: Any) -> dict[str, int] | None:
+    """The sizes (``dp_replicate_size``, ``dp_shard_size``, ``tp_size``, ``cp_size``, ``sp_size``) of
+    ``args.parallelism_config`` or of the launcher's environment, when they ask for ``cp_size > 1``;
+    else ``None``."""
+    pc = getattr(args, "parallelism_config", None)
+    sizes = {k: int(getattr(pc, k, 1) or 1) for k in _SIZES} if pc is not None else _from_env()
+    return sizes if sizes and sizes["cp_size"] > 1 else None
+
+
+def _where(args: Any) -> str:
+    if getattr(args, "parallelism_config", None) is not None:
+        return "TrainingArguments.parallelism_config"
+    return "the accelerate config (parallelism_config)"
+
+
 def adopt_parallelism_config(args: Any, cp_size: int | None) -> int | None:
     """``cp_size`` for ``RingTrainer``: the one of ``args.parallelism_config`` (or of the launcher's
     ``PARALLELISM_CONFIG_*`` environment) when it asks for ``cp_size > 1``, after taking that config
     away from accelerate; else ``cp_size`` unchanged.
 
     Raises ``ValueError`` (naming the field) for ``tp_size > 1``, ``sp_size > 1``,
-    ``dp_replicate_size > 1`` (HSDP) next to ``cp_size > 1``, ``cp_backend`` other than ``"torch"``,
-    and a ``cp_size`` argument that disagrees with the config's."""
-    pc = getattr(args, "parallelism_config", None)
-    sizes = (
-        {
-            k: int(getattr(pc, k, 1) or 1)
-            for k in ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size", "sp_size")
-        }
-        if pc is not None
-        else _from_env()
-    )
-    if not sizes or sizes["cp_size"] <= 1:
+    ``dp_replicate_size > 1`` together with ``dp_shard_size > 1`` (HSDP) next to ``cp_size > 1``,
+    ``cp_backend`` other than ``"torch"``, and a ``cp_size`` argument that disagrees with the config's."""
+    sizes = parallelism_sizes(args)
+    if sizes is None:
         return cp_size
-    where = "TrainingArguments.parallelism_config" if pc is not None else "the accelerate config (parallelism_config)"
-    for field, fix in (("tp_size", "1"), ("sp_size", "1"), ("dp_replicate_size", "1 (FSDP2 over dp_shard x cp)")):
+    pc = getattr(args, "parallelism_config", None)
+    where = _where(args)
+    cp = sizes["cp_size"]
+    refused = [("tp_size", "1"), ("sp_size", "1")]
+    if sizes["dp_shard_size"] > 1:
+        refused.append(("dp_replicate_size", "1 (FSDP2 shards over dp_shard_size x cp_size; HSDP is not supported)"))
+    for field, fix in refused:
         if sizes[field] > 1:
             raise ValueError(
-                f"hf_ring: {where} has cp_size={sizes['cp_size']} and {field}={sizes[field]}; hf_ring's ring runs "
-                f"the CP groups itself and takes data parallelism (FSDP2 or DDP) around them only. Set {field} to "
-                f"{fix}."
+                f"hf_ring: {where} has cp_size={cp} and {field}={sizes[field]}; hf_ring's ring runs the CP groups "
+                f"itself and takes data parallelism (FSDP2 or DDP) around them only. Set {field} to {fix}."
             )
     if pc is not None and getattr(pc, "cp_backend", "torch") not in (None, "torch"):
         raise ValueError(f"hf_ring: {where}.cp_backend={pc.cp_backend!r}; leave it at 'torch' (hf_ring replaces it).")
-    if cp_size not in (None, 1, sizes["cp_size"]):
-        raise ValueError(
-            f"hf_ring: cp_size={cp_size} but {where} has cp_size={sizes['cp_size']}; set one of them (or both alike)."
-        )
+    if cp_size not in (None, 1, cp):
+        raise ValueError(f"hf_ring: cp_size={cp_size} but {where} has cp_size={cp}; set one of them (or both alike).")
     if pc is not None:
         args.parallelism_config = None
     os.environ[_ENV] = "false"  # accelerate's Accelerator would build the config from the environment again
     if hasattr(args, "cp_size"):
-        args.cp_size = sizes["cp_size"]
-    return sizes["cp_size"]
+        args.cp_size = cp
+    return cp
+
+
+def check_layout(sizes: dict[str, int] | None, world_size: int, fsdp: bool) -> None:
+    """After the trainer is built: the adopted ``sizes`` (``parallelism_sizes``) against the launched
+    ``world_size`` and whether FSDP is on (``fsdp``). ``dp_shard_size > 1`` needs FSDP and
+    ``dp_shard_size x cp_size`` processes; ``dp_replicate_size > 1`` (DDP replicas) needs FSDP off and
+    ``dp_replicate_size x cp_size`` processes. Raises ``ValueError`` naming the field."""
+    if sizes is None:
+        return
+    cp, shard, rep = sizes["cp_size"], sizes["dp_shard_size"], sizes["dp_replicate_size"]
+    where = "parallelism_config"
+    if shard > 1 and not fsdp:
+        raise ValueError(
+            f"hf_ring: {where}.dp_shard_size={shard} shards the model with FSDP2, which this run does not enable: "
+            'set fsdp="full_shard" and fsdp_config={"version": 2} in the TrainingArguments (or launch with an '
+            "accelerate FSDP2 config), or set dp_shard_size to 1 (DDP over the CP groups)."
+        )
+    if rep > 1 and fsdp:
+        raise ValueError(
+            f"hf_ring: {where}.dp_replicate_size={rep} with FSDP on: FSDP2 shards over every process here (HSDP is "
+            f"not supported); set dp_shard_size to {rep} and dp_replicate_size to 1, or turn FSDP off (DDP)."
+        )
+    total = cp * max(shard, rep)
+    if (shard > 1 or rep > 1) and total != world_size:
+        field = "dp_shard_size" if shard > 1 else "dp_replicate_size"
+        raise ValueError(
+            f"hf_ring: {where} has {field}={max(shard, rep)} x cp_size={cp} = {total} processes, but {world_size} "
+            f"were launched; set {field} to {world_size // cp} (world size / cp_size)."
+        )

@@ -37,7 +37,7 @@ from ..transformers.batch import next_token_targets, shard_batch
 from ..transformers.context import KEY
 from ..transformers.support import check_model
 from .arguments import RingTrainingArguments, apply_model_options
-from .mesh import adopt_parallelism_config
+from .mesh import adopt_parallelism_config, check_layout, parallelism_sizes
 from .replicas import ReplicaMixin, Throughput
 from .saving import CheckpointMixin
 from .timeouts import exit_after_timeout, explain, is_timeout
@@ -109,6 +109,7 @@ class RingTrainer(CheckpointMixin, ReplicaMixin, Trainer):
         **kwargs: Any,
     ) -> None:
         requested = cp_size if cp_size is not None else getattr(args, "cp_size", None)
+        self._parallelism = parallelism_sizes(args) or getattr(self, "_parallelism", None)
         adopted = adopt_parallelism_config(args, requested)  # accelerate's ParallelismConfig(cp_size=...)
         if adopted != requested:
             cp_size = adopted
@@ -181,6 +182,7 @@ class RingTrainer(CheckpointMixin, ReplicaMixin, Trainer):
                 f"{self.args.world_size} (accelerate state {self.accelerator.distributed_type}): on a machine without "
                 "a GPU, pass use_cpu=True (--use_cpu true) so that Trainer uses the launched processes over gloo."
             )
+        check_layout(self._parallelism, self.args.world_size, bool(self.is_fsdp_enabled))
         pc = getattr(self.accelerator, "parallelism_config", None)
         if pc is not None and cp_size > 1:
             raise ValueError(
