@@ -1,0 +1,188 @@
+"""Vision-language models under context parallelism: the batch enters whole, the decoder gets its shard.
+
+``shard_batch`` passes a multimodal batch (``pixel_values``, ``image_grid_thw``, ``mm_token_type_ids``,
+...) and its full ``input_ids`` to the model unsharded, with the labels shifted on the full sequence and
+sharded as for text, and a ``RingContext`` whose ``entry [B, S_local]`` names the global token of every
+local row. Every rank then runs the model's own code up to its text decoder: the vision encoder on the
+group's images (whole, on every rank), the merge of image and video features into the embeddings where
+the model merges them, and the model's own positions over the full sequence (Qwen's M-RoPE
+``get_rope_index``: ``[3, B, N]`` positions of time, height and width). A forward pre-hook on the
+decoder (``language_model``) then cuts what enters it -- ``inputs_embeds``, ``position_ids`` (2-D or
+``[R, B, N]``), Qwen3-VL's DeepStack ``visual_pos_masks`` and ``deepstack_visual_embeds`` -- to this
+rank's rows, in the layout of the labels (zigzag, packed documents, Ulysses x ring alike).
+
+Gradients: each rank back-propagates through its own rows of the merged sequence only, so its
+encoder and embedding gradients are its share; ``RingContext.reduce_loss`` scales the backward by the
+group size, and the DP x CP gradient average gives the one-device gradient (frozen encoders too).
+
+Refused (``RingNotSupported``): a multimodal batch given to a model whose decoder entry is not in
+``FAMILIES``; a tensor entering the decoder along the sequence that this module does not know; a padding
+mask; Gemma 3's bidirectional attention inside an image (``token_type_ids`` with image tokens), which
+the ring does not compute.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ..errors import RingNotSupported
+from .context import KEY, RingContext
+
+__all__ = ["FAMILIES", "VISION_TOWERS", "attach", "check_entry", "detach", "vision_attention"]
+
+# the model (class name) that merges the encoder's features and calls its text decoder ``language_model``
+FAMILIES = {
+    "Qwen3VLModel": "Qwen3-VL", "Qwen3VLMoeModel": "Qwen3-VL-MoE", "Qwen3_5Model": "Qwen3.5",
+    "Qwen3_5MoeModel": "Qwen3.5-MoE", "Llama4ForConditionalGeneration": "Llama 4", "Gemma3Model": "Gemma 3",
+}  # fmt: skip
+# their vision encoders: built with "sdpa" where "ring" is asked (they run whole on every rank)
+VISION_TOWERS = frozenset({"Qwen3VLVisionModel", "Qwen3VLMoeVisionModel", "Qwen3_5VisionModel", "Qwen3_5MoeVisionModel",
+                           "Llama4VisionModel", "SiglipVisionModel"})  # fmt: skip
+_ENCODERS = ("visual", "vision_model", "vision_tower")
+_CUT = frozenset({"inputs_embeds", "position_ids", "attention_mask", "visual_pos_masks", "deepstack_visual_embeds",
+                  "labels", "shift_labels"})  # the last two: this rank's already
+_ATTACHED: weakref.WeakSet = weakref.WeakSet()
+
+
+def vision_attention(model: nn.Module, implementation: Any) -> Any:
+    """The attention a model being built gets: ``"sdpa"`` for the vision encoders of ``VISION_TOWERS``
+    asked for ``"ring"`` (they attend within each image, on every rank), else ``implementation``."""
+    if implementation == "ring" and type(model).__name__ in VISION_TOWERS:
+        return "sdpa"
+    return implementation
+
+
+def attach(model: nn.Module) -> None:
+    """Hooks of a model of ``FAMILIES`` (idempotent): its checks before each forward, and, on its first
+    forward, the decoder-entry cut on ``model.language_model`` and the encoders' context removal."""
+    if type(model).__name__ in FAMILIES and "_hf_ring_mm" not in model.__dict__:
+        model._hf_ring_mm = [model.register_forward_pre_hook(_enter, with_kwargs=True, prepend=True)]
+        _ATTACHED.add(model)
+
+
+def detach() -> None:
+    """Undo ``attach`` on every model."""
+    for model in list(_ATTACHED):
+        for handle in model.__dict__.pop("_hf_ring_mm", []):
+            handle.remove()
+        for sub in model.modules():
+            sub.__dict__.pop("_hf_ring_entry", None)
+    _ATTACHED.clear()
+
+
+def check_entry(model: nn.Module, ctx: RingContext) -> None:
+    """Refuse a multimodal batch (``ctx.entry``) given to ``model`` unless it holds a model of ``FAMILIES``."""
+    if ctx.entry is None or "_hf_ring_entry" in model.__dict__ or any(type(m).__name__ in FAMILIES for m in model.modules()):
+        return
+    raise RingNotSupported(
+        f"{type(model).__name__} got a multimodal batch from hf_ring.shard_batch (image or video inputs), which "
+        "enters the model whole and is cut at the entry of its text decoder; hf_ring knows that entry for "
+        f"{', '.join(sorted(set(FAMILIES.values())))} only. Run this model without context parallelism "
+        "(cp_size=1), or without its image inputs."
+    )
+
+
+def _enter(module: nn.Module, args: Any, kwargs: dict) -> None:
+    ctx = kwargs.get(KEY)
+    if not isinstance(ctx, RingContext) or ctx.entry is None:
+        return
+    name = FAMILIES[type(module).__name__]
+    if kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None or kwargs.get("use_cache"):
+        raise RingNotSupported(f"{name} under context parallelism runs without a KV cache (use_cache=False)")
+    types = kwargs.get("token_type_ids")
+    if name == "Gemma 3" and isinstance(types, Tensor) and bool((types == 1).any()):
+        raise RingNotSupported(
+            "Gemma 3 with token_type_ids lets the tokens of each image attend to each other both ways "
+            "(a bidirectional block inside the causal mask), which hf_ring's ring attention does not compute. "
+            "Drop token_type_ids from the batch (every token then attends causally, as Gemma 3 does without "
+            "them) or run this model without context parallelism (cp_size=1)."
+        )
+    decoder = getattr(module, "language_model", None)
+    if decoder is not None and "_hf_ring_entry" not in decoder.__dict__:
+        decoder._hf_ring_entry = decoder.register_forward_pre_hook(_cut_entry, with_kwargs=True, prepend=True)
+        module._hf_ring_mm.append(decoder._hf_ring_entry)
+        for attr in _ENCODERS:
+            encoder = getattr(module, attr, None)
+            if isinstance(encoder, nn.Module):
+                encoder._hf_ring_entry = encoder.register_forward_pre_hook(_drop_context, with_kwargs=True,
+                                                                           prepend=True)  # fmt: skip
+                module._hf_ring_mm.append(encoder._hf_ring_entry)
+
+
+def _drop_context(module: nn.Module, args: Any, kwargs: dict) -> tuple[Any, dict]:
+    """The encoder runs on whole images: no ``ring_context`` (nor the loss's keyword arguments)."""
+    return args, {k: v for k, v in kwargs.items() if k not in (KEY, "shift_labels", "num_items_in_batch")}
+
+
+def _extend(t: Tensor, total: int, counting: bool = False) -> Tensor:
+    """``t [B, N, ...]`` -> ``[B, total, ...]``: rows past ``N`` zero (or, ``counting``, positions that
+    count on from the last)."""
+    pad = total - t.shape[1]
+    if pad <= 0:
+        return t
+    if counting:
+        step = torch.arange(1, pad + 1, device=t.device, dtype=t.dtype).view(1, pad, *([1] * (t.dim() - 2)))
+        return torch.cat((t, t[:, -1:] + step), dim=1)
+    return torch.cat((t, t.new_zeros((t.shape[0], pad, *t.shape[2:]))), dim=1)
+
+
+def _take(t: Tensor, entry: Tensor, total: int, counting: bool = False) -> Tensor:
+    """This rank's rows of ``t [B or 1, N, ...]``: ``[B, S_local, ...]`` (``entry [B, S_local]``)."""
+    b, s = entry.shape
+    t = _extend(t.expand(b, *t.shape[1:]), total, counting)
+    idx = entry.to(t.device).view(b, s, *([1] * (t.dim() - 2))).expand(b, s, *t.shape[2:])
+    return t.gather(1, idx)
+
+
+def _cut_entry(module: nn.Module, args: Any, kwargs: dict) -> tuple[Any, dict] | None:
+    """The text decoder's inputs over the full merged sequence -> this rank's rows."""
+    ctx = kwargs.get(KEY)
+    if not isinstance(ctx, RingContext) or ctx.entry is None:
+        return None
+    embeds = kwargs.get("inputs_embeds")
+    if args or not isinstance(embeds, Tensor):
+        raise RingNotSupported(
+            f"{type(module).__name__} was called without inputs_embeds (or with positional arguments): hf_ring "
+            "cuts the merged embeddings of a multimodal batch at the decoder's entry."
+        )
+    entry, n = ctx.entry, embeds.shape[1]
+    b = entry.shape[0]
+    total = max(int(entry.max()) + 1, n)
+    out = dict(kwargs)
+    out["inputs_embeds"] = _take(embeds, entry, total)
+    positions = kwargs.get("position_ids")
+    if positions is None:
+        positions = torch.arange(n, device=embeds.device).expand(b, n)
+    if positions.dim() == 2:
+        out["position_ids"] = _take(positions, entry, total, counting=True)
+    else:  # [R, B, N]: multimodal RoPE rows (Qwen: time, height, width; or text first)
+        rows = _take(positions.permute(1, 2, 0), entry, total, counting=True)
+        out["position_ids"] = rows.permute(2, 0, 1)
+    mask = kwargs.get("attention_mask")
+    if isinstance(mask, Tensor):
+        if not bool(mask.all()):
+            raise RingNotSupported(
+                "the decoder got an attention_mask with padding; pass the batch through hf_ring.shard_batch, "
+                "which handles right padding and gives the model no mask"
+            )
+        out["attention_mask"] = None
+    visual = kwargs.get("visual_pos_masks")
+    if isinstance(visual, Tensor):  # Qwen3-VL's DeepStack: features added at the visual rows of early layers
+        order = (visual.reshape(-1).long().cumsum(0) - 1).view(visual.shape)
+        local = _take(visual, entry, total)
+        picked = _take(order, entry, total)[local]
+        out["visual_pos_masks"] = local
+        embeds_list = kwargs.get("deepstack_visual_embeds")
+        if embeds_list is not None:
+            out["deepstack_visual_embeds"] = [e[picked] for e in embeds_list]
+    for k, v in kwargs.items():
+        if k not in _CUT and isinstance(v, Tensor) and v.dim() >= 2 and n in v.shape[:3]:
+            raise RingNotSupported(
+                f"{type(module).__name__} got {k} of shape {tuple(v.shape)} along the sequence at its entry; "
+                "hf_ring does not know how to cut it into this rank's shard. Run without context parallelism."
+            )
+    return (), out
