@@ -15,7 +15,8 @@ FAMILIES = ("qwen3_vl", "qwen3_5", "qwen3_5_moe", "llama4", "gemma3")
 
 def _qwen_vision(**extra) -> dict:
     return dict(depth=2, hidden_size=16, intermediate_size=24, num_heads=2, out_hidden_size=32, patch_size=2,
-                temporal_patch_size=2, spatial_merge_size=2, in_channels=3, num_position_embeddings=16, **extra)  # fmt: skip
+                temporal_patch_size=2, spatial_merge_size=2, in_channels=3, num_position_embeddings=16,
+                **extra)  # fmt: skip
 
 
 def tiny_config(family: str):
@@ -39,7 +40,47 @@ def tiny_config(family: str):
             return Qwen3_5Config(text_config={**text, **hybrid}, vision_config=_qwen_vision(), **ids)
         moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16)
         return Qwen3_5MoeConfig(text_config={**text, **hybrid, **moe}, vision_config=_qwen_vision(), **ids)
+    from testkit.families import tiny_config as text_config
+
+    if family == "llama4":  # chunked attention over 8 tokens, NoPE layer, MoE
+        from transformers import Llama4Config
+
+        text = text_config("llama4_text", attention_chunk_size=8).to_dict() | {"vocab_size": VOCAB}
+        vision = dict(hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, image_size=8,
+                      patch_size=2, vision_output_dim=32, projector_input_dim=32, projector_output_dim=32)  # fmt: skip
+        return Llama4Config(text_config=text, vision_config=vision, image_token_index=IMAGE, boi_token_index=START,
+                            eoi_token_index=END)  # fmt: skip
+    if family == "gemma3":  # sliding windows of 8 tokens
+        from transformers import Gemma3Config
+
+        text = text_config("gemma3_text", sliding_window=8).to_dict() | {"vocab_size": VOCAB}
+        vision = dict(model_type="siglip_vision_model", hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                      intermediate_size=32, image_size=8, patch_size=2)  # fmt: skip
+        return Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=IMAGE,
+                            boi_token_index=START, eoi_token_index=END)  # fmt: skip
     raise ValueError(family)
+
+
+def as_images(batch: dict[str, torch.Tensor], first: int = 0) -> dict[str, torch.Tensor]:
+    """A batch of ``qwen_batch``, ``packed_batch`` or ``documents`` for Llama 4 and Gemma 3 (built with
+    images of 4x4 patches: 4 image tokens each): image ``i`` (counted from ``first``) a ``[3, 8, 8]``
+    array of its own, no ``token_type_ids`` (Gemma 3 then attends causally, as the ring does)."""
+    out = {k: v for k, v in batch.items() if k not in ("image_grid_thw", "pixel_values", "mm_token_type_ids")}
+    count = len(batch["image_grid_thw"])
+    out["pixel_values"] = torch.stack(
+        [torch.randn(3, 8, 8, generator=torch.Generator().manual_seed(100 + first + i)) for i in range(count)]
+    ).double()
+    return out
+
+
+def encoder(model) -> torch.nn.Module:
+    """The vision encoder of a model of ``FAMILIES``."""
+    inner = getattr(model, "model", model)
+    for name in ("visual", "vision_tower", "vision_model"):
+        for owner in (inner, model):
+            if isinstance(getattr(owner, name, None), torch.nn.Module):
+                return getattr(owner, name)
+    raise ValueError(type(model).__name__)
 
 
 def tiny_model(family: str, attn: str, dtype: torch.dtype = torch.float64, seed: int = 0):
@@ -47,7 +88,9 @@ def tiny_model(family: str, attn: str, dtype: torch.dtype = torch.float64, seed:
     from transformers import AutoModelForImageTextToText
 
     torch.manual_seed(seed)
-    model = AutoModelForImageTextToText.from_config(tiny_config(family), attn_implementation=attn)
+    model = AutoModelForImageTextToText.from_config(
+        tiny_config(family), attn_implementation=attn, experts_implementation="eager"
+    )
     return model.to(dtype)
 
 

@@ -71,12 +71,15 @@ def detach() -> None:
             handle.remove()
         for sub in model.modules():
             sub.__dict__.pop("_hf_ring_entry", None)
+            sub.__dict__.pop("_hf_ring_encoder", None)
     _ATTACHED.clear()
 
 
 def check_entry(model: nn.Module, ctx: RingContext) -> None:
     """Refuse a multimodal batch (``ctx.entry``) given to ``model`` unless it holds a model of ``FAMILIES``."""
-    if ctx.entry is None or "_hf_ring_entry" in model.__dict__ or any(type(m).__name__ in FAMILIES for m in model.modules()):
+    if ctx.entry is None or "_hf_ring_entry" in model.__dict__:
+        return
+    if any(type(m).__name__ in FAMILIES for m in model.modules()):
         return
     raise RingNotSupported(
         f"{type(model).__name__} got a multimodal batch from hf_ring.shard_batch (image or video inputs), which "
@@ -105,12 +108,14 @@ def _enter(module: nn.Module, args: Any, kwargs: dict) -> None:
     if decoder is not None and "_hf_ring_entry" not in decoder.__dict__:
         decoder._hf_ring_entry = decoder.register_forward_pre_hook(_cut_entry, with_kwargs=True, prepend=True)
         module._hf_ring_mm.append(decoder._hf_ring_entry)
+        for sub in decoder.modules():  # the models inside it (Llama 4's causal LM -> its text model) are cut too
+            sub.__dict__.setdefault("_hf_ring_entry", decoder._hf_ring_entry)
         for attr in _ENCODERS:
             encoder = getattr(module, attr, None)
             if isinstance(encoder, nn.Module):
-                encoder._hf_ring_entry = encoder.register_forward_pre_hook(_drop_context, with_kwargs=True,
-                                                                           prepend=True)  # fmt: skip
-                module._hf_ring_mm.append(encoder._hf_ring_entry)
+                encoder._hf_ring_encoder = encoder.register_forward_pre_hook(_drop_context, with_kwargs=True,
+                                                                             prepend=True)  # fmt: skip
+                module._hf_ring_mm.append(encoder._hf_ring_encoder)
 
 
 def _drop_context(module: nn.Module, args: Any, kwargs: dict) -> tuple[Any, dict]:
