@@ -135,3 +135,18 @@ def test_refusals_name_the_problem() -> None:
         assert "bidirectional" in messages[0] and "token_type_ids" in messages[0]
         assert "multimodal batch" in messages[1] and "Qwen3-VL" in messages[1]
         assert "needs input_ids" in messages[2]
+
+
+@pytest.mark.timeout(200)
+def test_sweep_runs_multimodal_families_with_images() -> None:
+    """The sweep's multimodal families: Gemma 3 exact on every path with images, the others refused."""
+    from testkit.sweep_images import check_images
+    from testkit.sweep_table import PATHS, path_record
+
+    gemma3 = check_images("gemma3", cp=2, timeout=150)
+    assert all(path_record(gemma3, p)["status"] == "exact" for p in PATHS), gemma3
+    for name in ("gemma4", "got_ocr2"):
+        record = check_images(name, cp=2, timeout=60)
+        for p in PATHS:
+            part = path_record(record, p)
+            assert part["status"] == "refused" and "multimodal batch" in part["detail"], record
