@@ -80,10 +80,9 @@ def _status(err: float, what: str) -> dict:
 
 def _refused(model_type: str) -> dict:
     import torch
-
-    import hf_ring
     from transformers import CONFIG_MAPPING
 
+    import hf_ring
     from testkit.families import causal_lm_class
     from testkit.sweep_rank import sweep_batch
 

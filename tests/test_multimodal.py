@@ -62,7 +62,13 @@ def vlm_errors(cases: list[dict]) -> list[dict]:
                 ref_loss, ref_grads = documents_step(models[0], docs)
             else:
                 ref_loss, ref_grads = step(models[0], batch, cp=False)
+            seen: list[int] = []  # images each call of the encoder encodes (Qwen: rows of grid_thw)
+            hook = encoder(models[1]).register_forward_pre_hook(
+                lambda m, a, kw, seen=seen: seen.append(len(kw.get("grid_thw", a[1] if len(a) > 1 else []))),
+                with_kwargs=True,
+            )
             loss, grads = step(models[1], batch, cp=True, group=group)
+            hook.remove()
         tower = [n for n, p in models[1].named_parameters() if any(p is q for q in encoder(models[1]).parameters())]
         assert grads.keys() == ref_grads.keys() and any(n in grads for n in tower) != bool(c.get("frozen"))
         # relative to the largest gradient of the model where a tensor's own is 0 (a tiny Siglip's patch embedding)
@@ -70,7 +76,7 @@ def vlm_errors(cases: list[dict]) -> list[dict]:
         errors = {k: float((grads[k] - g).norm()) / (float(g.norm()) or scale) for k, g in ref_grads.items()}
         worst = max(errors, key=errors.get)
         out.append({**c, "loss": rel_err(loss, ref_loss), "grad": errors[worst], "worst": worst,
-                    "abs_loss": float((loss - ref_loss).abs())})  # fmt: skip
+                    "abs_loss": float((loss - ref_loss).abs()), "encoded": sum(seen)})  # fmt: skip
     return out
 
 
@@ -86,7 +92,11 @@ def check(per_rank: list[list[dict]]) -> None:
 @pytest.mark.parametrize("family", [*QWEN, "llama4", "gemma3"])
 def test_step_matches_one_process(family: str, world: int) -> None:
     cases = [dict(family=family), dict(family=family, frozen=True)]
-    check(run_ranks(world, vlm_errors, cases, timeout=280))
+    per_rank = run_ranks(world, vlm_errors, cases, timeout=280)
+    check(per_rank)
+    if family in QWEN:  # 3 images: spread over 2 or 3 ranks (each encodes its own), whole on each of 4
+        encoded = [r[0]["encoded"] for r in per_rank]
+        assert sum(encoded) == 3 if world < 4 else encoded == [3] * 4, encoded
 
 
 @pytest.mark.timeout(300)
@@ -103,6 +113,15 @@ def test_packed_and_ulysses_match_one_process() -> None:
 def test_packed_at_three_ranks() -> None:
     cases = [dict(family="qwen3_5_moe", packed="rope"), dict(family="gemma3", packed="text", frozen=True)]
     check(run_ranks(3, vlm_errors, cases, timeout=280))
+
+
+def test_images_split_into_runs_of_equal_patches() -> None:
+    from hf_ring.transformers.multimodal import _split
+
+    assert _split([16, 36, 16], 2) == [0, 2, 3] or _split([16, 36, 16], 2) == [0, 1, 3]
+    assert _split([4] * 8, 4) == [0, 2, 4, 6, 8]
+    assert _split([100, 1, 1, 1], 4) == [0, 1, 2, 3, 4]  # every rank at least one image
+    assert _split([1, 1, 1, 100], 2) == [0, 3, 4]
 
 
 def refusals() -> list[str]:

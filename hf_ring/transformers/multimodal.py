@@ -23,6 +23,7 @@ the ring does not compute.
 
 from __future__ import annotations
 
+import types
 import weakref
 from typing import Any
 
@@ -30,6 +31,7 @@ import torch
 from torch import Tensor, nn
 
 from ..errors import RingNotSupported
+from ..ops.gather import gather_rows
 from .context import KEY, RingContext
 
 __all__ = ["FAMILIES", "VISION_TOWERS", "attach", "check_entry", "detach", "vision_attention"]
@@ -42,6 +44,8 @@ FAMILIES = {
 # their vision encoders: built with "sdpa" where "ring" is asked (they run whole on every rank)
 VISION_TOWERS = frozenset({"Qwen3VLVisionModel", "Qwen3VLMoeVisionModel", "Qwen3_5VisionModel", "Qwen3_5MoeVisionModel",
                            "Llama4VisionModel", "SiglipVisionModel"})  # fmt: skip
+# where the images are spread over the CP group's ranks (``get_image_features`` of Qwen's signature)
+SPREAD = frozenset({"Qwen3VLModel", "Qwen3VLMoeModel", "Qwen3_5Model", "Qwen3_5MoeModel"})
 _ENCODERS = ("visual", "vision_model", "vision_tower")
 _CUT = frozenset({"inputs_embeds", "position_ids", "attention_mask", "visual_pos_masks", "deepstack_visual_embeds",
                   "labels", "shift_labels"})  # the last two: this rank's already
@@ -69,6 +73,7 @@ def detach() -> None:
     for model in list(_ATTACHED):
         for handle in model.__dict__.pop("_hf_ring_mm", []):
             handle.remove()
+        model.__dict__.pop("get_image_features", None)
         for sub in model.modules():
             sub.__dict__.pop("_hf_ring_entry", None)
             sub.__dict__.pop("_hf_ring_encoder", None)
@@ -96,8 +101,8 @@ def _enter(module: nn.Module, args: Any, kwargs: dict) -> None:
     name = FAMILIES[type(module).__name__]
     if kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None or kwargs.get("use_cache"):
         raise RingNotSupported(f"{name} under context parallelism runs without a KV cache (use_cache=False)")
-    types = kwargs.get("token_type_ids")
-    if name == "Gemma 3" and isinstance(types, Tensor) and bool((types == 1).any()):
+    type_ids = kwargs.get("token_type_ids")
+    if name == "Gemma 3" and isinstance(type_ids, Tensor) and bool((type_ids == 1).any()):
         raise RingNotSupported(
             "Gemma 3 with token_type_ids lets the tokens of each image attend to each other both ways "
             "(a bidirectional block inside the causal mask), which hf_ring's ring attention does not compute. "
@@ -108,6 +113,8 @@ def _enter(module: nn.Module, args: Any, kwargs: dict) -> None:
     if decoder is not None and "_hf_ring_entry" not in decoder.__dict__:
         decoder._hf_ring_entry = decoder.register_forward_pre_hook(_cut_entry, with_kwargs=True, prepend=True)
         module._hf_ring_mm.append(decoder._hf_ring_entry)
+        if type(module).__name__ in SPREAD:
+            module.get_image_features = types.MethodType(_spread(type(module).get_image_features), module)
         for sub in decoder.modules():  # the models inside it (Llama 4's causal LM -> its text model) are cut too
             sub.__dict__.setdefault("_hf_ring_entry", decoder._hf_ring_entry)
         for attr in _ENCODERS:
@@ -116,6 +123,45 @@ def _enter(module: nn.Module, args: Any, kwargs: dict) -> None:
                 encoder._hf_ring_encoder = encoder.register_forward_pre_hook(_drop_context, with_kwargs=True,
                                                                              prepend=True)  # fmt: skip
                 module._hf_ring_mm.append(encoder._hf_ring_encoder)
+
+
+def _split(patches: list[int], parts: int) -> list[int]:
+    """Bounds of ``parts`` contiguous runs of images (each at least one) of about equal patch counts."""
+    total, bounds, run, i = sum(patches), [0], 0, 0
+    for r in range(1, parts):
+        while i < len(patches) - (parts - r) and (i < bounds[-1] + 1 or run + patches[i] / 2 <= total * r / parts):
+            run, i = run + patches[i], i + 1
+        bounds.append(i)
+    return [*bounds, len(patches)]
+
+
+def _spread(original: Any) -> Any:
+    """Qwen's ``get_image_features`` (images and video frames): at CP = P over at least P images, rank
+    ``r`` encodes its run of them (``_split``: balanced by patches) and the features are gathered from
+    the group (``ops.gather.gather_rows``: backward sums each feature's gradient over the group and
+    hands it to the rank that encoded it); else every rank encodes every image."""
+
+    def get_image_features(self: Any, pixel_values: Tensor, image_grid_thw: Tensor | None = None, **kwargs: Any):
+        ctx = kwargs.pop(KEY, None)
+        whole = not isinstance(ctx, RingContext) or ctx.size == 1 or image_grid_thw is None
+        if whole or len(image_grid_thw) < ctx.size:
+            return original(self, pixel_values, image_grid_thw, **kwargs)
+        patches = image_grid_thw.prod(-1).tolist()
+        tokens = [p // self.visual.spatial_merge_size**2 for p in patches]
+        bounds = _split(patches, ctx.size)
+        a, b = bounds[ctx.rank], bounds[ctx.rank + 1]
+        out = original(self, pixel_values[sum(patches[:a]) : sum(patches[:b])], image_grid_thw[a:b], **kwargs)
+        deep = list(getattr(out, "deepstack_features", None) or [])
+        parts = [torch.cat(out.pooler_output), *(torch.cat(d) for d in deep)]
+        counts = [sum(tokens[bounds[r] : bounds[r + 1]]) for r in range(ctx.size)]
+        full = gather_rows(torch.cat(parts, -1), counts, ctx.group).split([p.shape[-1] for p in parts], -1)
+        out.pooler_output = full[0].split(tokens)
+        if deep:
+            out.deepstack_features = [f.split(tokens) for f in full[1:]]
+        out.last_hidden_state = None  # this rank's images only: not the group's
+        return out
+
+    return get_image_features
 
 
 def _drop_context(module: nn.Module, args: Any, kwargs: dict) -> tuple[Any, dict]:
