@@ -93,7 +93,8 @@ def _refused(model_type: str) -> dict:
             with torch.device("meta"):
                 model = causal_lm_class(model_type)._from_config(config, attn_implementation="ring")
         except ImportError as e:  # a library the model needs is not installed here
-            return {"status": "skipped", "detail": f"cannot be built here: {str(e).splitlines()[0][:150]}"}
+            first = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
+            return {"status": "skipped", "detail": f"cannot be built here: {first[:150]}"}
         batch = sweep_batch(config, 2, 61) | {"pixel_values": torch.zeros(2, 3, 8, 8)}
         model(**{k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in hf_ring.shard_batch(batch).items()})
         return {"status": "wrong", "detail": "a batch with image inputs ran without hf_ring cutting it"}

@@ -146,6 +146,11 @@ def shard_batch(
             ``position_ids [B, N]`` (restarting at 0 where a packed document begins, or
             ``cu_seq_lens_q/k [D + 1]`` for ``B = 1``), ``num_items_in_batch`` (valid targets of the
             whole step, e.g. over gradient accumulation and DP replicas; counted here otherwise).
+            Image or video inputs (``MULTIMODAL_KEYS``: ``pixel_values``, ``image_grid_thw``,
+            ``mm_token_type_ids``, ...) go to the model whole, with the full ``input_ids`` and the
+            given ``position_ids`` (``[B, N]``, or ``[4, B, N]`` with the text row first); the labels
+            are sharded as below and the model's text decoder cuts its inputs at its entry
+            (``multimodal.py``, docs/multimodal.md).
         group: the CP group: a ``ContextParallel`` (from ``setup_context_parallel``; with
             ``ulysses_size=U`` the batch is sharded in its Ulysses x ring layout: the zigzag over
             the ``R = P / U`` ring positions, each ring position's shard cut into ``U`` contiguous
