@@ -19,18 +19,25 @@ TOL = 1e-5  # float64 models; transformers rounds to float32 inside: the cross-e
 # Qwen3.5's gates (modeling_qwen3_5.py: A_log.float()); as tests/test_hybrids.py
 
 
+VIDEO_ROWS = [  # Qwen: two images and two videos of 4 frames
+    [("text", 7), ("image", 4), ("text", 5), ("video", 4), ("text", 6)],
+    [("text", 3), ("video", 4), ("text", 9), ("image", 6), ("text", 2)],
+]
 QWEN = ("qwen3_vl", "qwen3_5", "qwen3_5_moe")
 ROWS_4 = [[(k, s if k == "text" else 4) for k, s in row] for row in ROWS]  # Llama 4, Gemma 3: 4 tokens an image
 
 
 def _batches(family: str, packed: str | None, model) -> tuple[dict, list[dict] | None]:
     """The batch and, when ``packed``, its documents alone. ``packed``: None (two rows, right padding),
+    "video" (Qwen: two rows with images and videos, unpacked),
     "text" (one packed row, text positions), "rope" (one packed row, text positions and each document's
     M-RoPE rows, ``[4, 1, N]``)."""
     from testkit.vlm import as_images, documents, packed_batch, qwen_batch
 
     rows = ROWS if family in QWEN else ROWS_4
     convert = (lambda b, first=0: b) if family in QWEN else as_images
+    if packed == "video":
+        return qwen_batch(VIDEO_ROWS), None
     if packed is None:
         return convert(qwen_batch(rows)), None
     docs, first = [], 0
@@ -169,3 +176,12 @@ def test_sweep_runs_multimodal_families_with_images() -> None:
         for p in PATHS:
             part = path_record(record, p)
             assert part["status"] == "refused" and "multimodal batch" in part["detail"], record
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world", [2, 3])
+def test_video_matches_one_process(world: int) -> None:
+    """Images and videos in one batch (Qwen3-VL: DeepStack features of both; Qwen3.5)."""
+    cases = [dict(family="qwen3_vl", packed="video"), dict(family="qwen3_5", packed="video"),
+             dict(family="qwen3_vl", packed="video", frozen=True)]  # fmt: skip
+    check(run_ranks(world, vlm_errors, cases, timeout=280))
