@@ -26,9 +26,11 @@ __all__ = ["check_same_batch", "next_token_targets", "shard_batch"]
 _SEQ_KEYS = ("input_ids", "inputs_embeds", "labels", "shift_labels", "attention_mask", "position_ids")
 _PACKED_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")  # consumed here
 _PASS_KEYS = ("num_items_in_batch", "use_cache", "return_dict", "output_hidden_states", "output_attentions")
-# image and video inputs: passed to the model whole, with the full input_ids (see multimodal.py)
-MULTIMODAL_KEYS = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw", "mm_token_type_ids",
-                   "token_type_ids", "image_sizes", "pixel_attention_mask")  # fmt: skip
+# image and video inputs: passed to the model whole, with the full input_ids (see multimodal.py); the
+# token types only with them
+_IMAGE_KEYS = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw", "image_sizes",
+               "pixel_attention_mask")  # fmt: skip
+MULTIMODAL_KEYS = (*_IMAGE_KEYS, "mm_token_type_ids", "token_type_ids")
 
 
 def _resolve(
@@ -93,7 +95,8 @@ def next_token_targets(
     if attention_mask is not None:
         labels = labels.masked_fill(~attention_mask.bool(), IGNORE_INDEX)
     if position_ids is not None:
-        labels = labels.masked_fill((position_ids == 0).expand_as(labels), IGNORE_INDEX)  # labels[:, 0] go unused
+        text = position_ids[0] if position_ids.dim() == 3 else position_ids  # [4, B, N]: the text row first
+        labels = labels.masked_fill((text == 0).expand_as(labels), IGNORE_INDEX)  # labels[:, 0] go unused
     return torch.cat((labels[:, 1:], labels.new_full((labels.shape[0], 1), IGNORE_INDEX)), dim=1)
 
 
@@ -185,10 +188,9 @@ def shard_batch(
         no target crosses a document boundary (with Ulysses, the schedule is the ring's over its
         ``R`` positions).
     """
-    unknown = [
-        k for k, v in batch.items()
-        if isinstance(v, Tensor) and k not in (*_SEQ_KEYS, *_PASS_KEYS, *_PACKED_KEYS, *MULTIMODAL_KEYS)
-    ]  # fmt: skip
+    images = any(batch.get(k) is not None for k in _IMAGE_KEYS)
+    known = (*_SEQ_KEYS, *_PASS_KEYS, *_PACKED_KEYS, *(MULTIMODAL_KEYS if images else ()))
+    unknown = [k for k, v in batch.items() if isinstance(v, Tensor) and k not in known]
     if unknown:
         raise ValueError(
             f"shard_batch: does not know how to shard {unknown}; it handles {list(_SEQ_KEYS)}. Remove "
@@ -202,7 +204,7 @@ def shard_batch(
         raise ValueError("shard_batch: the batch needs input_ids [B, N] or inputs_embeds [B, N, H]")
     x: Tensor = batch[key]
     b, n = x.shape[:2]
-    whole = [k for k in MULTIMODAL_KEYS if batch.get(k) is not None]  # the batch enters the model whole
+    whole = [k for k in MULTIMODAL_KEYS if batch.get(k) is not None] if images else []  # enters the model whole
     if whole and key != "input_ids":
         raise ValueError(f"shard_batch: a batch with {whole} needs input_ids (the model merges the images there)")
     check_same_batch(batch, group)
