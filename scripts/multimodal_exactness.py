@@ -13,7 +13,7 @@ from testkit.spawn import close_all, run_ranks  # noqa: E402
 from tests.test_multimodal import vlm_errors  # noqa: E402
 
 if __name__ == "__main__":
-    fams = ["qwen3_vl", "qwen3_5", "qwen3_5_moe", "llama4", "gemma3"]
+    fams = ["qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "llama4", "gemma3"]
     for world in (2, 3, 4):
         cases = []
         for f in fams:

@@ -30,6 +30,12 @@ def tiny_config(family: str):
 
         return Qwen3VLConfig(text_config={**text, "rope_parameters": mrope},
                              vision_config=_qwen_vision(deepstack_visual_indexes=[0]), **ids)  # fmt: skip
+    if family == "qwen3_vl_moe":
+        from transformers import Qwen3VLMoeConfig
+
+        moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, decoder_sparse_step=1)
+        return Qwen3VLMoeConfig(text_config={**text, **moe, "rope_parameters": mrope},
+                                vision_config=_qwen_vision(deepstack_visual_indexes=[0]), **ids)  # fmt: skip
     if family in ("qwen3_5", "qwen3_5_moe"):
         from transformers import Qwen3_5Config, Qwen3_5MoeConfig
 

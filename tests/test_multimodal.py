@@ -23,7 +23,7 @@ VIDEO_ROWS = [  # Qwen: two images and two videos of 4 frames
     [("text", 7), ("image", 4), ("text", 5), ("video", 4), ("text", 6)],
     [("text", 3), ("video", 4), ("text", 9), ("image", 6), ("text", 2)],
 ]
-QWEN = ("qwen3_vl", "qwen3_5", "qwen3_5_moe")
+QWEN = ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
 ROWS_4 = [[(k, s if k == "text" else 4) for k, s in row] for row in ROWS]  # Llama 4, Gemma 3: 4 tokens an image
 
 
@@ -112,7 +112,8 @@ def test_packed_and_ulysses_match_one_process() -> None:
              dict(family="qwen3_vl", ulysses=2), dict(family="qwen3_vl", packed="rope", ulysses=2),
              dict(family="qwen3_5", packed="rope"), dict(family="qwen3_5", packed="rope", ulysses=2),
              dict(family="llama4", packed="text"), dict(family="llama4", ulysses=2),
-             dict(family="gemma3", packed="text", ulysses=2)]  # fmt: skip
+             dict(family="gemma3", packed="text", ulysses=2),
+             dict(family="qwen3_vl_moe", packed="rope", ulysses=2)]  # fmt: skip
     check(run_ranks(4, vlm_errors, cases, timeout=280))
 
 
