@@ -186,3 +186,48 @@ def test_video_matches_one_process(world: int) -> None:
     cases = [dict(family="qwen3_vl", packed="video"), dict(family="qwen3_5", packed="video"),
              dict(family="qwen3_vl", packed="video", frozen=True)]  # fmt: skip
     check(run_ranks(world, vlm_errors, cases, timeout=280))
+
+
+def trainer_losses(ring: bool, out: str) -> list[float]:
+    """Losses and the final weights' norm of 3 SGD steps of ``RingTrainer`` at CP = world (``ring``) or
+    of transformers' ``Trainer`` in one process, on a Qwen3-VL batch with images."""
+    from torch.utils.data import Dataset
+    from transformers import Trainer, TrainingArguments
+
+    from testkit.spawn import launcher_env
+    from testkit.vlm import qwen_batch, tiny_model
+
+    if ring:
+        launcher_env()
+    from hf_ring import RingTrainer, RingTrainingArguments
+
+    batch = qwen_batch(ROWS)
+
+    class Same(Dataset):  # every step the same batch (no sampler order to match)
+        def __len__(self) -> int:
+            return 3
+
+        def __getitem__(self, i: int) -> dict:
+            return {"i": i}
+
+    common = dict(output_dir=out, max_steps=3, per_device_train_batch_size=1, learning_rate=0.05, optim="sgd",
+                  logging_steps=1, report_to="none", use_cpu=True, disable_tqdm=True, save_strategy="no", seed=0,
+                  remove_unused_columns=False)  # fmt: skip
+    args = RingTrainingArguments(cp_size=2, **common) if ring else TrainingArguments(**common)
+    model = tiny_model("qwen3_vl", "ring" if ring else "sdpa")
+    trainer = (RingTrainer if ring else Trainer)(
+        model=model, args=args, train_dataset=Same(), data_collator=lambda _: {k: v.clone() for k, v in batch.items()}
+    )
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    return [*losses, float(sum(p.double().norm() ** 2 for p in model.parameters()) ** 0.5)]
+
+
+@pytest.mark.timeout(300)
+def test_ring_trainer_with_images_matches_trainer(tmp_path) -> None:
+    """RingTrainer takes image batches unchanged: 3 steps at CP = 2 equal transformers' Trainer."""
+    want = trainer_losses(False, str(tmp_path / "ref"))
+    for got in run_ranks(2, trainer_losses, True, str(tmp_path / "ring"), timeout=280):
+        assert len(got) == len(want) == 4, (got, want)
+        for g, w in zip(got, want):
+            assert abs(g - w) <= 1e-5 * abs(w), (got, want)
