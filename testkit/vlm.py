@@ -4,9 +4,9 @@ images, and one training step with and without context parallelism, for the exac
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 import hf_ring
+from testkit.models import named_grads
 
 VOCAB = 96
 IMAGE, VIDEO, START, END = 90, 91, 92, 93  # special token ids of the tiny models
@@ -147,16 +147,7 @@ def step(model, batch: dict, *, cp: bool, group=None) -> tuple[torch.Tensor, dic
     model.train()
     out = model(**(hf_ring.shard_batch(batch, group=group) if cp else batch))
     out.loss.backward()
-    grads = {}
-    for name, p in model.named_parameters():
-        if p.grad is None:
-            continue
-        g = p.grad.double()
-        if cp:
-            dist.all_reduce(g)
-            g /= dist.get_world_size()
-        grads[name] = g
-    return out.loss.detach().double(), grads
+    return out.loss.detach().double(), named_grads(model, cp)
 
 
 def packed_batch(rows: list[list[tuple[str, int]]], model=None, seed: int = 1) -> dict[str, torch.Tensor]:
