@@ -231,3 +231,30 @@ def test_ring_trainer_with_images_matches_trainer(tmp_path) -> None:
         assert len(got) == len(want) == 4, (got, want)
         for g, w in zip(got, want):
             assert abs(g - w) <= 1e-5 * abs(w), (got, want)
+
+
+def gather_errors(counts: list[int]) -> list[float]:
+    """On every rank: ``gather_rows`` against the concatenation in float64 (values), and each rank's
+    gradient against the sum over ranks of the weights its rows met (backward)."""
+    import torch.distributed as dist
+
+    from hf_ring.ops.gather import gather_rows
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    parts = [torch.randn(c, 5, generator=torch.Generator().manual_seed(r), dtype=torch.float64) for r, c in
+             enumerate(counts)]  # fmt: skip
+    weights = [torch.randn(sum(counts), 5, generator=torch.Generator().manual_seed(10 + r), dtype=torch.float64)
+               for r in range(world)]  # fmt: skip
+    x = parts[rank].clone().requires_grad_()
+    y = gather_rows(x, counts, None)
+    (y * weights[rank]).sum().backward()
+    start = sum(counts[:rank])
+    want = sum(weights)[start : start + counts[rank]]
+    return [float((y - torch.cat(parts)).abs().max()), float((x.grad - want).abs().max())]
+
+
+@pytest.mark.timeout(60)
+def test_gather_rows_values_and_gradients() -> None:
+    for counts in ([3, 1, 4], [2, 5, 2]):
+        for value, grad in run_ranks(3, gather_errors, counts, timeout=50):
+            assert value == 0.0 and grad <= 1e-15, (counts, value, grad)
