@@ -151,24 +151,12 @@ def step(model, batch: dict, *, cp: bool, group=None) -> tuple[torch.Tensor, dic
 
 
 def packed_batch(rows: list[list[tuple[str, int]]], model=None, seed: int = 1) -> dict[str, torch.Tensor]:
-    """The rows of ``qwen_batch`` packed into one row as documents: ``position_ids [1, N]`` restarting at
-    0, or with ``model`` (a Qwen VL model) ``[4, 1, N]``: the text row, then each document's own M-RoPE
-    rows from ``model.model.get_rope_index``."""
-    full = qwen_batch(rows, seed)
-    real = full.pop("attention_mask").bool()
-    out = {k: full[k][real][None] for k in ("input_ids", "labels", "mm_token_type_ids")}
-    text = torch.cat([torch.arange(int(r.sum())) for r in real])[None]
-    out["position_ids"] = text
-    if model is not None:
-        rope, image = [], 0
-        for i, r in enumerate(real):
-            ids, types = full["input_ids"][i : i + 1, r], full["mm_token_type_ids"][i : i + 1, r]
-            count = int((ids == START).sum())
-            grid = full["image_grid_thw"][image : image + count]
-            image += count
-            rope.append(model.model.get_rope_index(ids, mm_token_type_ids=types, image_grid_thw=grid)[0])
-        out["position_ids"] = torch.cat((text[None], torch.cat(rope, dim=2)), dim=0)
-    return out | {"pixel_values": full["pixel_values"], "image_grid_thw": full["image_grid_thw"]}
+    """The rows of ``qwen_batch`` packed into one row as documents (``hf_ring.data.multimodal``):
+    ``position_ids [1, N]`` restarting at 0, or with ``model`` (a Qwen VL model) ``[4, 1, N]``: the
+    text row, then each document's own M-RoPE rows."""
+    from hf_ring.data.multimodal import pack_multimodal
+
+    return pack_multimodal(documents(rows, text_positions=False, seed=seed), rope_model=model)
 
 
 def documents(rows: list[list[tuple[str, int]]], text_positions: bool, seed: int = 1) -> list[dict[str, torch.Tensor]]:

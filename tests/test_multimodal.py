@@ -258,3 +258,21 @@ def test_gather_rows_values_and_gradients() -> None:
     for counts in ([3, 1, 4], [2, 5, 2]):
         for value, grad in run_ranks(3, gather_errors, counts, timeout=50):
             assert value == 0.0 and grad <= 1e-15, (counts, value, grad)
+
+
+def test_pack_multimodal_refuses_what_it_cannot_pack() -> None:
+    from hf_ring.data.multimodal import pack_multimodal
+    from testkit.vlm import documents
+
+    docs = documents(ROWS, text_positions=False)
+    packed = pack_multimodal(docs)
+    assert packed["input_ids"].shape == (1, sum(d["input_ids"].shape[1] for d in docs))
+    assert packed["position_ids"][0].tolist() == [i for d in docs for i in range(d["input_ids"].shape[1])]
+    assert packed["pixel_values"].shape[0] == sum(d["pixel_values"].shape[0] for d in docs)
+    padded = docs[0] | {"attention_mask": torch.tensor([[1] * (docs[0]["input_ids"].shape[1] - 1) + [0]])}
+    with pytest.raises(ValueError, match="padding"):
+        pack_multimodal([padded, docs[1]])
+    with pytest.raises(ValueError, match="does not know how to pack"):
+        pack_multimodal([docs[0] | {"cross_attention_mask": torch.ones(1)}])
+    with pytest.raises(ValueError, match="needs input_ids and labels"):
+        pack_multimodal([{"input_ids": docs[0]["input_ids"]}])
