@@ -80,7 +80,9 @@ def as_images(batch: dict[str, torch.Tensor], first: int = 0) -> dict[str, torch
 
 
 def encoder(model) -> torch.nn.Module:
-    """The vision encoder of a model of ``FAMILIES``."""
+    """The vision encoder of a model of ``FAMILIES`` (or of a PEFT model of one)."""
+    if hasattr(model, "get_base_model"):
+        model = model.get_base_model()
     inner = getattr(model, "model", model)
     for name in ("visual", "vision_tower", "vision_model"):
         for owner in (inner, model):

@@ -64,6 +64,8 @@ def vlm_errors(cases: list[dict]) -> list[dict]:
         if c.get("frozen"):
             for m in models:
                 encoder(m).requires_grad_(False)
+        if c.get("lora") or c.get("ckpt"):
+            models = [_adapted(m, c) for m in models]
         with float64_kernels():  # the gated delta rule of Qwen3.5 in float64 too
             if docs is not None:  # each document alone (transformers' sdpa attends across packed documents)
                 ref_loss, ref_grads = documents_step(models[0], docs)
@@ -85,6 +87,22 @@ def vlm_errors(cases: list[dict]) -> list[dict]:
         out.append({**c, "loss": rel_err(loss, ref_loss), "grad": errors[worst], "worst": worst,
                     "abs_loss": float((loss - ref_loss).abs()), "encoded": sum(seen)})  # fmt: skip
     return out
+
+
+def _adapted(model, c: dict):
+    """``model`` with LoRA (``c["lora"]``: r4 on the decoder's attention and the encoder's qkv, B != 0,
+    the same on every model) and activation checkpointing (``c["ckpt"]``)."""
+    if c.get("lora"):
+        from peft import LoraConfig, get_peft_model
+
+        torch.manual_seed(5)
+        targets = ["q_proj", "k_proj", "v_proj", "o_proj", "qkv"]
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False))
+    if c.get("ckpt"):
+        model.gradient_checkpointing_enable()
+        if c.get("lora"):
+            model.enable_input_require_grads()
+    return model
 
 
 def check(per_rank: list[list[dict]]) -> None:
@@ -276,3 +294,11 @@ def test_pack_multimodal_refuses_what_it_cannot_pack() -> None:
         pack_multimodal([docs[0] | {"cross_attention_mask": torch.ones(1)}])
     with pytest.raises(ValueError, match="needs input_ids and labels"):
         pack_multimodal([{"input_ids": docs[0]["input_ids"]}])
+
+
+@pytest.mark.timeout(300)
+def test_lora_and_checkpointing_match_one_process() -> None:
+    """LoRA on the decoder's attention and the encoder, activation checkpointing, at CP = 2 and packed."""
+    cases = [dict(family="qwen3_vl", lora=True), dict(family="qwen3_vl", lora=True, ckpt=True, packed="rope"),
+             dict(family="qwen3_5", lora=True, ckpt=True), dict(family="gemma3", ckpt=True)]  # fmt: skip
+    check(run_ranks(2, vlm_errors, cases, timeout=280))
