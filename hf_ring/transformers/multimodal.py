@@ -63,7 +63,9 @@ def vision_attention(model: nn.Module, implementation: Any) -> Any:
 def attach(model: nn.Module) -> None:
     """Hooks of a model of ``FAMILIES`` (idempotent): its checks before each forward, and, on its first
     forward, the decoder-entry cut on ``model.language_model`` and the encoders' context removal."""
-    if type(model).__name__ in FAMILIES and "_hf_ring_mm" not in model.__dict__:
+    name = type(model).__name__
+    if name in FAMILIES and "_hf_ring_mm" not in model.__dict__:  # its class's name, kept (FSDP2 renames it)
+        model._hf_ring_family = name
         model._hf_ring_mm = [model.register_forward_pre_hook(_enter, with_kwargs=True, prepend=True)]
         _ATTACHED.add(model)
 
@@ -71,6 +73,7 @@ def attach(model: nn.Module) -> None:
 def detach() -> None:
     """Undo ``attach`` on every model."""
     for model in list(_ATTACHED):
+        model.__dict__.pop("_hf_ring_family", None)
         for handle in model.__dict__.pop("_hf_ring_mm", []):
             handle.remove()
         model.__dict__.pop("get_image_features", None)
@@ -84,7 +87,7 @@ def check_entry(model: nn.Module, ctx: RingContext) -> None:
     """Refuse a multimodal batch (``ctx.entry``) given to ``model`` unless it holds a model of ``FAMILIES``."""
     if ctx.entry is None or "_hf_ring_entry" in model.__dict__:
         return
-    if any(type(m).__name__ in FAMILIES for m in model.modules()):
+    if any("_hf_ring_family" in m.__dict__ for m in model.modules()):
         return
     raise RingNotSupported(
         f"{type(model).__name__} got a multimodal batch from hf_ring.shard_batch (image or video inputs), which "
@@ -98,7 +101,8 @@ def _enter(module: nn.Module, args: Any, kwargs: dict) -> None:
     ctx = kwargs.get(KEY)
     if not isinstance(ctx, RingContext) or ctx.entry is None:
         return
-    name = FAMILIES[type(module).__name__]
+    family = module._hf_ring_family
+    name = FAMILIES[family]
     if kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None or kwargs.get("use_cache"):
         raise RingNotSupported(f"{name} under context parallelism runs without a KV cache (use_cache=False)")
     type_ids = kwargs.get("token_type_ids")
@@ -113,7 +117,7 @@ def _enter(module: nn.Module, args: Any, kwargs: dict) -> None:
     if decoder is not None and "_hf_ring_entry" not in decoder.__dict__:
         decoder._hf_ring_entry = decoder.register_forward_pre_hook(_cut_entry, with_kwargs=True, prepend=True)
         module._hf_ring_mm.append(decoder._hf_ring_entry)
-        if type(module).__name__ in SPREAD:
+        if family in SPREAD:
             module.get_image_features = types.MethodType(_spread(type(module).get_image_features), module)
         for sub in decoder.modules():  # the models inside it (Llama 4's causal LM -> its text model) are cut too
             sub.__dict__.setdefault("_hf_ring_entry", decoder._hf_ring_entry)
