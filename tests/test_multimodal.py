@@ -206,7 +206,7 @@ def test_video_matches_one_process(world: int) -> None:
     check(run_ranks(world, vlm_errors, cases, timeout=280))
 
 
-def trainer_losses(ring: bool, out: str) -> list[float]:
+def trainer_losses(ring: bool, out: str, fsdp: bool = False) -> list[float]:
     """Losses and the final weights' norm of 3 SGD steps of ``RingTrainer`` at CP = world (``ring``) or
     of transformers' ``Trainer`` in one process, on a Qwen3-VL batch with images."""
     from torch.utils.data import Dataset
@@ -233,19 +233,34 @@ def trainer_losses(ring: bool, out: str) -> list[float]:
                   remove_unused_columns=False)  # fmt: skip
     args = RingTrainingArguments(cp_size=2, **common) if ring else TrainingArguments(**common)
     model = tiny_model("qwen3_vl", "ring" if ring else "sdpa")
-    trainer = (RingTrainer if ring else Trainer)(
-        model=model, args=args, train_dataset=Same(), data_collator=lambda _: {k: v.clone() for k, v in batch.items()}
-    )
-    trainer.train()
+    from contextlib import nullcontext
+
+    from testkit.fsdp import fsdp2_on_cpu
+
+    with fsdp2_on_cpu() if fsdp else nullcontext():
+        trainer = (RingTrainer if ring else Trainer)(
+            model=model, args=args, train_dataset=Same(),
+            data_collator=lambda _: {k: v.clone() for k, v in batch.items()},
+        )  # fmt: skip
+        trainer.train()
+        assert trainer.is_fsdp_enabled == fsdp
+        if fsdp:  # the full weights, gathered from their shards
+            from torch.distributed.tensor import DTensor
+
+            params = [p.full_tensor() if isinstance(p, DTensor) else p for p in trainer.model.parameters()]
+            losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+            return [*losses, float(sum(p.detach().double().norm() ** 2 for p in params) ** 0.5)]
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     return [*losses, float(sum(p.double().norm() ** 2 for p in model.parameters()) ** 0.5)]
 
 
 @pytest.mark.timeout(300)
-def test_ring_trainer_with_images_matches_trainer(tmp_path) -> None:
-    """RingTrainer takes image batches unchanged: 3 steps at CP = 2 equal transformers' Trainer."""
+@pytest.mark.parametrize("fsdp", [False, True], ids=["ddp", "fsdp2"])
+def test_ring_trainer_with_images_matches_trainer(tmp_path, fsdp: bool) -> None:
+    """RingTrainer takes image batches unchanged: 3 steps at CP = 2 (DDP or FSDP2) equal transformers'
+    Trainer in one process."""
     want = trainer_losses(False, str(tmp_path / "ref"))
-    for got in run_ranks(2, trainer_losses, True, str(tmp_path / "ring"), timeout=280):
+    for got in run_ranks(2, trainer_losses, True, str(tmp_path / "ring"), fsdp, timeout=280):
         assert len(got) == len(want) == 4, (got, want)
         for g, w in zip(got, want):
             assert abs(g - w) <= 1e-5 * abs(w), (got, want)
