@@ -71,10 +71,9 @@ def vlm_errors(cases: list[dict]) -> list[dict]:
                 ref_loss, ref_grads = documents_step(models[0], docs)
             else:
                 ref_loss, ref_grads = step(models[0], batch, cp=False)
-            seen: list[int] = []  # images each call of the encoder encodes (Qwen: rows of grid_thw)
+            seen: list[int] = []  # images each call of the encoder encodes
             hook = encoder(models[1]).register_forward_pre_hook(
-                lambda m, a, kw, seen=seen: seen.append(len(kw.get("grid_thw", a[1] if len(a) > 1 else []))),
-                with_kwargs=True,
+                lambda m, a, kw, seen=seen: seen.append(_images(a, kw)), with_kwargs=True
             )
             loss, grads = step(models[1], batch, cp=True, group=group)
             hook.remove()
@@ -87,6 +86,13 @@ def vlm_errors(cases: list[dict]) -> list[dict]:
         out.append({**c, "loss": rel_err(loss, ref_loss), "grad": errors[worst], "worst": worst,
                     "abs_loss": float((loss - ref_loss).abs()), "encoded": sum(seen)})  # fmt: skip
     return out
+
+
+def _images(args: tuple, kwargs: dict) -> int:
+    """Images a vision encoder's call encodes: Qwen's rows of ``grid_thw``, else ``pixel_values [K, C, H, W]``."""
+    if "grid_thw" in kwargs or len(args) > 1:
+        return len(kwargs.get("grid_thw", args[1] if len(args) > 1 else []))
+    return len(kwargs.get("pixel_values", args[0] if args else []))
 
 
 def _adapted(model, c: dict):
@@ -119,9 +125,8 @@ def test_step_matches_one_process(family: str, world: int) -> None:
     cases = [dict(family=family), dict(family=family, frozen=True)]
     per_rank = run_ranks(world, vlm_errors, cases, timeout=280)
     check(per_rank)
-    if family in QWEN:  # 3 images: spread over 2 or 3 ranks (each encodes its own), whole on each of 4
-        encoded = [r[0]["encoded"] for r in per_rank]
-        assert sum(encoded) == 3 if world < 4 else encoded == [3] * 4, encoded
+    encoded = [r[0]["encoded"] for r in per_rank]  # 3 images: spread over 2 or 3 ranks, whole on each of 4
+    assert sum(encoded) == 3 if world < 4 else encoded == [3] * 4, encoded
 
 
 @pytest.mark.timeout(300)

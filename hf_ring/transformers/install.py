@@ -111,7 +111,9 @@ ENTRY = Change(
     "<multimodal model>.language_model, its vision encoder: forward pre-hooks", HOOKS, MODEL,
     "`multimodal.attach` (Qwen3-VL, Qwen3.5, Llama 4, Gemma 3: `multimodal.FAMILIES`): a batch with images enters "
     "whole; the text decoder's entry cuts the merged embeddings and the model's positions to this rank's rows, the "
-    "encoder runs without the `ring_context`; refuses what it cannot cut",
+    "encoder runs without the `ring_context` on this rank's share of the images (its instance's "
+    "`get_image_features`; Gemma 3's and Llama 4's `forward` carries the context to it, `carry.carry_context`); "
+    "refuses what it cannot cut",
 )  # fmt: skip
 VISION = Change(
     "<vision encoder of a multimodal model>._check_and_adjust_attn_implementation", METHOD, PROCESS,

@@ -3,8 +3,8 @@
 ``shard_batch`` passes a multimodal batch (``pixel_values``, ``image_grid_thw``, ``mm_token_type_ids``,
 ...) and its full ``input_ids`` to the model unsharded, with the labels shifted on the full sequence and
 sharded as for text, and a ``RingContext`` whose ``entry [B, S_local]`` names the global token of every
-local row. Every rank then runs the model's own code up to its text decoder: the vision encoder on the
-group's images (whole, on every rank), the merge of image and video features into the embeddings where
+local row. Every rank then runs the model's own code up to its text decoder: the vision encoder on its share of
+the group's images (``_spread``, ``_spread_tiles``: the features gathered from the group), the merge of image and video features into the embeddings where
 the model merges them, and the model's own positions over the full sequence (Qwen's M-RoPE
 ``get_rope_index``: ``[3, B, N]`` positions of time, height and width). A forward pre-hook on the
 decoder (``language_model``) then cuts what enters it -- ``inputs_embeds``, ``position_ids`` (2-D or
@@ -32,6 +32,7 @@ from torch import Tensor, nn
 
 from ..errors import RingNotSupported
 from ..ops.gather import gather_rows
+from .carry import ACTIVE, carry_context
 from .context import KEY, RingContext
 
 __all__ = ["FAMILIES", "VISION_TOWERS", "attach", "check_entry", "detach", "vision_attention"]
@@ -46,6 +47,9 @@ VISION_TOWERS = frozenset({"Qwen3VLVisionModel", "Qwen3VLMoeVisionModel", "Qwen3
                            "Llama4VisionModel", "SiglipVisionModel"})  # fmt: skip
 # where the images are spread over the CP group's ranks (``get_image_features`` of Qwen's signature)
 SPREAD = frozenset({"Qwen3VLModel", "Qwen3VLMoeModel", "Qwen3_5Model", "Qwen3_5MoeModel"})
+# where whole images (tiles) are spread: ``get_image_features(pixel_values [K, C, H, W])``, called without the
+# batch's keyword arguments (the context comes from ``carry.ACTIVE``, set by the model's forward)
+TILES = frozenset({"Gemma3Model", "Llama4ForConditionalGeneration"})
 _ENCODERS = ("visual", "vision_model", "vision_tower")
 _CUT = frozenset({"inputs_embeds", "position_ids", "attention_mask", "visual_pos_masks", "deepstack_visual_embeds",
                   "labels", "shift_labels"})  # the last two: this rank's already
@@ -67,6 +71,8 @@ def attach(model: nn.Module) -> None:
     if name in FAMILIES and "_hf_ring_mm" not in model.__dict__:  # its class's name, kept (FSDP2 renames it)
         model._hf_ring_family = name
         model._hf_ring_mm = [model.register_forward_pre_hook(_enter, with_kwargs=True, prepend=True)]
+        if name in TILES:
+            model.forward = types.MethodType(carry_context(type(model).forward), model)
         _ATTACHED.add(model)
 
 
@@ -77,6 +83,7 @@ def detach() -> None:
         for handle in model.__dict__.pop("_hf_ring_mm", []):
             handle.remove()
         model.__dict__.pop("get_image_features", None)
+        model.__dict__.pop("forward", None)
         for sub in model.modules():
             sub.__dict__.pop("_hf_ring_entry", None)
             sub.__dict__.pop("_hf_ring_encoder", None)
@@ -119,6 +126,8 @@ def _enter(module: nn.Module, args: Any, kwargs: dict) -> None:
         module._hf_ring_mm.append(decoder._hf_ring_entry)
         if family in SPREAD:
             module.get_image_features = types.MethodType(_spread(type(module).get_image_features), module)
+        elif family in TILES:
+            module.get_image_features = types.MethodType(_spread_tiles(type(module).get_image_features), module)
         for sub in decoder.modules():  # the models inside it (Llama 4's causal LM -> its text model) are cut too
             sub.__dict__.setdefault("_hf_ring_entry", decoder._hf_ring_entry)
         for attr in _ENCODERS:
@@ -162,6 +171,27 @@ def _spread(original: Any) -> Any:
         out.pooler_output = full[0].split(tokens)
         if deep:
             out.deepstack_features = [f.split(tokens) for f in full[1:]]
+        out.last_hidden_state = None  # this rank's images only: not the group's
+        return out
+
+    return get_image_features
+
+
+def _spread_tiles(original: Any) -> Any:
+    """Gemma 3's and Llama 4's ``get_image_features``: at CP = P over at least P images (tiles), rank ``r``
+    encodes its run of them and the features (the same number per image) are gathered from the group,
+    as ``_spread`` does; else every rank encodes every image."""
+
+    def get_image_features(self: Any, pixel_values: Tensor, *args: Any, **kwargs: Any):
+        ctx = kwargs.pop(KEY, None) or ACTIVE.get()
+        if not isinstance(ctx, RingContext) or ctx.size == 1 or len(pixel_values) < ctx.size:
+            return original(self, pixel_values, *args, **kwargs)
+        bounds = _split([1] * len(pixel_values), ctx.size)
+        out = original(self, pixel_values[bounds[ctx.rank] : bounds[ctx.rank + 1]], *args, **kwargs)
+        mine = out.pooler_output  # [k, tokens, H]: the same tokens per image
+        counts = [(bounds[r + 1] - bounds[r]) * mine[0].numel() // mine.shape[-1] for r in range(ctx.size)]
+        full = gather_rows(mine.reshape(-1, mine.shape[-1]), counts, ctx.group)
+        out.pooler_output = full.view(len(pixel_values), *mine.shape[1:])
         out.last_hidden_state = None  # this rank's images only: not the group's
         return out
 
