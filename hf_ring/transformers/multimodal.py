@@ -3,9 +3,10 @@
 ``shard_batch`` passes a multimodal batch (``pixel_values``, ``image_grid_thw``, ``mm_token_type_ids``,
 ...) and its full ``input_ids`` to the model unsharded, with the labels shifted on the full sequence and
 sharded as for text, and a ``RingContext`` whose ``entry [B, S_local]`` names the global token of every
-local row. Every rank then runs the model's own code up to its text decoder: the vision encoder on its share of
-the group's images (``_spread``, ``_spread_tiles``: the features gathered from the group), the merge of image and video features into the embeddings where
-the model merges them, and the model's own positions over the full sequence (Qwen's M-RoPE
+local row. Every rank then runs the model's own code up to its text decoder: the vision encoder on its
+share of the group's images (``_spread``, ``_spread_tiles``: the features gathered from the group), the
+merge of image and video features into the embeddings where the model merges them, and the model's
+own positions over the full sequence (Qwen's M-RoPE
 ``get_rope_index``: ``[3, B, N]`` positions of time, height and width). A forward pre-hook on the
 decoder (``language_model``) then cuts what enters it -- ``inputs_embeds``, ``position_ids`` (2-D or
 ``[R, B, N]``), Qwen3-VL's DeepStack ``visual_pos_masks`` and ``deepstack_visual_embeds`` -- to this
