@@ -176,6 +176,11 @@ def refusals() -> list[str]:
     with pytest.raises(ValueError) as e:
         hf_ring.shard_batch({"inputs_embeds": torch.zeros(1, 8, 4), "pixel_values": batch["pixel_values"]})
     out.append(str(e.value))
+    with pytest.raises(ValueError) as e:  # ranks fed different images (a sampled pixel differs)
+        pixels = torch.zeros(2**21 + 7)
+        pixels[2**20] = torch.distributed.get_rank()
+        hf_ring.shard_batch(batch | {"pixel_values": pixels})
+    out.append(str(e.value))
     return out
 
 
@@ -185,6 +190,7 @@ def test_refusals_name_the_problem() -> None:
         assert "bidirectional" in messages[0] and "token_type_ids" in messages[0]
         assert "multimodal batch" in messages[1] and "Qwen3-VL" in messages[1]
         assert "needs input_ids" in messages[2]
+        assert "pixel_values" in messages[3], messages[3]
 
 
 @pytest.mark.timeout(200)
