@@ -43,7 +43,7 @@ FAMILIES = {
     "Qwen3VLModel": "Qwen3-VL", "Qwen3VLMoeModel": "Qwen3-VL-MoE", "Qwen3_5Model": "Qwen3.5",
     "Qwen3_5MoeModel": "Qwen3.5-MoE", "Llama4ForConditionalGeneration": "Llama 4", "Gemma3Model": "Gemma 3",
 }  # fmt: skip
-# their vision encoders: built with "sdpa" where "ring" is asked (they run whole on every rank)
+# their vision encoders: built with "sdpa" where "ring" is asked (they attend within each image)
 VISION_TOWERS = frozenset({"Qwen3VLVisionModel", "Qwen3VLMoeVisionModel", "Qwen3_5VisionModel", "Qwen3_5MoeVisionModel",
                            "Llama4VisionModel", "SiglipVisionModel"})  # fmt: skip
 # where the images are spread over the CP group's ranks (``get_image_features`` of Qwen's signature)
@@ -122,7 +122,9 @@ def _enter(module: nn.Module, args: Any, kwargs: dict) -> None:
             "them) or run this model without context parallelism (cp_size=1)."
         )
     decoder = getattr(module, "language_model", None)
-    if decoder is not None and "_hf_ring_entry" not in decoder.__dict__:
+    if not isinstance(decoder, nn.Module):
+        raise RingNotSupported(f"{name}: hf_ring cuts a multimodal batch at its language_model, which it lacks")
+    if "_hf_ring_entry" not in decoder.__dict__:
         decoder._hf_ring_entry = decoder.register_forward_pre_hook(_cut_entry, with_kwargs=True, prepend=True)
         module._hf_ring_mm.append(decoder._hf_ring_entry)
         if family in SPREAD:
