@@ -473,36 +473,3 @@ print(p.cp, recipe_plan("llama-3.1-8b-128k", loss_chunk=1024).fits)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["2", "True"]
-
-
-def test_vision_encoder_is_priced() -> None:
-    """Qwen3.5-9B's encoder (docs/multimodal.md): its parameters as transformers builds them (within 1 %: norms
-    and position embeddings left out), rows that a frozen (LoRA) or trained (full) encoder adds, its share
-    1/cp of the images, and its FLOPs in the step time; no visual tokens: the plan of the text model."""
-    import torch
-    from transformers import Qwen3_5VisionConfig
-    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5VisionModel
-
-    from hf_ring.planner import PlanSettings, model_shape, plan
-    from hf_ring.planner.models import KNOWN_MODELS
-
-    m = model_shape("Qwen3.5-9B")
-    assert m.vision is not None
-    config = dict(KNOWN_MODELS["Qwen3.5-9B"]["vision_config"])
-    with torch.device("meta"):
-        built = sum(p.numel() for p in Qwen3_5VisionModel._from_config(Qwen3_5VisionConfig(**config)).parameters())
-    assert abs(m.vision.params - built) <= 0.01 * built, (m.vision.params, built)
-
-    def at(cp: int, share: float, mode: str = "full"):
-        return plan(m, PlanSettings(seq_len=2**18, gpus=8, cp=cp, visual_share=share, mode=mode, sharding="fsdp"))
-
-    text, frozen, trained = at(8, 0.0), at(8, 0.9, "lora"), at(8, 0.9)
-    assert not any("vision" in k or "visual" in k for k in text.rows)
-    assert frozen.rows["vision encoder activations"] == 0 and frozen.rows["visual features (gathered)"] > 0
-    assert trained.rows["vision encoder activations"] > 0
-    assert at(4, 0.9).rows["vision encoder activations"] == 2 * trained.rows["vision encoder activations"]
-    text_lora = at(8, 0.0, "lora")
-    assert text_lora.time.total_s < frozen.time.total_s and text.time.total_s < trained.time.total_s
-    assert frozen.peak > text_lora.peak and trained.peak > text.peak
-    with pytest.raises(ValueError, match="visual_share"):
-        at(8, 1.5)

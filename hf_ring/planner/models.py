@@ -21,8 +21,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .vision import VisionShape
-
 __all__ = ["KNOWN_MODELS", "LORA_TARGETS", "MixerShape", "ModelShape", "known_config", "model_shape"]
 
 QWEN3_5_9B_TEXT: dict[str, Any] = dict(
@@ -62,10 +60,7 @@ KNOWN_MODELS: dict[str, dict[str, Any]] = {
                             tie_word_embeddings=False),
     # Qwen3.5-9B, a multimodal config: its language model (text_config) interleaves 3 Gated DeltaNet
     # layers with one gated full-attention layer; 262K positions natively.
-    "Qwen3.5-9B": dict(model_type="qwen3_5", tie_word_embeddings=False, text_config=QWEN3_5_9B_TEXT,
-                       vision_config=dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16,
-                                          patch_size=16, spatial_merge_size=2, temporal_patch_size=2,
-                                          out_hidden_size=4096)),
+    "Qwen3.5-9B": dict(model_type="qwen3_5", tie_word_embeddings=False, text_config=QWEN3_5_9B_TEXT),
     # Nemotron-H-8B: 24 Mamba2, 4 attention and 24 MLP blocks (transformers' NemotronHConfig defaults).
     "Nemotron-H-8B-Base-8K": dict(model_type="nemotron_h", hidden_size=4096, intermediate_size=21504,
                                   num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=131072,
@@ -196,14 +191,12 @@ class ModelShape:
     window: int = 0  # the sliding window of the windowed layers (0: none)
     windowed_layers: int = 0  # layers that attend within ``window`` tokens; the others attend to all
     sinks: bool = False  # one learned attention-sink logit per head and layer (GPT-OSS)
-    vision: VisionShape | None = None  # a vision-language model's encoder (its ``vision_config``)
 
     @classmethod
     def from_config(cls, config: dict[str, Any], name: str = "model") -> ModelShape:
         """The shape of a transformers config (a ``config.json`` as a dict; a multimodal one's
         ``text_config``)."""
         c = dict(config)
-        vision = VisionShape.from_config(c["vision_config"]) if isinstance(c.get("vision_config"), dict) else None
         if isinstance(c.get("text_config"), dict):
             c = {**c["text_config"], "tie_word_embeddings": c.get("tie_word_embeddings", False)}
         heads = c["num_attention_heads"]
@@ -242,7 +235,6 @@ class ModelShape:
             window=window if windowed else 0,
             windowed_layers=windowed,
             sinks=mt == "gpt_oss",
-            vision=vision,
         )
 
     @property

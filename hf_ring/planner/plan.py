@@ -37,7 +37,6 @@ from .terms import (
     window_buffer_bytes,
 )
 from .timing import StepTime, rates_for, step_time
-from .vision import vision_rows
 
 __all__ = ["GiB", "Plan", "max_seq_len", "plan", "smallest_cp"]
 
@@ -304,15 +303,6 @@ def plan(model: ModelShape, settings: PlanSettings) -> Plan:
         if part in work:
             rows[f"{names[part].split(', ')[1]} working set (one layer)"] = work[part]
     rows["loss working set (backward)"] = loss_bwd
-    if not 0 <= s.visual_share <= 1:
-        raise ValueError(f"visual_share must be between 0 and 1, not {s.visual_share}")
-    if s.visual_share and m.vision is not None:  # live from the forward to the encoder's backward, at the end
-        vision = vision_rows(m.vision, s.visual_share * s.seq_len * s.micro_batch, cp, b, s.mode == "full",
-                             checkpointing, (shard_w, shard_grad, shard_opt))  # fmt: skip
-        rows.update(vision)
-        kept, base = kept + sum(vision.values()), base + sum(vision.values())
-    elif s.visual_share:
-        notes.append("visual_share: this model's config has no vision encoder; its visual tokens are priced as text")
     rows["runtime reserve"] = s.reserve_gib * GiB
     phases = {"loss backward": kept + loss_bwd}
     phases.update({names[part]: base + ws for part, ws in sorted(work.items(), key=lambda kv: kv[0] != "mlp")})

@@ -141,13 +141,6 @@ class PlanSettings:
         "that GPU when flash-attn 2/3/4 and cuDNN are installed)",
         choices=ATTENTION_BACKENDS,
     )
-    visual_share: float = _setting(
-        0.0,
-        "share of the sequence that is image or video tokens (a model with a vision encoder: its weights, the "
-        "activations of its 1/cp share of the images, the gathered visual features and its FLOPs are planned; "
-        "trained with mode=full, frozen with lora)",
-        least=0,
-    )
     ulysses_size: int | str = _setting(
         1,
         "Ulysses degree inside the CP group (cp = ulysses_size x ring; 1: ring only); auto: "

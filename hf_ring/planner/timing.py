@@ -38,7 +38,6 @@ from .grids import grid_cost
 from .models import ModelShape
 from .settings import PlanSettings
 from .terms import DTYPE_BYTES
-from .vision import vision_cost
 
 __all__ = ["DEFAULT_ATTENTION", "DEFAULT_GEMM", "Rates", "StepTime", "auto_kernel", "elementwise_bytes",
            "measured_rates", "rates_for", "step_flops", "step_time"]  # fmt: skip
@@ -162,17 +161,12 @@ def step_flops(m: ModelShape, s: PlanSettings, cp: int) -> dict[str, float]:
     passes = 2 if s.checkpointing else 1
     gemm_exec, gemm_model = _gemm_per_token(m, s)
     tokens = b * n / cp
-    vision_exec = vision_model = 0.0
-    if s.visual_share and m.vision is not None:  # the encoder's share of this rank (docs/multimodal.md)
-        visual = s.visual_share * s.seq_len * b
-        vision_exec = vision_cost(m.vision, visual, cp, 2, s.mode == "full", s.checkpointing)["flops"]
-        vision_model = vision_cost(m.vision, visual, cp, 2, s.mode == "full", False)["flops"]
     return {
         "attention": fwd * (passes + 2.5),
         "attention_model": fwd * 3.5,
-        "gemm": gemm_exec * tokens + vision_exec,
-        "gemm_model": gemm_model * tokens + vision_model,
-        "model": fwd * 3.5 + gemm_model * tokens + vision_model,
+        "gemm": gemm_exec * tokens,
+        "gemm_model": gemm_model * tokens,
+        "model": fwd * 3.5 + gemm_model * tokens,
         "tokens": tokens,
     }
 
