@@ -4,6 +4,7 @@
     python scripts/sweep_models.py --families llama,qwen3_next --json /tmp/some.json
     python scripts/sweep_models.py --from-json --update-docs     # docs/models.md from docs/models.json
 
+Multimodal families run with image inputs (``testkit.sweep_images``: exact, or refused).
 Each family (and each of its variants: router_aux, sliding, mla, temperature) runs on CP=2 gloo
 ranks against one process with sdpa (``testkit.sweep.check_family``), on three paths: a training
 step with labels, a prefill without labels (the logits), and the training step with the chunked
@@ -27,7 +28,15 @@ sys.path.insert(0, str(ROOT))
 
 from testkit.families import skipped, variants  # noqa: E402
 from testkit.sweep import STATUSES, check_family  # noqa: E402
+from testkit.sweep_images import check_images  # noqa: E402
 from testkit.sweep_table import PATHS, path_record, render_table  # noqa: E402
+
+
+def _multimodal() -> set[str]:
+    return {name for name, why in skipped().items() if why.startswith("multimodal")}
+
+
+IMAGES = _multimodal()
 
 
 def run_sweep(names: list[str], n: int, cp: int, timeout: float, log=print) -> list[dict]:
@@ -35,6 +44,12 @@ def run_sweep(names: list[str], n: int, cp: int, timeout: float, log=print) -> l
     records = []
     skips = skipped()
     for name in names:
+        if name in skips and name in IMAGES:  # multimodal: run with image inputs (exact or refused)
+            r = check_images(name, cp=cp, timeout=timeout)
+            records.append(r)
+            statuses = "/".join(path_record(r, p)["status"] for p in PATHS)
+            log(f"{r['seconds']:6.1f}s  {statuses:24s} {name} (images)  {r.get('detail', '')[:90]}")
+            continue
         if name in skips:
             records.append(
                 {

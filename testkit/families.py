@@ -292,7 +292,7 @@ def _classify() -> tuple[tuple[str, ...], dict[str, str]]:
         if "ConditionalGeneration" in cls_name:
             text = _text_model_type(mt)
             also = f"; its text model is swept as {text}" if text in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES else ""
-            skip[mt] = f"multimodal {cls_name} (needs image/audio inputs){also}"
+            skip[mt] = f"multimodal {cls_name} (swept with image inputs: testkit.sweep_images){also}"
             continue
         same = owner.get((cls_name, _config_class(mt).__name__))
         if same is not None and same != mt:

@@ -102,6 +102,11 @@ def train_step(family: str, attn: str, dtype: torch.dtype, batch: dict, *, lora:
     model.train()
     out = model(**(hf_ring.shard_batch(batch) if cp else batch))
     out.loss.backward()
+    return out.loss.double(), named_grads(model, cp)
+
+
+def named_grads(model, cp: bool) -> dict[str, torch.Tensor]:
+    """Every parameter's gradient by name (float64); with ``cp`` averaged over the world, as DDP would."""
     grads = {}
     for name, p in model.named_parameters():
         if p.grad is None:
@@ -111,7 +116,7 @@ def train_step(family: str, attn: str, dtype: torch.dtype, batch: dict, *, lora:
             dist.all_reduce(g)
             g /= dist.get_world_size()
         grads[name] = g
-    return out.loss.double(), grads
+    return grads
 
 
 def packed_batch(lengths: list[int], vocab: int, seed: int = 3) -> dict[str, torch.Tensor]:

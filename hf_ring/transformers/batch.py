@@ -26,6 +26,12 @@ __all__ = ["check_same_batch", "next_token_targets", "shard_batch"]
 _SEQ_KEYS = ("input_ids", "inputs_embeds", "labels", "shift_labels", "attention_mask", "position_ids")
 _PACKED_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")  # consumed here
 _PASS_KEYS = ("num_items_in_batch", "use_cache", "return_dict", "output_hidden_states", "output_attentions")
+# image and video inputs: passed to the model whole, with the full input_ids (see multimodal.py); the
+# token types only with them
+_IMAGE_KEYS = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw", "image_sizes",
+               "pixel_attention_mask")  # fmt: skip
+MULTIMODAL_KEYS = (*_IMAGE_KEYS, "mm_token_type_ids", "token_type_ids")
+_SAMPLE = 2**20  # elements of a pixel tensor that its fingerprint reads at most (long video: billions)
 
 
 def _resolve(
@@ -50,7 +56,7 @@ _FIX = (
     "cp = hf_ring.setup_context_parallel(...), not by global rank."
 )
 _FINGERPRINTED = ("input_ids", "inputs_embeds", "labels", "shift_labels", "attention_mask", "position_ids",
-                  "cu_seq_lens_q", "cu_seq_lens_k", "num_items_in_batch")  # fmt: skip
+                  "cu_seq_lens_q", "cu_seq_lens_k", "num_items_in_batch", *MULTIMODAL_KEYS)  # fmt: skip
 
 
 def check_same_batch(batch: dict[str, Any], group: dist.ProcessGroup | None) -> None:
@@ -63,6 +69,8 @@ def check_same_batch(batch: dict[str, Any], group: dist.ProcessGroup | None) -> 
         v = batch.get(k)
         if v is not None:
             names.append(k)
+            if isinstance(v, Tensor) and k in _IMAGE_KEYS and v.numel() > _SAMPLE:  # pixels: a strided sample
+                v = v.reshape(-1)[:: v.numel() // _SAMPLE]
             values.append(fingerprint(v) if isinstance(v, Tensor) else int(v))
     check_same_across_ranks(values, group, "the batch", names=names, fix=_FIX)
 
@@ -90,7 +98,8 @@ def next_token_targets(
     if attention_mask is not None:
         labels = labels.masked_fill(~attention_mask.bool(), IGNORE_INDEX)
     if position_ids is not None:
-        labels = labels.masked_fill((position_ids == 0).expand_as(labels), IGNORE_INDEX)  # labels[:, 0] go unused
+        text = position_ids[0] if position_ids.dim() == 3 else position_ids  # [4, B, N]: the text row first
+        labels = labels.masked_fill((text == 0).expand_as(labels), IGNORE_INDEX)  # labels[:, 0] go unused
     return torch.cat((labels[:, 1:], labels.new_full((labels.shape[0], 1), IGNORE_INDEX)), dim=1)
 
 
@@ -143,6 +152,11 @@ def shard_batch(
             ``position_ids [B, N]`` (restarting at 0 where a packed document begins, or
             ``cu_seq_lens_q/k [D + 1]`` for ``B = 1``), ``num_items_in_batch`` (valid targets of the
             whole step, e.g. over gradient accumulation and DP replicas; counted here otherwise).
+            Image or video inputs (``MULTIMODAL_KEYS``: ``pixel_values``, ``image_grid_thw``,
+            ``mm_token_type_ids``, ...) go to the model whole, with the full ``input_ids`` and the
+            given ``position_ids`` (``[B, N]``, or ``[4, B, N]`` with the text row first); the labels
+            are sharded as below and the model's text decoder cuts its inputs at its entry
+            (``multimodal.py``, docs/multimodal.md).
         group: the CP group: a ``ContextParallel`` (from ``setup_context_parallel``; with
             ``ulysses_size=U`` the batch is sharded in its Ulysses x ring layout: the zigzag over
             the ``R = P / U`` ring positions, each ring position's shard cut into ``U`` contiguous
@@ -177,9 +191,9 @@ def shard_batch(
         no target crosses a document boundary (with Ulysses, the schedule is the ring's over its
         ``R`` positions).
     """
-    unknown = [
-        k for k, v in batch.items() if isinstance(v, Tensor) and k not in (*_SEQ_KEYS, *_PASS_KEYS, *_PACKED_KEYS)
-    ]
+    images = any(batch.get(k) is not None for k in _IMAGE_KEYS)
+    known = (*_SEQ_KEYS, *_PASS_KEYS, *_PACKED_KEYS, *(MULTIMODAL_KEYS if images else ()))
+    unknown = [k for k, v in batch.items() if isinstance(v, Tensor) and k not in known]
     if unknown:
         raise ValueError(
             f"shard_batch: does not know how to shard {unknown}; it handles {list(_SEQ_KEYS)}. Remove "
@@ -193,9 +207,14 @@ def shard_batch(
         raise ValueError("shard_batch: the batch needs input_ids [B, N] or inputs_embeds [B, N, H]")
     x: Tensor = batch[key]
     b, n = x.shape[:2]
+    whole = [k for k in MULTIMODAL_KEYS if batch.get(k) is not None] if images else []  # enters the model whole
+    if whole and key != "input_ids":
+        raise ValueError(f"shard_batch: a batch with {whole} needs input_ids (the model merges the images there)")
     check_same_batch(batch, group)
+    rope = batch.get("position_ids")  # multimodal RoPE positions [4, B, N] (text row first) go to the model whole
+    rope = rope if whole and rope is not None and rope.dim() == 3 and rope.shape[0] == 4 else None
     for k in ("labels", "shift_labels", "attention_mask", "position_ids"):
-        v = batch.get(k)
+        v = batch.get(k) if k != "position_ids" or rope is None else rope[0]
         if v is not None and (v.dim() != 2 or v.shape[1] != n or v.shape[0] not in (1, b)):
             raise ValueError(f"shard_batch: {k} has shape {tuple(v.shape)}, expected [{b}, {n}]")
     multiple = hybrid_multiple(size, ulysses_size)
@@ -208,7 +227,7 @@ def shard_batch(
     mask = batch.get("attention_mask")
     if mask is not None:
         _check_right_padding(mask)
-    positions = batch.get("position_ids")
+    positions = batch.get("position_ids") if rope is None else rope[0]
     positions_given = positions is not None or any(batch.get(k) is not None for k in _PACKED_KEYS[:2])
     if positions is None and any(batch.get(k) is not None for k in ("cu_seq_lens_q", "cu_seq_lens_k")):
         if b != 1:
@@ -255,8 +274,16 @@ def shard_batch(
             return hybrid(t, 1, size, rank, ulysses_size).contiguous()  # the batch shape was checked once, above
 
     out: dict[str, Any] = {k: batch[k] for k in _PASS_KEYS if k in batch}
-    out[key] = take(x.expand(b, *x.shape[1:]), pad_token_id if key == "input_ids" else 0.0)
-    out["position_ids"] = take(positions, 0)
+    entry = None
+    if whole:  # the decoder's entry cuts the merged sequence and the model's positions (multimodal.py)
+        out |= {k: batch[k] for k in whole}
+        out[key] = x.expand(b, n)
+        if positions_given:
+            out["position_ids"] = positions[:, :n] if rope is None else rope
+        entry = take(torch.arange(n, device=x.device).expand(b, n), n)
+    else:
+        out[key] = take(x.expand(b, *x.shape[1:]), pad_token_id if key == "input_ids" else 0.0)
+        out["position_ids"] = take(positions, 0)
     out.setdefault("use_cache", False)
     if targets is not None:
         if "num_items_in_batch" not in out:
@@ -267,6 +294,7 @@ def shard_batch(
         group, size, rank, layout, dp_size=dp_size, labelled=targets is not None, full_logits=full_logits,
         positions_given=positions_given, real=take(real, False), schedule=schedule, ulysses_size=ulysses_size,
         ulysses_group=None if cp is None else cp.ulysses_group, ring_group=None if cp is None else cp.ring_group,
+        entry=entry,
     )  # fmt: skip
     return out
 

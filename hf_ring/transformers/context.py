@@ -96,6 +96,9 @@ class RingContext:
             (the ring's own zigzag schedule).
         cross_rank_calls: the forward calls of ring attention and of the context-parallel token
             mixers made with this context (``CrossRankCalls``).
+        entry: ``[B, S_local]`` long, for a batch that enters the model whole (image or video inputs):
+            the global token of every local row (``>= N`` for padding), by which the text decoder's
+            entry cuts its inputs (``multimodal.py``); ``None``: the inputs come sharded.
     """
 
     group: dist.ProcessGroup | None
@@ -112,6 +115,7 @@ class RingContext:
     ulysses_group: dist.ProcessGroup | None = field(default=None, repr=False)
     ring_group: dist.ProcessGroup | None = field(default=None, repr=False)
     cross_rank_calls: CrossRankCalls = field(default_factory=CrossRankCalls, repr=False)
+    entry: Tensor | None = field(default=None, repr=False)
     _cache: dict[Any, Any] = field(default_factory=dict, repr=False)
 
     @property

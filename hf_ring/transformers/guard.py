@@ -47,6 +47,7 @@ from .carry import context_of
 from .context import RingContext
 from .install import original
 from .mixers import family_of
+from .multimodal import check_entry
 from .support import model_name
 
 __all__ = ["check_hub_kernels", "check_ran", "unwatch", "watch"]
@@ -145,6 +146,8 @@ class _Guard:
 
     def before(self, module: nn.Module, args: Any, kwargs: dict) -> None:
         ctx = context_of(kwargs)  # its own, or the one its causal LM carries (Mamba)
+        if "_hf_ring_encoder" in module.__dict__:  # a vision encoder runs whole images on every rank
+            ctx = None
         given = kwargs.get("position_ids")
         self.given = given if isinstance(ctx, RingContext) and ctx.size > 1 and isinstance(given, Tensor) else None
         if self.given is not None and not self.scanned:
@@ -152,13 +155,15 @@ class _Guard:
                 guard = inner.__dict__.get("_hf_ring_guard")
                 if guard is not None and not guard.scanned:
                     guard._claim_positions(inner)
+        if isinstance(ctx, RingContext) and ctx.entry is not None:
+            check_entry(module, ctx)
         self.start = (ctx, ctx.cross_rank_calls.total) if isinstance(ctx, RingContext) else None
         if isinstance(ctx, RingContext) and ctx.size > 1 and "kernels" in sys.modules:
             check_hub_kernels(module)
 
     def after(self, module: nn.Module, args: Any, kwargs: dict, output: Any) -> None:
         self.given, start, self.start = None, self.start, None
-        ctx = context_of(kwargs)
+        ctx = None if "_hf_ring_encoder" in module.__dict__ else context_of(kwargs)
         if start is not None and start[0] is ctx:
             check_ran(ctx, ctx.cross_rank_calls.total - start[1], self.what)
 
@@ -177,10 +182,14 @@ class _Guard:
         value = sig.bind_partial(module, *args, **kwargs).arguments.get("position_ids")
         if not isinstance(value, Tensor) or value is given or value.shape[-1:] != given.shape[-1:]:
             return
-        try:
-            same = bool((value == given).all())
-        except RuntimeError:  # shapes that do not broadcast: not the same positions
-            same = False
+        # multimodal RoPE positions [R, B, S] (Qwen): the rows, or the text row first, go on separately
+        candidates = (given,) if given.dim() < 3 else (given, given[0], given[1:])
+        same = any(c.shape == value.shape and bool((value == c).all()) for c in candidates)
+        if not same and given.dim() < 3:
+            try:
+                same = bool((value == given).all())
+            except RuntimeError:  # shapes that do not broadcast: not the same positions
+                same = False
         if not same:
             raise RingNotSupported(
                 f'attn_implementation="ring": {self.what} numbers positions itself for its {type(module).__name__} '

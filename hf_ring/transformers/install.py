@@ -107,6 +107,19 @@ GUARD = Change(
     "`guard.watch`: a forward with a `ring_context` at CP > 1 that ran no ring attention or context-parallel mixer "
     "raises `RingNeverRan`; on a ring model, a submodule handed other `position_ids` raises",
 )  # fmt: skip
+ENTRY = Change(
+    "<multimodal model>.language_model, its vision encoder: forward pre-hooks", HOOKS, MODEL,
+    "`multimodal.attach` (Qwen3-VL, Qwen3.5, Llama 4, Gemma 3: `multimodal.FAMILIES`): a batch with images enters "
+    "whole; the text decoder's entry cuts the merged embeddings and the model's positions to this rank's rows, the "
+    "encoder runs without the `ring_context` on this rank's share of the images (its instance's "
+    "`get_image_features`; Gemma 3's and Llama 4's `forward` carries the context to it, `carry.carry_context`); "
+    "refuses what it cannot cut",
+)  # fmt: skip
+VISION = Change(
+    "<vision encoder of a multimodal model>._check_and_adjust_attn_implementation", METHOD, PROCESS,
+    "in the build hook: `\"ring\"` asked for an encoder of `multimodal.VISION_TOWERS` builds it with `\"sdpa\"` "
+    "(it attends within each image, whole on every rank)",
+)  # fmt: skip
 MIXERS_WHY = (
     "dispatchers and adapters (`mixers.FAMILIES`): a call with a `ring_context` (its own, or the one the "
     "enclosing forward carries, also into activation-checkpoint recomputes) runs the mixer's context-parallel "
@@ -119,7 +132,8 @@ def changes() -> tuple[Change, ...]:
     """The table: the process rows, one row per routed function and adapter of ``mixers.FAMILIES``,
     the router-loss rows (by kind: they apply to any modeling module whose loss qualifies) and the
     model rows."""
-    return (ATTENTION, MASK, BUILD_HOOK, *_mixer_rows().values(), ROUTER_LOSS, ROUTER_CALLER, LOSS, GUARD)
+    return (ATTENTION, MASK, BUILD_HOOK, VISION, *_mixer_rows().values(), ROUTER_LOSS, ROUTER_CALLER, LOSS, GUARD,
+            ENTRY)  # fmt: skip
 
 
 @functools.cache
@@ -223,7 +237,9 @@ def ring_mask(*args: Any, **kwargs: Any) -> Any:
 def _build_hook(check: Callable) -> Callable:
     @functools.wraps(check)
     def _check_and_adjust_attn_implementation(self: Any, attn_implementation: Any, *args: Any, **kwargs: Any) -> Any:
-        implementation = check(self, attn_implementation, *args, **kwargs)
+        from .multimodal import vision_attention
+
+        implementation = check(self, vision_attention(self, attn_implementation), *args, **kwargs)
         install_for(self, implementation)
         return implementation
 
@@ -283,9 +299,11 @@ def install_module(module: ModuleType) -> None:
 
 def _give(model: Any) -> None:
     from .guard import watch
+    from .multimodal import attach
 
     give_loss(model)
     watch(model)
+    attach(model)
 
 
 def give_loss(model: Any) -> None:
@@ -313,7 +331,9 @@ def uninstall() -> None:
     chunked loss; ``register()`` installs anew."""
     from .guard import unwatch
     from .loss import CausalLMLoss
+    from .multimodal import detach
 
+    detach()
     for model in list(_MODELS_WITH):
         if isinstance(model.__dict__.get("_loss_function"), CausalLMLoss):
             del model.__dict__["_loss_function"]

@@ -1,0 +1,276 @@
+"""Vision-language models under context parallelism: the batch enters whole, the decoder gets its shard.
+
+``shard_batch`` passes a multimodal batch (``pixel_values``, ``image_grid_thw``, ``mm_token_type_ids``,
+...) and its full ``input_ids`` to the model unsharded, with the labels shifted on the full sequence and
+sharded as for text, and a ``RingContext`` whose ``entry [B, S_local]`` names the global token of every
+local row. Every rank then runs the model's own code up to its text decoder: the vision encoder on its
+share of the group's images (``_spread``, ``_spread_tiles``: the features gathered from the group), the
+merge of image and video features into the embeddings where the model merges them, and the model's
+own positions over the full sequence (Qwen's M-RoPE
+``get_rope_index``: ``[3, B, N]`` positions of time, height and width). A forward pre-hook on the
+decoder (``language_model``) then cuts what enters it -- ``inputs_embeds``, ``position_ids`` (2-D or
+``[R, B, N]``), Qwen3-VL's DeepStack ``visual_pos_masks`` and ``deepstack_visual_embeds`` -- to this
+rank's rows, in the layout of the labels (zigzag, packed documents, Ulysses x ring alike).
+
+Gradients: each rank back-propagates through its own rows of the merged sequence only, so its
+encoder and embedding gradients are its share; ``RingContext.reduce_loss`` scales the backward by the
+group size, and the DP x CP gradient average gives the one-device gradient (frozen encoders too).
+
+Refused (``RingNotSupported``): a multimodal batch given to a model whose decoder entry is not in
+``FAMILIES``; a tensor entering the decoder along the sequence that this module does not know; a padding
+mask; Gemma 3's bidirectional attention inside an image (``token_type_ids`` with image tokens), which
+the ring does not compute.
+"""
+
+from __future__ import annotations
+
+import types
+import weakref
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ..errors import RingNotSupported
+from ..ops.gather import gather_rows
+from .carry import ACTIVE, carry_context
+from .context import KEY, RingContext
+
+__all__ = ["FAMILIES", "VISION_TOWERS", "attach", "check_entry", "detach", "vision_attention"]
+
+# the model (class name) that merges the encoder's features and calls its text decoder ``language_model``
+FAMILIES = {
+    "Qwen3VLModel": "Qwen3-VL", "Qwen3VLMoeModel": "Qwen3-VL-MoE", "Qwen3_5Model": "Qwen3.5",
+    "Qwen3_5MoeModel": "Qwen3.5-MoE", "Llama4ForConditionalGeneration": "Llama 4", "Gemma3Model": "Gemma 3",
+}  # fmt: skip
+# their vision encoders: built with "sdpa" where "ring" is asked (they attend within each image)
+VISION_TOWERS = frozenset({"Qwen3VLVisionModel", "Qwen3VLMoeVisionModel", "Qwen3_5VisionModel", "Qwen3_5MoeVisionModel",
+                           "Llama4VisionModel", "SiglipVisionModel"})  # fmt: skip
+# where the images are spread over the CP group's ranks (``get_image_features`` of Qwen's signature)
+SPREAD = frozenset({"Qwen3VLModel", "Qwen3VLMoeModel", "Qwen3_5Model", "Qwen3_5MoeModel"})
+# where whole images (tiles) are spread: ``get_image_features(pixel_values [K, C, H, W])``, called without the
+# batch's keyword arguments (the context comes from ``carry.ACTIVE``, set by the model's forward)
+TILES = frozenset({"Gemma3Model", "Llama4ForConditionalGeneration"})
+_ENCODERS = ("visual", "vision_model", "vision_tower")
+_CUT = frozenset({"inputs_embeds", "position_ids", "attention_mask", "visual_pos_masks", "deepstack_visual_embeds",
+                  "labels", "shift_labels"})  # the last two: this rank's already
+_ATTACHED: weakref.WeakSet = weakref.WeakSet()
+
+
+def vision_attention(model: nn.Module, implementation: Any) -> Any:
+    """The attention a model being built gets: ``"sdpa"`` for the vision encoders of ``VISION_TOWERS``
+    asked for ``"ring"`` (they attend within each image, on every rank), else ``implementation``."""
+    if implementation == "ring" and type(model).__name__ in VISION_TOWERS:
+        return "sdpa"
+    return implementation
+
+
+def attach(model: nn.Module) -> None:
+    """Hooks of a model of ``FAMILIES`` (idempotent): its checks before each forward, and, on its first
+    forward, the decoder-entry cut on ``model.language_model`` and the encoders' context removal."""
+    name = type(model).__name__
+    if name in FAMILIES and "_hf_ring_mm" not in model.__dict__:  # its class's name, kept (FSDP2 renames it)
+        model._hf_ring_family = name
+        model._hf_ring_mm = [model.register_forward_pre_hook(_enter, with_kwargs=True, prepend=True)]
+        if name in TILES:
+            model.forward = types.MethodType(carry_context(type(model).forward), model)
+        _ATTACHED.add(model)
+
+
+def detach() -> None:
+    """Undo ``attach`` on every model."""
+    for model in list(_ATTACHED):
+        model.__dict__.pop("_hf_ring_family", None)
+        for handle in model.__dict__.pop("_hf_ring_mm", []):
+            handle.remove()
+        model.__dict__.pop("get_image_features", None)
+        model.__dict__.pop("forward", None)
+        for sub in model.modules():
+            sub.__dict__.pop("_hf_ring_entry", None)
+            sub.__dict__.pop("_hf_ring_encoder", None)
+    _ATTACHED.clear()
+
+
+def check_entry(model: nn.Module, ctx: RingContext) -> None:
+    """Refuse a multimodal batch (``ctx.entry``) given to ``model`` unless it holds a model of ``FAMILIES``."""
+    if ctx.entry is None or "_hf_ring_entry" in model.__dict__:
+        return
+    if any("_hf_ring_family" in m.__dict__ for m in model.modules()):
+        return
+    raise RingNotSupported(
+        f"{type(model).__name__} got a multimodal batch from hf_ring.shard_batch (image or video inputs), which "
+        "enters the model whole and is cut at the entry of its text decoder; hf_ring knows that entry for "
+        f"{', '.join(sorted(set(FAMILIES.values())))} only. Run this model without context parallelism "
+        "(cp_size=1), or without its image inputs."
+    )
+
+
+def _enter(module: nn.Module, args: Any, kwargs: dict) -> None:
+    ctx = kwargs.get(KEY)
+    if not isinstance(ctx, RingContext) or ctx.entry is None:
+        return
+    family = module._hf_ring_family
+    name = FAMILIES[family]
+    if kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None or kwargs.get("use_cache"):
+        raise RingNotSupported(f"{name} under context parallelism runs without a KV cache (use_cache=False)")
+    type_ids = kwargs.get("token_type_ids")
+    if name == "Gemma 3" and isinstance(type_ids, Tensor) and bool((type_ids == 1).any()):
+        raise RingNotSupported(
+            "Gemma 3 with token_type_ids lets the tokens of each image attend to each other both ways "
+            "(a bidirectional block inside the causal mask), which hf_ring's ring attention does not compute. "
+            "Drop token_type_ids from the batch (every token then attends causally, as Gemma 3 does without "
+            "them) or run this model without context parallelism (cp_size=1)."
+        )
+    decoder = getattr(module, "language_model", None)
+    if not isinstance(decoder, nn.Module):
+        raise RingNotSupported(f"{name}: hf_ring cuts a multimodal batch at its language_model, which it lacks")
+    if "_hf_ring_entry" not in decoder.__dict__:
+        decoder._hf_ring_entry = decoder.register_forward_pre_hook(_cut_entry, with_kwargs=True, prepend=True)
+        module._hf_ring_mm.append(decoder._hf_ring_entry)
+        if family in SPREAD:
+            module.get_image_features = types.MethodType(_spread(type(module).get_image_features), module)
+        elif family in TILES:
+            module.get_image_features = types.MethodType(_spread_tiles(type(module).get_image_features), module)
+        for sub in decoder.modules():  # the models inside it (Llama 4's causal LM -> its text model) are cut too
+            sub.__dict__.setdefault("_hf_ring_entry", decoder._hf_ring_entry)
+        for attr in _ENCODERS:
+            encoder = getattr(module, attr, None)
+            if isinstance(encoder, nn.Module):
+                encoder._hf_ring_encoder = encoder.register_forward_pre_hook(_drop_context, with_kwargs=True,
+                                                                             prepend=True)  # fmt: skip
+                module._hf_ring_mm.append(encoder._hf_ring_encoder)
+
+
+def _split(patches: list[int], parts: int) -> list[int]:
+    """Bounds of ``parts`` contiguous runs of images (each at least one) of about equal patch counts."""
+    total, bounds, run, i = sum(patches), [0], 0, 0
+    for r in range(1, parts):
+        while i < len(patches) - (parts - r) and (i < bounds[-1] + 1 or run + patches[i] / 2 <= total * r / parts):
+            run, i = run + patches[i], i + 1
+        bounds.append(i)
+    return [*bounds, len(patches)]
+
+
+def _spread(original: Any) -> Any:
+    """Qwen's ``get_image_features`` (images and video frames): at CP = P over at least P images, rank
+    ``r`` encodes its run of them (``_split``: balanced by patches) and the features are gathered from
+    the group (``ops.gather.gather_rows``: backward sums each feature's gradient over the group and
+    hands it to the rank that encoded it); else every rank encodes every image."""
+
+    def get_image_features(self: Any, pixel_values: Tensor, image_grid_thw: Tensor | None = None, **kwargs: Any):
+        ctx = kwargs.pop(KEY, None)
+        whole = not isinstance(ctx, RingContext) or ctx.size == 1 or image_grid_thw is None
+        if whole or len(image_grid_thw) < ctx.size:
+            return original(self, pixel_values, image_grid_thw, **kwargs)
+        patches = image_grid_thw.prod(-1).tolist()
+        tokens = [p // self.visual.spatial_merge_size**2 for p in patches]
+        bounds = _split(patches, ctx.size)
+        a, b = bounds[ctx.rank], bounds[ctx.rank + 1]
+        out = original(self, pixel_values[sum(patches[:a]) : sum(patches[:b])], image_grid_thw[a:b], **kwargs)
+        deep = list(getattr(out, "deepstack_features", None) or [])
+        parts = [torch.cat(out.pooler_output), *(torch.cat(d) for d in deep)]
+        counts = [sum(tokens[bounds[r] : bounds[r + 1]]) for r in range(ctx.size)]
+        full = gather_rows(torch.cat(parts, -1), counts, ctx.group).split([p.shape[-1] for p in parts], -1)
+        out.pooler_output = full[0].split(tokens)
+        if deep:
+            out.deepstack_features = [f.split(tokens) for f in full[1:]]
+        out.last_hidden_state = None  # this rank's images only: not the group's
+        return out
+
+    return get_image_features
+
+
+def _spread_tiles(original: Any) -> Any:
+    """Gemma 3's and Llama 4's ``get_image_features``: at CP = P over at least P images (tiles), rank ``r``
+    encodes its run of them and the features (the same number per image) are gathered from the group,
+    as ``_spread`` does; else every rank encodes every image."""
+
+    def get_image_features(self: Any, pixel_values: Tensor, *args: Any, **kwargs: Any):
+        ctx = kwargs.pop(KEY, None) or ACTIVE.get()
+        if not isinstance(ctx, RingContext) or ctx.size == 1 or len(pixel_values) < ctx.size:
+            return original(self, pixel_values, *args, **kwargs)
+        bounds = _split([1] * len(pixel_values), ctx.size)
+        out = original(self, pixel_values[bounds[ctx.rank] : bounds[ctx.rank + 1]], *args, **kwargs)
+        mine = out.pooler_output  # [k, tokens, H]: the same tokens per image
+        counts = [(bounds[r + 1] - bounds[r]) * mine[0].numel() // mine.shape[-1] for r in range(ctx.size)]
+        full = gather_rows(mine.reshape(-1, mine.shape[-1]), counts, ctx.group)
+        out.pooler_output = full.view(len(pixel_values), *mine.shape[1:])
+        out.last_hidden_state = None  # this rank's images only: not the group's
+        return out
+
+    return get_image_features
+
+
+def _drop_context(module: nn.Module, args: Any, kwargs: dict) -> tuple[Any, dict]:
+    """The encoder runs on whole images: no ``ring_context`` (nor the loss's keyword arguments)."""
+    return args, {k: v for k, v in kwargs.items() if k not in (KEY, "shift_labels", "num_items_in_batch")}
+
+
+def _extend(t: Tensor, total: int, counting: bool = False) -> Tensor:
+    """``t [B, N, ...]`` -> ``[B, total, ...]``: rows past ``N`` zero (or, ``counting``, positions that
+    count on from the last)."""
+    pad = total - t.shape[1]
+    if pad <= 0:
+        return t
+    if counting:
+        step = torch.arange(1, pad + 1, device=t.device, dtype=t.dtype).view(1, pad, *([1] * (t.dim() - 2)))
+        return torch.cat((t, t[:, -1:] + step), dim=1)
+    return torch.cat((t, t.new_zeros((t.shape[0], pad, *t.shape[2:]))), dim=1)
+
+
+def _take(t: Tensor, entry: Tensor, total: int, counting: bool = False) -> Tensor:
+    """This rank's rows of ``t [B or 1, N, ...]``: ``[B, S_local, ...]`` (``entry [B, S_local]``)."""
+    b, s = entry.shape
+    t = _extend(t.expand(b, *t.shape[1:]), total, counting)
+    idx = entry.to(t.device).view(b, s, *([1] * (t.dim() - 2))).expand(b, s, *t.shape[2:])
+    return t.gather(1, idx)
+
+
+def _cut_entry(module: nn.Module, args: Any, kwargs: dict) -> tuple[Any, dict] | None:
+    """The text decoder's inputs over the full merged sequence -> this rank's rows."""
+    ctx = kwargs.get(KEY)
+    if not isinstance(ctx, RingContext) or ctx.entry is None:
+        return None
+    embeds = kwargs.get("inputs_embeds")
+    if args or not isinstance(embeds, Tensor):
+        raise RingNotSupported(
+            f"{type(module).__name__} was called without inputs_embeds (or with positional arguments): hf_ring "
+            "cuts the merged embeddings of a multimodal batch at the decoder's entry."
+        )
+    entry, n = ctx.entry, embeds.shape[1]
+    b = entry.shape[0]
+    total = max(int(entry.max()) + 1, n)
+    out = dict(kwargs)
+    out["inputs_embeds"] = _take(embeds, entry, total)
+    positions = kwargs.get("position_ids")
+    if positions is None:
+        positions = torch.arange(n, device=embeds.device).expand(b, n)
+    if positions.dim() == 2:
+        out["position_ids"] = _take(positions, entry, total, counting=True)
+    else:  # [R, B, N]: multimodal RoPE rows (Qwen: time, height, width; or text first)
+        rows = _take(positions.permute(1, 2, 0), entry, total, counting=True)
+        out["position_ids"] = rows.permute(2, 0, 1)
+    mask = kwargs.get("attention_mask")
+    if isinstance(mask, Tensor):
+        if not bool(mask.all()):
+            raise RingNotSupported(
+                "the decoder got an attention_mask with padding; pass the batch through hf_ring.shard_batch, "
+                "which handles right padding and gives the model no mask"
+            )
+        out["attention_mask"] = None
+    visual = kwargs.get("visual_pos_masks")
+    if isinstance(visual, Tensor):  # Qwen3-VL's DeepStack: features added at the visual rows of early layers
+        order = (visual.reshape(-1).long().cumsum(0) - 1).view(visual.shape)
+        local = _take(visual, entry, total)
+        picked = _take(order, entry, total)[local]
+        out["visual_pos_masks"] = local
+        embeds_list = kwargs.get("deepstack_visual_embeds")
+        if embeds_list is not None:
+            out["deepstack_visual_embeds"] = [e[picked] for e in embeds_list]
+    for k, v in kwargs.items():
+        if k not in _CUT and isinstance(v, Tensor) and v.dim() >= 2 and n in v.shape[:3]:
+            raise RingNotSupported(
+                f"{type(module).__name__} got {k} of shape {tuple(v.shape)} along the sequence at its entry; "
+                "hf_ring does not know how to cut it into this rank's shard. Run without context parallelism."
+            )
+    return (), out
