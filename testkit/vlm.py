@@ -105,14 +105,15 @@ def tiny_model(family: str, attn: str, dtype: torch.dtype = torch.float64, seed:
 def qwen_batch(rows: list[list[tuple[str, int]]], seed: int = 1) -> dict[str, torch.Tensor]:
     """A Qwen-style batch: each row a list of pieces, ``("text", n)`` (``n`` random tokens) or
     ``("image", s)`` (an ``s x s``-patch image: start, ``s*s/4`` image tokens, end), ``("video", s)`` (4
-    frames of ``s x s`` patches: per 2 frames a timestamp token, start, ``s*s/4`` video tokens, end); rows
+    frames of ``s x s`` patches: per 2 frames a timestamp token, start, ``s*s/4`` video tokens, end;
+    ``("video", s, t)``: ``2 t`` frames); rows
     padded on the
     right to one length (``attention_mask``). Labels: the text tokens (``-100`` on image tokens)."""
     g = torch.Generator().manual_seed(seed)
     ids_rows, types_rows, grids, pixels, video_grids, video_pixels = [], [], [], [], [], []
     for row in rows:
         ids, types = [], []
-        for kind, size in row:
+        for kind, size, *length in row:
             if kind == "text":
                 ids += torch.randint(0, 80, (size,), generator=g).tolist()
                 types += [0] * size
@@ -122,13 +123,13 @@ def qwen_batch(rows: list[list[tuple[str, int]]], seed: int = 1) -> dict[str, to
                 types += [0, *([1] * tokens), 0]
                 grids.append([1, size, size])
                 pixels.append(torch.randn(size * size, 3 * 2 * 2 * 2, generator=g))
-            else:  # a video of 4 frames: 2 temporal patches, each after a timestamp token (as Qwen's processor)
-                tokens = size * size // 4
-                for _ in range(2):
+            else:  # a video of 2 t frames: t temporal patches, each after a timestamp token (as Qwen's processor)
+                tokens, t = size * size // 4, length[0] if length else 2
+                for _ in range(t):
                     ids += [int(torch.randint(0, 80, (1,), generator=g)), START, *([VIDEO] * tokens), END]
                     types += [0, 0, *([2] * tokens), 0]
-                video_grids.append([2, size, size])
-                video_pixels.append(torch.randn(2 * size * size, 3 * 2 * 2 * 2, generator=g))
+                video_grids.append([t, size, size])
+                video_pixels.append(torch.randn(t * size * size, 3 * 2 * 2 * 2, generator=g))
         ids_rows.append(ids)
         types_rows.append(types)
     n = max(len(r) for r in ids_rows)
@@ -136,8 +137,9 @@ def qwen_batch(rows: list[list[tuple[str, int]]], seed: int = 1) -> dict[str, to
     input_ids = torch.tensor([r + [0] * (n - len(r)) for r in ids_rows])
     types = torch.tensor([r + [0] * (n - len(r)) for r in types_rows])
     labels = input_ids.masked_fill((types != 0) | (mask == 0), -100)
-    out = {"input_ids": input_ids, "labels": labels, "attention_mask": mask, "mm_token_type_ids": types,
-           "pixel_values": torch.cat(pixels).double(), "image_grid_thw": torch.tensor(grids)}  # fmt: skip
+    out = {"input_ids": input_ids, "labels": labels, "attention_mask": mask, "mm_token_type_ids": types}
+    if grids:
+        out |= {"pixel_values": torch.cat(pixels).double(), "image_grid_thw": torch.tensor(grids)}
     if video_grids:
         out |= {"pixel_values_videos": torch.cat(video_pixels).double(), "video_grid_thw": torch.tensor(video_grids)}
     return out

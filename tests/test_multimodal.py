@@ -23,13 +23,14 @@ VIDEO_ROWS = [  # Qwen: two images and two videos of 4 frames
     [("text", 7), ("image", 4), ("text", 5), ("video", 4), ("text", 6)],
     [("text", 3), ("video", 4), ("text", 9), ("image", 6), ("text", 2)],
 ]
+LONG_VIDEO = [[("text", 5), ("video", 4, 7), ("text", 4)]]  # Qwen: one video of 7 temporal patches, fewer than P
 QWEN = ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
 ROWS_4 = [[(k, s if k == "text" else 4) for k, s in row] for row in ROWS]  # Llama 4, Gemma 3: 4 tokens an image
 
 
 def _batches(family: str, packed: str | None, model) -> tuple[dict, list[dict] | None]:
     """The batch and, when ``packed``, its documents alone. ``packed``: None (two rows, right padding),
-    "video" (Qwen: two rows with images and videos, unpacked),
+    "video" (Qwen: two rows with images and videos, unpacked), "long_video" (Qwen: one row, one video),
     "text" (one packed row, text positions), "rope" (one packed row, text positions and each document's
     M-RoPE rows, ``[4, 1, N]``)."""
     from testkit.vlm import as_images, documents, packed_batch, qwen_batch
@@ -38,6 +39,8 @@ def _batches(family: str, packed: str | None, model) -> tuple[dict, list[dict] |
     convert = (lambda b, first=0: b) if family in QWEN else as_images
     if packed == "video":
         return qwen_batch(VIDEO_ROWS), None
+    if packed == "long_video":
+        return qwen_batch(LONG_VIDEO), None
     if packed is None:
         return convert(qwen_batch(rows)), None
     docs, first = [], 0
@@ -358,3 +361,37 @@ def test_bf16_within_twice_one_process_bf16(family: str) -> None:
         assert ring <= max(2 * sdpa, 5e-4), r["loss"]  # measured: 3.0e-5 (sdpa 2.9e-5), 1.2e-4 (sdpa 5.4e-5)
         for k, (ring, sdpa) in r["grads"].items():
             assert ring <= 2 * sdpa + 1e-3, (k, ring, sdpa)  # measured: at most 1.5x
+
+
+@pytest.mark.parametrize("family", QWEN)
+def test_a_video_encodes_as_its_frames(family: str) -> None:
+    """What lets one long video spread over the CP group: Qwen's encoders give a video ``(t, h, w)`` the
+    features of its ``t`` frames ``(1, h, w)`` encoded one after the other, bit for bit."""
+    from hf_ring.transformers.multimodal import _frames
+    from testkit.vlm import tiny_model
+
+    inner = tiny_model(family, "sdpa").model
+    vc = inner.visual.config
+    grid = torch.tensor([[3, 4, 6], [1, 2, 2], [2, 2, 4]])
+    assert _frames(grid).tolist() == [[1, 4, 6]] * 3 + [[1, 2, 2]] + [[1, 2, 4]] * 2
+    pixels = torch.randn(int(grid.prod(-1).sum()), vc.in_channels * vc.temporal_patch_size * vc.patch_size**2,
+                         dtype=torch.float64)  # fmt: skip
+    whole, frames = inner.get_video_features(pixels, grid), inner.get_video_features(pixels, _frames(grid))
+    assert torch.equal(torch.cat(whole.pooler_output), torch.cat(frames.pooler_output))
+    deep = [getattr(out, "deepstack_features", None) or [] for out in (whole, frames)]
+    assert len(deep[0]) == len(deep[1])
+    for a, b in zip(*deep):
+        assert torch.equal(torch.cat(a), torch.cat(b))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_one_long_video_spreads_its_frames(world: int) -> None:
+    """One video, fewer videos than ranks: its 7 temporal patches are spread over the group (each encoded
+    once), and the step equals one process, encoder trained and frozen."""
+    cases = [dict(family="qwen3_vl", packed="long_video"), dict(family="qwen3_5", packed="long_video"),
+             dict(family="qwen3_vl", packed="long_video", frozen=True)]  # fmt: skip
+    per_rank = run_ranks(world, vlm_errors, cases, timeout=280)
+    check(per_rank)
+    for i in range(len(cases)):
+        assert sum(r[i]["encoded"] for r in per_rank) == 7, [r[i]["encoded"] for r in per_rank]

@@ -10,7 +10,7 @@ import transformers
 
 from hf_ring.cli import main
 from hf_ring.planner import PlanSettings, model_shape, plan
-from hf_ring.planner.vision import ENCODER_ON_EVERY_RANK, VisionShape
+from hf_ring.planner.vision import VisionShape
 
 GiB = 2**30
 
@@ -78,17 +78,19 @@ def test_frozen_tower_adds_its_weights_and_an_encoding_phase():
     assert video.rows["gradients"] == text.rows["gradients"]
     assert video.rows["optimizer state"] == text.rows["optimizer state"]
     assert "vision tower (kept for backward)" not in video.rows
-    # the step's start: one block's working set over every patch of the group, features, merged sequence
+    # the step's start: one block's working set over the rank's 1/8 of the patches, all the gathered
+    # features, the whole merged sequence
     visual = 0.9 * SETTINGS.seq_len
-    patches = visual * 4 if ENCODER_ON_EVERY_RANK else visual * 4 / 8
     start = video.phases["vision tower forward, merge"]
-    assert start >= patches * v.block_saved(2) + SETTINGS.seq_len * m.hidden * 2
+    features = visual * v.out_hidden * 2
+    assert start >= visual * 4 / 8 * v.block_saved(2) + features + SETTINGS.seq_len * m.hidden * 2
     assert {k: video.phases[k] for k in text.phases} == text.phases  # the decoder's phases keep nothing of it
     assert any("vision tower" in n and "frozen" in n for n in video.notes)
     assert video.time is not None and text.time is not None
     assert video.time.vision_s > 0 and video.time.total_s == pytest.approx(text.time.total_s + video.time.vision_s)
     # more visual tokens cost more
-    assert plan(m, replace(SETTINGS, visual_fraction=0.5)).peak < video.peak
+    half = plan(m, replace(SETTINGS, visual_fraction=0.5))
+    assert half.phases["vision tower forward, merge"] < start and half.time.vision_s < video.time.vision_s
 
 
 def test_trained_tower_keeps_its_blocks_through_the_step():
@@ -100,8 +102,7 @@ def test_trained_tower_keeps_its_blocks_through_the_step():
     assert trained.rows["gradients"] - frozen.rows["gradients"] == pytest.approx(v.params * 2 / 8)
     assert trained.rows["optimizer state"] - frozen.rows["optimizer state"] == pytest.approx(v.params * 12 / 8)
     kept = trained.rows["vision tower (kept for backward)"]
-    assert kept == pytest.approx(0.9 * SETTINGS.seq_len * 4 * v.layers * v.hidden * 2 * (1 if ENCODER_ON_EVERY_RANK
-                                                                                        else 1 / 8))  # fmt: skip
+    assert kept == pytest.approx(0.9 * SETTINGS.seq_len * 4 / 8 * v.layers * v.hidden * 2)  # its 1/8 of the patches
     for phase, value in frozen.phases.items():
         assert trained.phases[phase] >= value + kept * (phase != "vision tower forward, merge") - 1
     assert "vision tower backward" in trained.phases
@@ -128,3 +129,4 @@ def test_cli_prices_the_tower(capsys):
           "--sharding", "fsdp", "--offload", "--tiled-mlp", "8K"])  # fmt: skip
     out = capsys.readouterr().out
     assert "vision tower forward, merge" in out and "+ vision tower" in out and "456M parameters (frozen)" in out
+    assert "each rank encoding 1/8 of the frames" in out

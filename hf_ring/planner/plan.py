@@ -37,7 +37,7 @@ from .terms import (
     window_buffer_bytes,
 )
 from .timing import StepTime, rates_for, step_time
-from .vision import ENCODER_ON_EVERY_RANK, priced_tower, vision_terms
+from .vision import priced_tower, vision_terms
 
 __all__ = ["GiB", "Plan", "max_seq_len", "plan", "smallest_cp"]
 
@@ -277,17 +277,16 @@ def plan(model: ModelShape, settings: PlanSettings) -> Plan:
     vt: dict[str, float] = {}
     if vis is not None:
         visual = s.visual_fraction * s.seq_len * s.micro_batch  # visual tokens of the CP group's micro-batch
-        encoded = visual if ENCODER_ON_EVERY_RANK else visual / cp
-        vt = vision_terms(vis, encoded, b, s.train_vision, checkpointing)
+        vt = vision_terms(vis, visual, cp, b, s.train_vision, checkpointing)
         vt["merged"] = t * cp * m.hidden * b  # the whole merged sequence's embeddings, before the cut
         kept += vt["kept"]
         if s.train_vision:
             rows["vision tower (kept for backward)"] = vt["kept"]
         notes.append(
             f"vision tower: {vis.params / 1e6:,.0f}M parameters ({'trained' if s.train_vision else 'frozen'}), "
-            f"{visual:,.0f} visual tokens per sequence ({vis.patches(visual):,.0f} patches), encoded on "
-            f"{'every rank of the CP group' if ENCODER_ON_EVERY_RANK else 'the ranks of the CP group'} "
-            "before the merged sequence is cut into shards"
+            f"{visual:,.0f} visual tokens per sequence ({vis.patches(visual):,.0f} patches), each rank encoding "
+            f"1/{cp} of the frames; the features of all of them ({vt['features'] / GiB:.2f} GiB) gathered on "
+            "every rank before the merged sequence is cut into shards"
         )
 
     # working sets, each at its own time in the backward pass

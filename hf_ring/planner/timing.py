@@ -38,7 +38,7 @@ from .grids import grid_cost
 from .models import ModelShape
 from .settings import PlanSettings
 from .terms import DTYPE_BYTES
-from .vision import ENCODER_ON_EVERY_RANK
+from .vision import encoded_tokens
 
 __all__ = ["DEFAULT_ATTENTION", "DEFAULT_GEMM", "Rates", "StepTime", "auto_kernel", "elementwise_bytes",
            "measured_rates", "rates_for", "step_flops", "step_time"]  # fmt: skip
@@ -228,7 +228,7 @@ def step_time(m: ModelShape, s: PlanSettings, cp: int, ulysses: int, rates: Rate
     vision_s = vision_model = 0.0
     if m.vision is not None and s.visual_fraction > 0:
         visual = s.visual_fraction * s.seq_len * s.micro_batch
-        patches = m.vision.patches(visual if ENCODER_ON_EVERY_RANK else visual / cp)
+        patches = m.vision.patches(encoded_tokens(visual, cp))
         vision_s = m.vision.flops(patches, s.train_vision, s.checkpointing) / rates.gemm
         vision_model = m.vision.flops(patches, s.train_vision, False)
     return StepTime(attention_s, gemm_s, memory_s, exposed, f["tokens"], f["model"] + vision_model, rates, vision_s)

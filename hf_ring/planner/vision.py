@@ -2,9 +2,11 @@
 
 A vision-language model turns each image or video frame into patches, runs a ViT over them, and
 merges every ``patches_per_token`` patches into one visual token of the language model's sequence.
-Under context parallelism hf_ring runs the tower before the merged sequence is cut into shards
-(``ENCODER_ON_EVERY_RANK``), so the plan prices it per CP group, not per shard. With the tower frozen
-nothing in it is kept for backward; trained, its blocks are checkpointed like the decoder's.
+Under context parallelism hf_ring runs the tower before the merged sequence is cut into shards, its
+frames spread over the CP group (``hf_ring.transformers.multimodal``: each rank encodes ``1/P`` of the
+images and of each video's temporal patches) and the visual features ``[V, out_hidden]`` all-gathered
+on every rank. With the tower frozen nothing in it is kept for backward; trained, its blocks are
+checkpointed like the decoder's, and the gathered features' gradient comes back.
 
 ``VisionShape.from_config(config)`` reads transformers' multimodal configs: Qwen2.5-VL / Qwen3-VL /
 Qwen3.5 (``depth``, ``num_heads``, ``spatial_merge_size``, ``out_hidden_size``), Llama 4
@@ -22,10 +24,8 @@ if TYPE_CHECKING:
     from .models import ModelShape
     from .settings import PlanSettings
 
-__all__ = ["ENCODER_ON_EVERY_RANK", "FRAME_PATCHES", "VisionShape", "priced_tower", "vision_terms"]
+__all__ = ["FRAME_PATCHES", "VisionShape", "encoded_tokens", "priced_tower", "vision_terms"]
 
-# Every rank of a CP group runs the tower on all of the group's images (hf_ring.transformers.batch).
-ENCODER_ON_EVERY_RANK = True
 # Patches of one image or frame that attend to each other in the tower (448 x 448 pixels of 16 x 16
 # patches is 784; priced as 1024): the tower's attention FLOPs grow with it, its memory does not.
 FRAME_PATCHES = 1024
@@ -145,13 +145,22 @@ def _llama4_adapter(v: dict[str, Any], text_hidden: int) -> int:
     return mlp + v["vision_output_dim"] * text_hidden
 
 
-def vision_terms(v: VisionShape, visual_tokens: float, b: int, trained: bool, checkpointing: bool) -> dict[str, float]:
-    """Bytes the tower adds on one rank that encodes ``visual_tokens`` tokens' patches (``b`` bytes per
-    element): ``kept`` through the decoder's whole step (trained: each block's input, or everything
-    each block saves without checkpointing), ``forward`` (one block's working set while it encodes,
-    on top of what it keeps), ``backward`` (one block's recompute and gradients when trained, and
-    the gradient of its output), ``features`` (the visual tokens it returns)."""
-    p = v.patches(visual_tokens)
+def encoded_tokens(visual_tokens: float, cp: int) -> float:
+    """Visual tokens whose patches one rank of a CP group of ``cp`` encodes: its ``1/cp`` share of the
+    frames (at least ``cp`` frames: a long video has thousands)."""
+    return visual_tokens / cp
+
+
+def vision_terms(
+    v: VisionShape, visual_tokens: float, cp: int, b: int, trained: bool, checkpointing: bool
+) -> dict[str, float]:
+    """Bytes the tower adds on one rank of a CP group of ``cp`` for ``visual_tokens`` visual tokens in
+    the micro-batch (``b`` bytes per element): ``kept`` through the decoder's whole step (trained: each
+    block's input over the rank's share of the patches, or everything each block saves without
+    checkpointing), ``forward`` (one block's working set while it encodes, on top of what it keeps),
+    ``backward`` (one block's recompute and gradients when trained, and the gathered features'
+    gradient), ``features`` (all visual tokens' features, gathered on every rank)."""
+    p = v.patches(encoded_tokens(visual_tokens, cp))
     per_block = v.block_saved(b)
     kept = 0.0
     if trained:

@@ -151,26 +151,41 @@ def _split(patches: list[int], parts: int) -> list[int]:
     return [*bounds, len(patches)]
 
 
+def _frames(grid_thw: Tensor) -> Tensor:
+    """``[K, 3]`` grids of images and videos -> one ``(1, h, w)`` row per temporal patch. Qwen's encoders
+    encode a video ``(t, h, w)`` as the ``t`` frames ``(1, h, w)`` one after the other: attention runs
+    within each frame (transformers ``vision_utils.get_vision_cu_seqlens``, ``merge_temporal=False``), and
+    the rotary positions and learned position embeddings of a frame depend on ``(h, w)`` only, repeated
+    over ``t``; the patches of a video come frame after frame. So one long video spreads over the group
+    too (``tests/test_multimodal.py`` holds each family's encodings of the two equal)."""
+    ones = torch.ones_like(grid_thw[:, :1])
+    return torch.repeat_interleave(torch.cat((ones, grid_thw[:, 1:]), 1), grid_thw[:, 0], dim=0)
+
+
 def _spread(original: Any) -> Any:
-    """Qwen's ``get_image_features`` (images and video frames): at CP = P over at least P images, rank
-    ``r`` encodes its run of them (``_split``: balanced by patches) and the features are gathered from
-    the group (``ops.gather.gather_rows``: backward sums each feature's gradient over the group and
-    hands it to the rank that encoded it); else every rank encodes every image."""
+    """Qwen's ``get_image_features`` (images and videos): at CP = P over at least P frames (an image is
+    one, a video one per temporal patch: ``_frames``), rank ``r`` encodes its run of them (``_split``:
+    balanced by patches) and the features are gathered from the group (``ops.gather.gather_rows``:
+    backward sums each feature's gradient over the group and hands it to the rank that encoded it);
+    else every rank encodes every frame."""
 
     def get_image_features(self: Any, pixel_values: Tensor, image_grid_thw: Tensor | None = None, **kwargs: Any):
         ctx = kwargs.pop(KEY, None)
-        whole = not isinstance(ctx, RingContext) or ctx.size == 1 or image_grid_thw is None
-        if whole or len(image_grid_thw) < ctx.size:
+        if not isinstance(ctx, RingContext) or ctx.size == 1 or image_grid_thw is None:
             return original(self, pixel_values, image_grid_thw, **kwargs)
-        patches = image_grid_thw.prod(-1).tolist()
-        tokens = [p // self.visual.spatial_merge_size**2 for p in patches]
+        frames = _frames(image_grid_thw)
+        if len(frames) < ctx.size:
+            return original(self, pixel_values, image_grid_thw, **kwargs)
+        merge = self.visual.spatial_merge_size**2
+        patches = frames.prod(-1).tolist()
         bounds = _split(patches, ctx.size)
         a, b = bounds[ctx.rank], bounds[ctx.rank + 1]
-        out = original(self, pixel_values[sum(patches[:a]) : sum(patches[:b])], image_grid_thw[a:b], **kwargs)
+        out = original(self, pixel_values[sum(patches[:a]) : sum(patches[:b])], frames[a:b], **kwargs)
         deep = list(getattr(out, "deepstack_features", None) or [])
         parts = [torch.cat(out.pooler_output), *(torch.cat(d) for d in deep)]
-        counts = [sum(tokens[bounds[r] : bounds[r + 1]]) for r in range(ctx.size)]
+        counts = [sum(patches[bounds[r] : bounds[r + 1]]) // merge for r in range(ctx.size)]
         full = gather_rows(torch.cat(parts, -1), counts, ctx.group).split([p.shape[-1] for p in parts], -1)
+        tokens = (image_grid_thw.prod(-1) // merge).tolist()  # per image or video, as the model splits them
         out.pooler_output = full[0].split(tokens)
         if deep:
             out.deepstack_features = [f.split(tokens) for f in full[1:]]
