@@ -118,6 +118,8 @@ def test_refusals_name_the_field(tmp_path: Path) -> None:
         resolve_data({"path": "x.jsonl", "seq_len": 8, "processor": "p", "visual_fraction": 1.5})
     with pytest.raises(RecipeError, match=r"\['visual_fraction'\] are for image / video examples: give data.proc"):
         resolve_data({"path": "x.jsonl", "seq_len": 8, "visual_fraction": 0.5})
+    with pytest.raises(RecipeError, match=r"\['add_eos', 'boundaries'\] are not used with image / video examples"):
+        resolve_data({"path": "x.jsonl", "seq_len": 8, "processor": "p", "add_eos": True, "boundaries": "pad"})
 
 
 def test_recipe_model_has_its_tower_frozen() -> None:

@@ -326,7 +326,14 @@ def _check_multimodal(data: dict[str, Any]) -> None:
     vf = data.get("visual_fraction")
     if vf is not None and (isinstance(vf, bool) or not isinstance(vf, (int, float)) or not 0 <= vf <= 1):
         raise RecipeError(f"data.visual_fraction: the share of visual tokens, between 0 and 1, not {vf!r}")
-    if data.get("processor") is None:
+    if data.get("processor") is not None:
+        unused = [k for k in ("ids_field", "add_eos", "num_proc", "eval") if data.get(k) is not None]
+        if data.get("boundaries", "documents") != "documents":
+            unused.append("boundaries")
+        if unused:
+            raise RecipeError(f"data: {unused} are not used with image / video examples (data.processor: they are "
+                              "processed, then packed as documents); drop them")  # fmt: skip
+    else:
         given = [k for k in MULTIMODAL_KEYS if data.get(k) is not None]
         if given:
             raise RecipeError(f"data: {given} are for image / video examples: give data.processor too")
