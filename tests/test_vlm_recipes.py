@@ -132,13 +132,33 @@ def test_recipe_model_has_its_tower_frozen() -> None:
     assert any("visual" in n for n, _ in model.named_parameters())  # the tower is there, frozen
 
 
+def _qwen3_5_recipe(tmp_path: Path) -> str:
+    """tiny-cpu-vlm with a tiny Qwen3.5 (Gated DeltaNet + attention, the 9B video recipe's family)."""
+    raw = yaml.safe_load((RECIPES_DIR / "tiny-cpu-vlm.yaml").read_text())
+    config = raw["model"]["config"]
+    config["model_type"] = "qwen3_5"
+    config["text_config"].update(layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2,
+                                 linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+                                 linear_conv_kernel_dim=4)  # fmt: skip
+    config["text_config"]["rope_parameters"]["partial_rotary_factor"] = 0.5
+    config["vision_config"].pop("deepstack_visual_indexes")
+    raw["lora"]["target_modules"] += ["in_proj_qkv", "in_proj_z", "out_proj"]
+    for key in ("path", "tokenizer"):
+        raw["data"][key] = str(RECIPES_DIR / raw["data"][key])
+    path = tmp_path / "tiny-qwen3.5-vlm.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return str(path)
+
+
 @pytest.mark.timeout(400)
-def test_tiny_vlm_recipe_trains_at_cp2_as_one_process(tmp_path: Path) -> None:
-    """``torchrun --nproc_per_node 2 -m hf_ring.cli train tiny-cpu-vlm``: every step's loss equals one
-    process's (CP = 1) within 1e-5, finite, and the adapter is written."""
-    ring = run_ranks(2, recipe_run, "tiny-cpu-vlm", ["--output_dir", str(tmp_path / "cp2")], timeout=300)
-    one = run_ranks(1, recipe_run, "tiny-cpu-vlm", ["--cp_size", "1", "--output_dir", str(tmp_path / "cp1")],
-                    timeout=300)  # fmt: skip
+@pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_5"])
+def test_tiny_vlm_recipe_trains_at_cp2_as_one_process(tmp_path: Path, family: str) -> None:
+    """``torchrun --nproc_per_node 2 -m hf_ring.cli train tiny-cpu-vlm`` (and the same with a tiny
+    Qwen3.5): every step's loss equals one process's (CP = 1) within 1e-5, finite, and the adapter is
+    written."""
+    recipe = "tiny-cpu-vlm" if family == "qwen3_vl" else _qwen3_5_recipe(tmp_path)
+    ring = run_ranks(2, recipe_run, recipe, ["--output_dir", str(tmp_path / "cp2")], timeout=300)
+    one = run_ranks(1, recipe_run, recipe, ["--cp_size", "1", "--output_dir", str(tmp_path / "cp1")], timeout=300)
     steps = yaml.safe_load((RECIPES_DIR / "tiny-cpu-vlm.yaml").read_text())["max_steps"]
     logs, ref = ring[0]["logs"], one[0]["logs"]
     assert [h["step"] for h in logs] == [h["step"] for h in ref] == list(range(1, steps + 1))
