@@ -8,7 +8,8 @@ As in TRL's and the alignment handbook's scripts, the YAML holds ``RingTrainingA
   random init), or ``init_from`` (a saved model to start from); ``dtype``; ``overrides`` (config
   fields); ``attn_implementation`` (default ``ring``);
 * ``lora``: ``peft.LoraConfig`` fields (absent or ``null``: every weight trains);
-* ``data``: see ``hf_ring.recipes.data``;
+* ``data``: see ``hf_ring.recipes.data`` (with a ``processor``: image and video examples,
+  ``hf_ring.recipes.vlm_data``, and the model built by ``AutoModelForImageTextToText``);
 * ``memory_gb``: the planner's estimate, for the reader (``hf-ring plan RECIPE --write``);
 * ``trainer``: ``sft`` (default: the causal-LM loss, ``RingTrainer``), ``dpo`` (``RingDPOTrainer``:
   the fields are ``RingDPOConfig``'s, ``beta``, ``loss_type``, ...; the data section names

@@ -165,9 +165,12 @@ def _labels(ex: dict[str, Any], processor: Any) -> torch.Tensor:
     if types is not None:
         labels[torch.as_tensor(types).reshape(-1) != 0] = -100
     tok = getattr(processor, "tokenizer", processor)
-    for name in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id"):
-        special = getattr(processor, name, None) or getattr(tok, name, None)
-        if isinstance(special, int):
+    for name in ("image_token", "video_token", "vision_start_token", "vision_end_token"):
+        special = getattr(processor, f"{name}_id", None) or getattr(tok, f"{name}_id", None)
+        text = getattr(processor, name, None) or getattr(tok, name, None)
+        if special is None and isinstance(text, str) and hasattr(tok, "convert_tokens_to_ids"):
+            special = tok.convert_tokens_to_ids(text)  # a processor that names the token but not its id
+        if isinstance(special, int) and special != getattr(tok, "unk_token_id", None):
             labels[ids == special] = -100
     return labels[None]
 
