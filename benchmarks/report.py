@@ -150,6 +150,10 @@ RECIPES = {  # what each packaged recipe trains, in words; its memory is the rec
                               "disabled), LoRA r16, FSDP2", "8 x 80 GB", "8 x 1"),
     "qwen3-8b-grpo-64k": ("Qwen3-8B, GRPO (prompt + completion; generation's KV cache not included), LoRA r16, "
                           "FSDP2", "8 x 80 GB", "4 x 2"),
+    "tiny-cpu-vlm": ("tiny Qwen3-VL with its vision tower (frozen), images and video packed as documents, LoRA r8 "
+                     "on the decoder", "2 CPU processes", "2 x 1"),
+    "qwen3.5-9b-video-256k": ("Qwen3.5-9B with its vision tower (frozen) on long video (90 % visual tokens), LoRA "
+                              "r16 on the language model, offload, tiled MLP, FSDP2", "8 x 80 GB", "8 x 1"),
 }  # fmt: skip
 
 

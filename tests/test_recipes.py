@@ -37,10 +37,12 @@ NAMES = [
     "qwen2.5-7b-256k",
     "qwen3-8b-grpo-64k",
     "qwen3.5-9b-1m",
+    "qwen3.5-9b-video-256k",
     "tiny-cpu-demo",
     "tiny-cpu-demo-pretrain",
     "tiny-cpu-dpo",
     "tiny-cpu-grpo",
+    "tiny-cpu-vlm",
 ]
 
 
@@ -106,10 +108,10 @@ def test_every_recipe_parses_and_builds_its_model_config(path: Path) -> None:
     built on the meta device, which checks the overrides (RoPE scaling, ...) too, and the ring
     would compute it exactly at the recipe's longest sequence (``check_model``)."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     from hf_ring.recipes.data import stages_of
-    from hf_ring.recipes.recipe import check_config_fields, model_config
+    from hf_ring.recipes.recipe import auto_class, check_config_fields, model_config
     from hf_ring.trainer import RingTrainingArguments
     from hf_ring.transformers.support import check_model
 
@@ -127,8 +129,9 @@ def test_every_recipe_parses_and_builds_its_model_config(path: Path) -> None:
         assert model_config(r.model).to_dict() == config.to_dict()  # the runner's own builder agrees
     check_config_fields(config, r.model.get("overrides") or {}, "model.overrides")  # no typo in the overrides
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, attn_implementation="ring")
-    assert model.config.vocab_size == config.get_text_config().vocab_size  # a multimodal config: its text model
+        # image / video data (data.processor): the vision-language model, its vision tower included
+        model = auto_class(r.data.get("processor") is not None).from_config(config, attn_implementation="ring")
+    assert model.config.get_text_config().vocab_size == config.get_text_config().vocab_size
     check_model(model, cp, max(s["seq_len"] for s in stages_of(r.data, r.trainer)))  # the ring computes it exactly
     if r.lora:
         from peft import LoraConfig

@@ -13,8 +13,9 @@ The accelerate launch configs ship here too (``accelerate/*.yaml``). Modules: ``
 read a recipe, the planner's view of it; imported here, light), ``sections`` (the one resolver of
 the model section and of the data section, for the planner and the runner alike; light),
 ``recipe`` (a recipe and its command-line flags -> ``RingTrainingArguments`` and the sections; the
-model it builds), ``data`` (the data section through ``datasets``), ``run`` (the runner around
-``RingTrainer``), ``evaluate`` (passkey accuracy) and ``plots`` (the loss curve). Only ``reader`` is
+model it builds), ``data`` (the data section through ``datasets``), ``vlm_data`` (image and video
+examples through a processor, packed as documents), ``run`` (the runner around ``RingTrainer``),
+``evaluate`` (passkey accuracy) and ``plots`` (the loss curve). Only ``reader`` is
 imported with this package: the others import transformers.
 """
 

@@ -204,6 +204,7 @@ def _settings(r: dict[str, Any]) -> PlanSettings:
         reserve_gib=0.0,
         ulysses_size=parse_ulysses_size(r.get("ulysses_size", 1)),
         attention_backend=str(r.get("attention_backend", "auto")),
+        visual_fraction=float((r.get("data") or {}).get("visual_fraction") or 0.0),
     )
 
 
@@ -211,7 +212,8 @@ def recipe_settings(source: Source) -> PlanSettings:
     """The planner's settings of a recipe: its ``data.seq_len`` (or longest stage), ``cp_size``,
     ``ulysses_size``, ``per_device_train_batch_size``, dtype, LoRA or full fine-tuning,
     ``activation_checkpointing`` (or its alias ``gradient_checkpointing``), ``activation_offload``,
-    ``chunked_loss`` and ``tiled_mlp``. The number of GPUs, the sharding and the GPU size come from
+    ``chunked_loss``, ``tiled_mlp`` and ``data.visual_fraction`` (the share of image / video tokens: the
+    planner prices the vision tower, frozen). The number of GPUs, the sharding and the GPU size come from
     the launch, which the recipe states in ``memory_gb: {gpus, sharding, gpu}`` (default: ``cp_size``
     GPUs, no sharding, 80 GiB); no runtime reserve."""
     return _settings(read_recipe(source))

@@ -8,7 +8,8 @@ As in TRL's and the alignment handbook's scripts, the YAML holds ``RingTrainingA
   random init), or ``init_from`` (a saved model to start from); ``dtype``; ``overrides`` (config
   fields); ``attn_implementation`` (default ``ring``);
 * ``lora``: ``peft.LoraConfig`` fields (absent or ``null``: every weight trains);
-* ``data``: see ``hf_ring.recipes.data``;
+* ``data``: see ``hf_ring.recipes.data`` (with a ``processor``: image and video examples,
+  ``hf_ring.recipes.vlm_data``, and the model built by ``AutoModelForImageTextToText``);
 * ``memory_gb``: the planner's estimate, for the reader (``hf-ring plan RECIPE --write``);
 * ``trainer``: ``sft`` (default: the causal-LM loss, ``RingTrainer``), ``dpo`` (``RingDPOTrainer``:
   the fields are ``RingDPOConfig``'s, ``beta``, ``loss_type``, ...; the data section names
@@ -62,6 +63,7 @@ __all__ = [
     "SECTIONS",
     "Recipe",
     "arguments_class",
+    "auto_class",
     "build_model",
     "check_config_fields",
     "check_local",
@@ -311,9 +313,18 @@ def model_config(section: dict[str, Any], where: Path | None = None) -> Any:
     return _resolved(section, where)[1]
 
 
-def check_ring_model(config: Any, attn: str, cp_size: int, seq_len: int) -> None:
+def auto_class(vision: bool = False) -> Any:
+    """The transformers auto class a recipe builds its model with: ``AutoModelForImageTextToText``
+    (the vision tower included) for image / video data (``vision``), else ``AutoModelForCausalLM``."""
+    import transformers
+
+    return transformers.AutoModelForImageTextToText if vision else transformers.AutoModelForCausalLM
+
+
+def check_ring_model(config: Any, attn: str, cp_size: int, seq_len: int, vision: bool = False) -> None:
     """What ``RingTrainer`` would refuse about this model at ``seq_len`` tokens over ``cp_size``
-    ranks, found on the model built on the meta device (no memory, no weights)."""
+    ranks, found on the model built on the meta device (no memory, no weights); ``vision``: the
+    vision-language model (``auto_class``)."""
     if attn != "ring":
         if cp_size > 1:
             raise RecipeError(
@@ -321,29 +332,28 @@ def check_ring_model(config: Any, attn: str, cp_size: int, seq_len: int) -> None
                 "of the sequence); remove attn_implementation or set cp_size: 1"
             )
         return
-    from transformers import AutoModelForCausalLM
-
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn)
+        model = auto_class(vision).from_config(config, attn_implementation=attn)
     check_model(model, cp_size, seq_len)
 
 
 def build_model(
-    section: dict[str, Any], lora: dict[str, Any] | None, seed: int = 0, where: Path | None = None
+    section: dict[str, Any], lora: dict[str, Any] | None, seed: int = 0, where: Path | None = None,
+    vision: bool = False,
 ) -> torch.nn.Module:
     """The model of a recipe: loaded (``name_or_path``, ``init_from``) or random-initialised with
     ``seed`` (``config``), with ``attn_implementation`` (default ``"ring"``), and LoRA adapters
-    through PEFT when ``lora`` is given."""
-    from transformers import AutoModelForCausalLM
-
+    through PEFT when ``lora`` is given; ``vision``: the vision-language model (``auto_class``: image /
+    video data), its vision tower frozen unless LoRA targets it."""
+    cls = auto_class(vision)
     dtype = getattr(torch, section.get("dtype", "float32"))
     attn = section.get("attn_implementation", "ring")
     src, config = _resolved(section, where)
     if src.weights is None:
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=dtype)
+        model = cls.from_config(config, attn_implementation=attn, dtype=dtype)
     else:
-        model = AutoModelForCausalLM.from_pretrained(src.weights, config=config, attn_implementation=attn, dtype=dtype)
+        model = cls.from_pretrained(src.weights, config=config, attn_implementation=attn, dtype=dtype)
     if lora:
         from peft import LoraConfig, get_peft_model
 

@@ -35,7 +35,8 @@ from ..trainer import RingTrainer
 from ..trainer.checks import earlier_run
 from .data import StagedDataset, collate, load_documents, pack, passkey_stage, stages_of, tokenize
 from .evaluate import passkey_accuracy
-from .recipe import Recipe, build_model, check_local, check_ring_model, model_config, parse_recipe
+from .recipe import Recipe, auto_class, build_model, check_local, check_ring_model, model_config, parse_recipe
+from .vlm_data import build_processor, collate_multimodal, multimodal_dataset
 
 __all__ = ["build_train_dataset", "check_layout", "check_ulysses", "main", "prepare_output_dir", "run"]
 
@@ -52,11 +53,13 @@ def _tokenizer(recipe: Recipe) -> Any:
     return AutoTokenizer.from_pretrained(ref)
 
 
-def build_train_dataset(recipe: Recipe, dp_size: int, tokenizer: Any = None, vocab_size: int | None = None
-                        ) -> StagedDataset:  # fmt: skip
+def build_train_dataset(recipe: Recipe, dp_size: int, tokenizer: Any = None, vocab_size: int | None = None,
+                        processor: Any = None, config: Any = None) -> StagedDataset:  # fmt: skip
     """The training data of a recipe, stages laid out along the optimizer steps (built once:
     tokenised and packed into datasets' cache by the main process of each node first). Token ids
-    outside ``[0, vocab_size)`` (the model config's) are refused while the data is built."""
+    outside ``[0, vocab_size)`` (the model config's) are refused while the data is built. With a
+    ``processor`` (``data.processor``): image / video examples packed by ``vlm_data.multimodal_dataset``,
+    Qwen's M-RoPE positions from ``config``'s model built on the meta device."""
     args, data = recipe.args, recipe.data
     stages = stages_of(data)
     if stages[-1]["steps"] == 0:
@@ -68,6 +71,11 @@ def build_train_dataset(recipe: Recipe, dp_size: int, tokenizer: Any = None, voc
                               f"is {vocab_size}: set model.config.vocab_size >= {PASSKEY_VOCAB}")  # fmt: skip
         parts = [(passkey_stage(s["seq_len"], args.seed, k), s["steps"]) for k, s in enumerate(stages)]
         return StagedDataset(parts, per_step, args.max_steps, shuffle_seed=None)
+    if processor is not None:
+        rope = _rope_model(config)
+        parts = [(multimodal_dataset(load_documents(data), data, processor, s["seq_len"], rope), s["steps"])
+                 for s in stages]  # fmt: skip
+        return StagedDataset(parts, per_step, args.max_steps, args.seed)
     with args.main_process_first(desc="tokenize and pack the data"):
         docs = tokenize(load_documents(data), data, tokenizer)
         pad = data.get("pad_id", getattr(tokenizer, "pad_token_id", None) or 0)
@@ -77,6 +85,17 @@ def build_train_dataset(recipe: Recipe, dp_size: int, tokenizer: Any = None, voc
             for s in stages
         }  # fmt: skip
     return StagedDataset([(packed[s["seq_len"]], s["steps"]) for s in stages], per_step, args.max_steps, args.seed)
+
+
+def _rope_model(config: Any) -> Any:
+    """The model of ``config`` on the meta device when it computes its own multimodal positions
+    (Qwen's ``get_rope_index``, which reads only the config), else ``None``."""
+    import torch
+
+    with torch.device("meta"):
+        model = auto_class(True).from_config(config)
+    inner = getattr(model, "model", model)
+    return model if hasattr(model, "get_rope_index") or hasattr(inner, "get_rope_index") else None
 
 
 _NO = ("no", "false", "none", "")
@@ -175,15 +194,25 @@ def run(recipe: Recipe) -> dict[str, Any]:
     check_ulysses(args, config)
     lengths = [s["seq_len"] for s in stages_of(recipe.data, recipe.trainer)]
     longest = max([*lengths, (recipe.data.get("eval") or {}).get("seq_len", 0)])
-    check_ring_model(config, recipe.model.get("attn_implementation", "ring"), args.cp_size, longest)
-    tokenizer = _tokenizer(recipe) if recipe.data.get("task") != "passkey" else None
+    vision = recipe.data.get("processor") is not None
+    check_ring_model(config, recipe.model.get("attn_implementation", "ring"), args.cp_size, longest, vision)
     vocab_size = config.get_text_config().vocab_size
+    processor = None
+    if vision:
+        processor = build_processor(recipe.data["processor"], recipe.data.get("tokenizer"))
+        tokenizer = getattr(processor, "tokenizer", processor)
+        if len(tokenizer) > vocab_size:
+            raise RecipeError(f"data.processor: its tokenizer has {len(tokenizer)} tokens, more than the model's "
+                              f"vocab_size {vocab_size}; give the model's processor, or raise vocab_size")  # fmt: skip
+        args.remove_unused_columns = False  # the pixel tensors reach the model
+    else:
+        tokenizer = _tokenizer(recipe) if recipe.data.get("task") != "passkey" else None
     if recipe.trainer == "sft":
-        train = build_train_dataset(recipe, world // args.cp_size, tokenizer, vocab_size)
-        model = build_model(recipe.model, recipe.lora, args.seed, recipe.path)
-        trainer = RingTrainer(
-            model=model, args=args, train_dataset=train, data_collator=collate, processing_class=tokenizer
-        )
+        train = build_train_dataset(recipe, world // args.cp_size, tokenizer, vocab_size, processor, config)
+        model = build_model(recipe.model, recipe.lora, args.seed, recipe.path, vision)
+        trainer = RingTrainer(model=model, args=args, train_dataset=train,
+                              data_collator=collate_multimodal if vision else collate,
+                              processing_class=tokenizer)  # fmt: skip
     else:  # DPO, GRPO: TRL's trainers with the ring (hf_ring.recipes.post)
         from .post import post_dataset, post_trainer
 

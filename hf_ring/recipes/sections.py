@@ -34,6 +34,7 @@ __all__ = [
     "TRAINERS",
     "DTYPES",
     "MODEL_KEYS",
+    "MULTIMODAL_KEYS",
     "ModelSource",
     "check_trainer",
     "PATH_KEYS",
@@ -50,13 +51,15 @@ MODEL_KEYS = ("config", "name_or_path", "init_from", "dtype", "overrides", "attn
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 BOUNDARIES = ("pad", "concatenate", "documents")
 # the keys of the model and data sections that name files or folders (``resolve_paths``)
-PATH_KEYS = {"model": ("init_from", "name_or_path"), "data": ("path", "tokenizer")}
+PATH_KEYS = {"model": ("init_from", "name_or_path"), "data": ("path", "tokenizer", "processor")}
 FILE_SUFFIXES = (".json", ".jsonl", ".parquet", ".arrow", ".csv", ".txt", ".text", ".yaml", ".yml", ".safetensors",
                  ".bin", ".pt")  # fmt: skip
+# the keys of image / video examples (hf_ring.recipes.vlm_data): a processor makes a data section multimodal
+MULTIMODAL_KEYS = ("processor", "image_field", "video_field", "visual_fraction")
 # the keys of a data section: the passkey task's, and those of documents (hf_ring.recipes.data)
 PASSKEY_KEYS = ("task", "seq_len", "stages", "eval")
 DATA_KEYS = (*PASSKEY_KEYS, "path", "name", "split", "text_field", "ids_field", "tokenizer", "add_eos",
-             "boundaries", "pad_id", "num_proc")  # fmt: skip
+             "boundaries", "pad_id", "num_proc", *MULTIMODAL_KEYS)  # fmt: skip
 # the recipe's ``trainer``: the causal-LM loss (RingTrainer), DPO (RingDPOTrainer), GRPO (RingGRPOTrainer)
 TRAINERS = ("sft", "dpo", "grpo")
 # the data sections of DPO (preference pairs: prompt, chosen, rejected) and GRPO (prompts, reward functions)
@@ -318,6 +321,24 @@ def _post_data(section: dict[str, Any], trainer: str) -> dict[str, Any]:
     return data
 
 
+def _check_multimodal(data: dict[str, Any]) -> None:
+    """``visual_fraction`` (the planner's share of visual tokens) in [0, 1], and only with a ``processor``."""
+    vf = data.get("visual_fraction")
+    if vf is not None and (isinstance(vf, bool) or not isinstance(vf, (int, float)) or not 0 <= vf <= 1):
+        raise RecipeError(f"data.visual_fraction: the share of visual tokens, between 0 and 1, not {vf!r}")
+    if data.get("processor") is not None:
+        unused = [k for k in ("ids_field", "add_eos", "num_proc", "eval") if data.get(k) is not None]
+        if data.get("boundaries", "documents") != "documents":
+            unused.append("boundaries")
+        if unused:
+            raise RecipeError(f"data: {unused} are not used with image / video examples (data.processor: they are "
+                              "processed, then packed as documents); drop them")  # fmt: skip
+    else:
+        given = [k for k in MULTIMODAL_KEYS if data.get(k) is not None]
+        if given:
+            raise RecipeError(f"data: {given} are for image / video examples: give data.processor too")
+
+
 def resolve_data(section: Any, trainer: str = "sft") -> dict[str, Any]:
     """The ``data`` section checked, as a new dict with its ``stages`` (``[{seq_len, steps}]``;
     ``seq_len`` alone: one stage whose ``steps`` 0 means as many as ``max_steps``).
@@ -353,9 +374,11 @@ def resolve_data(section: Any, trainer: str = "sft") -> dict[str, Any]:
             positive_int(data[key], f"data.{key}", 1 if key == "num_proc" else 0)
     if data.get("add_eos") is not None and not isinstance(data["add_eos"], bool):
         raise RecipeError(f"data.add_eos: true or false, not {data['add_eos']!r}")
-    for key in ("path", "name", "split", "text_field", "ids_field", "tokenizer"):
+    for key in ("path", "name", "split", "text_field", "ids_field", "tokenizer", "processor", "image_field",
+                "video_field"):
         if data.get(key) is not None and not isinstance(data[key], str):
             raise RecipeError(f"data.{key}: a string, not {data[key]!r}")
+    _check_multimodal(data)
     ev = data.get("eval")
     if ev is not None:
         if not isinstance(ev, dict) or not {"seq_len", "samples"} <= set(ev) <= {"seq_len", "samples", "seed"}:
