@@ -5,7 +5,8 @@
 every rank and is cut at the text decoder (``shard_batch``); the loss, every logged metric and every
 gradient at every optimizer step are those of one process: LoRA on the decoder with the vision tower frozen
 (the adapter disabled as reference), and full fine-tuning with the tower trained and a separate reference.
-``padding_free=True`` with images is refused."""
+``padding_free=True`` packs each micro-batch's rows with their images (TRL's own ``DPOTrainer`` pads: the
+reference)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,10 @@ CASES = {
     "lora-decoder-frozen-tower-cp4": dict(loss_type=["sigmoid"], lora=True, ref=False, cp=4),
     "full-trained-tower-sigmoid+ipo-ld_alpha": dict(loss_type=["sigmoid", "ipo"], loss_weights=[1.0, 0.5],
                                                     lora=False, ref=True, ld_alpha=0.5),
+    # padding_free=True: the 2 pairs' 4 rows as documents of one row, each with its image and its own M-RoPE rows
+    "lora-decoder-frozen-tower-packed": dict(loss_type=["sigmoid"], lora=True, ref=False, padding_free=True),
+    "full-trained-tower-hinge-packed-ld_alpha-cp4": dict(loss_type=["hinge"], lora=False, ref=True, cp=4,
+                                                         padding_free=True, ld_alpha=0.3),
 }  # fmt: skip
 IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
 
@@ -82,11 +87,13 @@ def dpo_vlm_run(kind: str, case: str, out: str, data_dir: str) -> dict:
     )
     holder[0] = trainer.model
     seen: list[str] = []
+    rows: list[int] = []
     if ring:  # the batches the ring ran carry the images
         from hf_ring.trainer import fused_head
 
         shard = fused_head.shard_batch
-        fused_head.shard_batch = lambda batch, **kw: seen.extend(sorted(batch)) or shard(batch, **kw)
+        fused_head.shard_batch = lambda batch, **kw: seen.extend(sorted(batch)) or rows.append(
+            batch["input_ids"].shape[0]) or shard(batch, **kw)
     try:
         trainer.train()
     finally:
@@ -96,7 +103,7 @@ def dpo_vlm_run(kind: str, case: str, out: str, data_dir: str) -> dict:
             for h in trainer.state.log_history if "loss" in h]  # fmt: skip
     tower = [n for n in keep.steps[0] if ".visual." in n] if keep.steps else []
     return {"logs": logs, "grads": keep.steps, "cp": getattr(trainer, "cp_size", None), "keys": sorted(set(seen)),
-            "tower_grads": len(tower)}  # fmt: skip
+            "rows": sorted(set(rows)), "tower_grads": len(tower)}  # fmt: skip
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -110,27 +117,25 @@ def test_ring_dpo_trainer_with_images_matches_single_process_dpo_trainer(tmp_pat
     ref = run_ranks(1, dpo_vlm_run, "ref", case, str(tmp_path / "ref"), str(tmp_path / "pairs-ref"), timeout=400)[0]
     assert ring[0]["cp"] == cp and len(ref["logs"]) == len(ring[0]["logs"]) == 2
     assert {"pixel_values", "image_grid_thw", "mm_token_type_ids"} <= set(ring[0]["keys"]), ring[0]["keys"]
+    assert ring[0]["rows"] == ([1] if CASES[case].get("padding_free") else [4]), ring[0]["rows"]
     assert len(ref["grads"]) == len(ring[0]["grads"]) == 2
     # the tower: trained (its gradients compared too) or frozen (none)
     assert (ref["tower_grads"] > 0) == (not CASES[case]["lora"]) and ring[0]["tower_grads"] == ref["tower_grads"]
     assert_same_runs(case, ring, ref, "RingDPOTrainer", "DPOTrainer")
 
 
-def test_padding_free_with_images_is_refused(tmp_path: Path) -> None:
-    from datasets import Dataset
+def test_pack_image_rows_gives_each_row_its_images_and_refuses_images_without_grids() -> None:
+    from hf_ring.trainer.rows import pack_image_rows
+    from testkit.vlm import documents, qwen_batch, tiny_model
 
-    run_ranks(2, _refuse_packed, str(tmp_path / "out"), Dataset.from_list(_pairs()).to_list(), timeout=200)
-
-
-def _refuse_packed(out: str, pairs: list[dict]) -> None:
-    from datasets import Dataset
-
-    from hf_ring.trainer.dpo import RingDPOConfig, RingDPOTrainer
-    from testkit.vlm import tiny_model, tiny_processor
-
-    launcher_env()
-    args = RingDPOConfig(output_dir=out, cp_size=2, padding_free=True, use_cpu=True, report_to="none",
-                         max_length=None)  # fmt: skip
-    models = {k: tiny_model("qwen3_vl", "ring", dtype=torch.float32) for k in ("model", "ref_model")}
-    with pytest.raises(ValueError, match="padding_free=True packs.*images.*Set padding_free=False"):
-        RingDPOTrainer(args=args, train_dataset=Dataset.from_list(pairs), processing_class=tiny_processor(), **models)
+    rows = [[("text", 3), ("image", 4), ("text", 2)], [("text", 2), ("image", 2), ("image", 4), ("text", 1)]]
+    batch = qwen_batch(rows)
+    model = tiny_model("qwen3_vl", "sdpa")
+    packed, keep = pack_image_rows(batch, model)
+    assert keep.equal(batch["attention_mask"].bool())
+    docs = documents(rows, text_positions=False)
+    assert packed["pixel_values"].equal(torch.cat([d["pixel_values"] for d in docs]))
+    assert packed["input_ids"].equal(torch.cat([d["input_ids"] for d in docs], 1))
+    assert packed["position_ids"].shape == (4, 1, keep.sum()) and packed["position_ids"][0, 0, 0] == 0
+    with pytest.raises(NotImplementedError, match="Qwen-style.*padding_free=False"):
+        pack_image_rows({k: v for k, v in batch.items() if k != "image_grid_thw"}, model)

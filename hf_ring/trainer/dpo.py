@@ -78,12 +78,6 @@ class RingDPOTrainer(RingTrainerForTRL, DPOTrainer):
         finally:
             if self._fused_pack:
                 args.padding_free = True
-        if self._fused_pack and self.cp_size > 1 and getattr(self, "_is_vision_dataset", False):
-            raise ValueError(
-                "RingDPOConfig: padding_free=True packs the pairs' text rows into one row; with images the packed row "
-                "would need each pair's images and M-RoPE positions carried along, which is not done. Set "
-                "padding_free=False: image pairs run exactly under context parallelism with padded rows."
-            )
         if self._fused_pack and self.cp_size == 1:
             raise ValueError(
                 "RingDPOConfig: padding_free=True packs each batch's pairs into one row for the ring, which runs at "

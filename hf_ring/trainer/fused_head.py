@@ -34,7 +34,7 @@ from ..transformers.batch import MULTIMODAL_KEYS, shard_batch
 from ..transformers.context import KEY
 from ..transformers.sequence import gather_tokens, sequence_logprobs, sequence_sums
 from .mesh import adopt_parallelism_config, parallelism_sizes
-from .rows import pack_rows, plant_row_sums
+from .rows import pack_image_rows, pack_rows, plant_row_sums
 from .trainer import RingTrainer, resolve_ulysses_size
 
 __all__ = ["HeadOptions", "RingTrainerForTRL", "ring_fused_head"]
@@ -110,11 +110,6 @@ def _ring_forward(
             f"{unknown or 'positional arguments or no labels'}); train this model with cp_size=1, or without the "
             "inputs it cannot shard (images in GRPO's prompts, MoE router logits)."
         )
-    if images and opt.pack:
-        raise NotImplementedError(
-            f"hf_ring: padding_free=True packs text rows only; this batch has image inputs ({', '.join(images)}). "
-            "Set padding_free=False (the padded rows run exactly under context parallelism)."
-        )
     batch = {k: kwargs[k] for k in (*_PASSED, *images) if kwargs.get(k) is not None}
     n = batch["input_ids"].shape[1]
     label_mask = kwargs["labels"][:, 1:] != IGNORE_INDEX
@@ -123,7 +118,7 @@ def _ring_forward(
         tail = None if opt.split is None else opt.split(label_mask) & label_mask  # [R, N - 1]
         where = None if tail is None else torch.cat([tail, tail.new_zeros((rows, 1))], 1)  # [R, N]: by position
         if opt.pack:
-            batch, keep = pack_rows(batch)
+            batch, keep = pack_image_rows(batch, lm) if images else pack_rows(batch)
             where = None if where is None else where[keep][None]
         sums = _sums(lm, inner, state, batch, opt, per_document=opt.pack, tail=where)
         full = plant_row_sums({k: v[:rows] for k, v in sums.items()}, label_mask, tail)
