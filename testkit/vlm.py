@@ -190,3 +190,29 @@ def documents_step(model, docs: list[dict]) -> tuple[torch.Tensor, dict[str, tor
     loss.backward()
     grads = {name: p.grad.double() for name, p in model.named_parameters() if p.grad is not None}
     return loss.detach().double(), grads
+
+
+def tiny_processor():
+    """A ``Qwen3VLProcessor`` for ``tiny_model("qwen3_vl", ...)`` (nothing downloaded): a word-level
+    tokenizer (``w0`` ... ``w76`` are ids 3 ... 79, ``<pad>`` 0, ``</s>`` 1) whose vision tokens have the
+    tiny config's ids, and the PIL image processor with the tiny encoder's patches (2 x 2 pixels, 2
+    frames, 2 x 2 merged into one token: an ``8 x 12`` image is 6 tokens). No video processor (it needs
+    torchvision): images only."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, Qwen3VLProcessor
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    special = {"<|image_pad|>": IMAGE, "<|video_pad|>": VIDEO, "<|vision_start|>": START, "<|vision_end|>": END}
+    vocab = {"<pad>": 0, "</s>": 1, "<unk>": 2, **{f"w{i}": i + 3 for i in range(77)}, **special}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="</s>", pad_token="<pad>", unk_token="<unk>",
+                                  additional_special_tokens=list(special))  # fmt: skip
+    images = Qwen2VLImageProcessorPil(patch_size=2, merge_size=2, temporal_patch_size=2,
+                                      size={"shortest_edge": 16, "longest_edge": 4096})  # fmt: skip
+
+    class ImagesOnly(Qwen3VLProcessor):
+        def check_argument_for_proper_class(self, name, arg):  # noqa: ANN001, ANN202
+            return None if arg is None else super().check_argument_for_proper_class(name, arg)
+
+    return ImagesOnly(image_processor=images, tokenizer=tok, video_processor=None)

@@ -205,6 +205,32 @@ def test_refusals() -> None:
     _refuse(Args())
 
 
+def test_image_prompts_are_refused_under_context_parallelism(tmp_path: Path) -> None:
+    from hf_ring.trainer.grpo import has_image_prompts
+
+    image = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "w1"}]}]
+    assert has_image_prompts([{"prompt": "w1", "images": ["x"]}]) and has_image_prompts([{"prompt": image}])
+    assert not has_image_prompts([{"prompt": "w1"}]) and not has_image_prompts([{"prompt": "w1", "images": []}])
+    run_ranks(2, _refuse_images, str(tmp_path / "out"), timeout=200)
+
+
+def _refuse_images(out: str) -> None:
+    from datasets import Dataset
+    from PIL import Image
+
+    from hf_ring.trainer.grpo import RingGRPOConfig, RingGRPOTrainer
+    from testkit.vlm import tiny_model, tiny_processor
+
+    launcher_env()
+    image = Image.fromarray(np.zeros((8, 8, 3), dtype="uint8"))
+    data = Dataset.from_list([{"prompt": "w1 <|vision_start|><|image_pad|><|vision_end|> w2", "image": image}] * 4)
+    args = RingGRPOConfig(output_dir=out, cp_size=2, use_cpu=True, report_to="none", per_device_train_batch_size=2,
+                          num_generations=2, max_completion_length=4)  # fmt: skip
+    with pytest.raises(NotImplementedError, match="image prompts are not supported with cp_size > 1.*cp_size=1"):
+        RingGRPOTrainer(model=tiny_model("qwen3_vl", "ring", dtype=torch.float32), reward_funcs=reward_words,
+                        args=args, train_dataset=data, processing_class=tiny_processor())  # fmt: skip
+
+
 @pytest.mark.parametrize("mesh", [False, True])
 def test_ring_grpo_trainer_vllm_server_mode_dp2_matches_trl_over_2_processes(tmp_path: Path, mesh: bool) -> None:
     """4 processes, 2 CP groups of 2 (``cp_size=2``, DDP; or ``ParallelismConfig(dp_shard_size=2, cp_size=2)``

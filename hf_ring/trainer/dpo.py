@@ -24,6 +24,11 @@ document); each document's sums (``sequence_sums(..., per_document=True)``) are 
 padded ``[2B, N - 1]`` rows, so its loss code runs unchanged. Loss, gradients and metrics are
 those of one-process ``DPOTrainer`` on the same data, padded or packed (tests/test_dpo.py). Pass
 the model loaded with ``attn_implementation="ring"`` (not a name).
+
+Image pairs (TRL's vision collator with a processor: ``pixel_values``, ``image_grid_thw``,
+``mm_token_type_ids``) run the same way: the image inputs reach ``shard_batch`` whole, the text decoder
+runs on this rank's shard; with ``padding_free=True`` each row is packed with its own images and M-RoPE
+positions (``hf_ring.trainer.rows.pack_image_rows``). tests/test_dpo_vlm.py.
 """
 
 from __future__ import annotations

@@ -30,11 +30,11 @@ from torch import Tensor, nn
 
 from ..ops.cross_entropy import IGNORE_INDEX
 from ..parallel import ContextParallel, context_parallel_state, setup_context_parallel
-from ..transformers.batch import shard_batch
+from ..transformers.batch import MULTIMODAL_KEYS, shard_batch
 from ..transformers.context import KEY
 from ..transformers.sequence import gather_tokens, sequence_logprobs, sequence_sums
 from .mesh import adopt_parallelism_config, parallelism_sizes
-from .rows import pack_rows, plant_row_sums
+from .rows import pack_image_rows, pack_rows, plant_row_sums
 from .trainer import RingTrainer, resolve_ulysses_size
 
 __all__ = ["HeadOptions", "RingTrainerForTRL", "ring_fused_head"]
@@ -100,14 +100,17 @@ def _ring_forward(
 ) -> Any:
     from trl.trainer.utils import FusedCausalLMOutput
 
-    unknown = sorted(k for k in kwargs if k not in (*_PASSED, *_DROPPED) and kwargs[k] is not None)
+    images = sorted(k for k in MULTIMODAL_KEYS if kwargs.get(k) is not None)
+    allowed = (*_PASSED, *_DROPPED, *(MULTIMODAL_KEYS if opt.row_sums else ()))
+    unknown = sorted(k for k in kwargs if k not in allowed and kwargs[k] is not None)
     if args or unknown or kwargs.get("labels") is None:
         raise NotImplementedError(
             "hf_ring: TRL's fused LM head under context parallelism takes input_ids, attention_mask, position_ids "
-            f"and labels only (this call passed {unknown or 'positional arguments or no labels'}); train this model "
-            "with cp_size=1, or without the inputs it cannot shard (images, MoE router logits)."
+            f"and labels{' (and image inputs, for DPO)' if opt.row_sums else ''} only (this call passed "
+            f"{unknown or 'positional arguments or no labels'}); train this model with cp_size=1, or without the "
+            "inputs it cannot shard (images in GRPO's prompts, MoE router logits)."
         )
-    batch = {k: kwargs[k] for k in _PASSED if kwargs.get(k) is not None}
+    batch = {k: kwargs[k] for k in (*_PASSED, *images) if kwargs.get(k) is not None}
     n = batch["input_ids"].shape[1]
     label_mask = kwargs["labels"][:, 1:] != IGNORE_INDEX
     if opt.row_sums:
@@ -115,7 +118,7 @@ def _ring_forward(
         tail = None if opt.split is None else opt.split(label_mask) & label_mask  # [R, N - 1]
         where = None if tail is None else torch.cat([tail, tail.new_zeros((rows, 1))], 1)  # [R, N]: by position
         if opt.pack:
-            batch, keep = pack_rows(batch)
+            batch, keep = pack_image_rows(batch, lm) if images else pack_rows(batch)
             where = None if where is None else where[keep][None]
         sums = _sums(lm, inner, state, batch, opt, per_document=opt.pack, tail=where)
         full = plant_row_sums({k: v[:rows] for k, v in sums.items()}, label_mask, tail)

@@ -116,6 +116,23 @@ def _refuse(args: Any) -> None:
         )
 
 
+def has_image_prompts(dataset: Any) -> bool:
+    """Whether ``dataset``'s first example holds images as TRL's ``GRPOTrainer`` reads them: an
+    ``image`` or ``images`` column, or a conversational prompt with an ``{"type": "image"}`` part."""
+    if dataset is None:
+        return False
+    try:
+        example = next(iter(dataset))
+    except (StopIteration, TypeError):
+        return False
+    if example.get("image") is not None or example.get("images"):
+        return True
+    prompt = example.get("prompt")
+    messages = prompt if isinstance(prompt, list) else []
+    parts = [p for m in messages if isinstance(m, dict) and isinstance(m.get("content"), list) for p in m["content"]]
+    return any(isinstance(p, dict) and p.get("type") == "image" for p in parts)
+
+
 def one_request_per_cp_group(client: Any, world: int, cp_size: int) -> None:
     """Make ``client.generate`` (TRL's ``VLLMClient`` on the main process, vLLM server mode) ask the
     server for the prompts of each CP group's first rank only and hand the group's other ranks the
@@ -165,6 +182,14 @@ class RingGRPOTrainer(RingTrainerForTRL, GRPOTrainer):
         _refuse(args)
         temperature = float(getattr(args, "temperature", 1.0) or 1.0)
         self._ring_init(model, args, ("entropy",), temperature, reward_funcs=reward_funcs, **kwargs)
+        if self.cp_size > 1 and has_image_prompts(kwargs.get("train_dataset")):
+            raise NotImplementedError(
+                "RingGRPOTrainer: image prompts are not supported with cp_size > 1: GRPO's per-token "
+                "log-probabilities are gathered over the CP group from left-padded prompt + completion rows, and "
+                "that path does not carry image inputs (pixel_values, image_grid_thw) yet, so it cannot be exact. "
+                "Train image prompts with cp_size=1 (TRL's own path), or preference pairs with images with "
+                "RingDPOTrainer, which runs them under context parallelism."
+            )
         client = getattr(getattr(self, "vllm_generation", None), "vllm_client", None)  # the main process's
         if client is not None and self.cp_size > 1:
             one_request_per_cp_group(client, self.accelerator.num_processes, self.cp_size)

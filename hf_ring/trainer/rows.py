@@ -14,11 +14,13 @@ no per-token value has to be gathered over the CP group.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["pack_rows", "plant_row_sums"]
+__all__ = ["pack_image_rows", "pack_rows", "plant_row_sums"]
 
 
 def pack_rows(batch: dict[str, Tensor]) -> tuple[dict[str, Tensor], Tensor]:
@@ -44,6 +46,50 @@ def pack_rows(batch: dict[str, Tensor]) -> tuple[dict[str, Tensor], Tensor]:
     pos = torch.cat([torch.arange(int(n), device=ids.device) for n in lengths.tolist()])
     packed = {k: batch[k][keep][None] for k in ("input_ids", "labels") if batch.get(k) is not None}
     return {**packed, "position_ids": pos[None]}, keep
+
+
+def pack_image_rows(batch: dict[str, Tensor], rope_model: Any) -> tuple[dict[str, Tensor], Tensor]:
+    """``pack_rows`` for rows with Qwen-style images (``pixel_values [patches, C]``, ``image_grid_thw``,
+    ``mm_token_type_ids``; videos alike): each right-padded row becomes one document with its own
+    images (given in row order, as TRL's vision collator and the model's merge take them), packed by
+    ``hf_ring.data.multimodal.pack_multimodal`` with ``[4, 1, T]`` positions (the text row, then each
+    document's M-RoPE rows from ``rope_model``'s ``get_rope_index``: the padded row's own). Returns the
+    packed batch and ``keep [R, N]``. Raises ``NotImplementedError`` for images without grids (Gemma 3,
+    Llama 4), given ``position_ids``, or padding that is not on the right."""
+    from ..data.multimodal import pack_multimodal
+
+    text, keep = pack_rows(batch)  # the checks (right padding, no position_ids, no empty row)
+    del text
+    if batch.get("mm_token_type_ids") is None or not any(batch.get(g) is not None for _, g in _GRIDS.values()):
+        raise NotImplementedError(
+            "hf_ring: padding_free=True with images packs Qwen-style batches (pixel_values with image_grid_thw, "
+            "mm_token_type_ids) only; set padding_free=False."
+        )
+    merge = int(rope_model.config.vision_config.spatial_merge_size) ** 2
+    docs: list[dict[str, Any]] = []
+    taken = {k: [0, 0] for k in _GRIDS}  # per kind: items and pixel rows used so far
+    for r in range(keep.shape[0]):
+        doc: dict[str, Any] = {k: batch[k][r : r + 1, keep[r]] for k in ("input_ids", "labels", "mm_token_type_ids")}
+        for kind, (pixels, grids) in _GRIDS.items():
+            tokens = int((doc["mm_token_type_ids"] == kind).sum())
+            grid = batch.get(grids)
+            if grid is None:
+                continue
+            item, row = taken[kind]
+            sizes = grid.prod(-1).tolist()
+            end, count = item, 0
+            while count < tokens and end < len(sizes):
+                count, end = count + sizes[end] // merge, end + 1
+            if count != tokens:
+                raise ValueError(f"hf_ring: row {r} has {tokens} {grids} tokens, its images give {count}")
+            n = sum(sizes[item:end])
+            doc[pixels], doc[grids] = batch[pixels][row : row + n], grid[item:end]
+            taken[kind] = [end, row + n]
+        docs.append(doc)
+    return pack_multimodal(docs, rope_model=rope_model), keep
+
+
+_GRIDS = {1: ("pixel_values", "image_grid_thw"), 2: ("pixel_values_videos", "video_grid_thw")}  # mm_token_type_ids
 
 
 def _first(mask: Tensor) -> Tensor:
