@@ -179,8 +179,8 @@ def _sums(
     names = ["log_probs", *opt.stats]
     weights = {k: labelled.float() for k in names}
     if tail is not None:
-        pos = _positions(ctx, labelled.shape[0]).to(labelled.device)  # [B, S_local], -1 on padding
-        local_tail = tail.gather(1, pos.clamp(0, tail.shape[1] - 1)) & (pos >= 0) & labelled
+        pos = ctx.layout.index(labelled.shape[0], labelled.device)[ctx.rank]  # [B, S_local]; >= N: padding
+        local_tail = tail.gather(1, pos.clamp(max=tail.shape[1] - 1)) & (pos < tail.shape[1]) & labelled
         weights["log_probs"] = (labelled & ~local_tail).float()
         weights["log_probs_tail"] = local_tail.float()
         names.append("log_probs_tail")
@@ -188,16 +188,6 @@ def _sums(
     sums = sequence_sums(ctx, values, per_document=per_document, grad_scale=float(ctx.size))
     sums = sums[0] if per_document else sums  # one packed row: [D, K], its documents are the rows
     return dict(zip(names, sums.unbind(-1), strict=True))
-
-
-def _positions(ctx: Any, batch: int) -> Tensor:
-    """``[B, S_local]`` int64: the position in its batch row of every token this rank holds (the
-    batch's layout), ``-1`` for the zigzag's padding."""
-    out = torch.full((batch, ctx.layout.local), -1, dtype=torch.long)
-    for b in range(batch):
-        for seg in ctx.layout.segments(ctx.rank, b):
-            out[b, seg.local : seg.local + seg.stop - seg.start] = torch.arange(seg.start, seg.stop)
-    return out
 
 
 class RingTrainerForTRL(RingTrainer):
