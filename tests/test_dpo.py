@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+from testkit.post import dpo_arguments
 from testkit.spawn import launcher_env, run_ranks
 
 pytest.importorskip("trl")
@@ -92,9 +93,7 @@ def dpo_run(kind: str, case: str, out: str, tok_dir: str, data_dir: str) -> dict
     if ring:
         launcher_env()
     attn = "ring" if ring else "sdpa"
-    common = dict(output_dir=out, max_steps=2, per_device_train_batch_size=2, gradient_accumulation_steps=2,
-                  learning_rate=0.05, optim="sgd", logging_steps=1, report_to="none", use_cpu=True, disable_tqdm=True,
-                  bf16=False, max_length=48, save_strategy="no", seed=0, beta=0.2, **spec)  # fmt: skip
+    common = dpo_arguments(out, max_length=48, **spec)
     if ring and mesh:
         from accelerate.parallelism_config import ParallelismConfig
 

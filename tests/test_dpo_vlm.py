@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+from testkit.post import dpo_arguments
 from testkit.spawn import launcher_env, run_ranks
 
 pytest.importorskip("trl")
@@ -66,9 +67,7 @@ def dpo_vlm_run(kind: str, case: str, out: str, data_dir: str) -> dict:
     if ring:
         launcher_env()
     attn = "ring" if ring else "sdpa"
-    common = dict(output_dir=out, max_steps=2, per_device_train_batch_size=2, gradient_accumulation_steps=2,
-                  learning_rate=0.05, optim="sgd", logging_steps=1, report_to="none", use_cpu=True, disable_tqdm=True,
-                  bf16=False, max_length=None, save_strategy="no", seed=0, beta=0.2, **spec)  # fmt: skip
+    common = dpo_arguments(out, max_length=None, **spec)
     args = RingDPOConfig(cp_size=cp, **common) if ring else DPOConfig(**common)
     model = tiny_model("qwen3_vl", attn, dtype=torch.float32)
     extra: dict = {}

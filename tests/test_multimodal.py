@@ -253,29 +253,30 @@ def trainer_losses(ring: bool, out: str, fsdp: bool = False) -> list[float]:
 
     with fsdp2_on_cpu() if fsdp else nullcontext():
         trainer = (RingTrainer if ring else Trainer)(
-            model=model, args=args, train_dataset=Same(),
+            model=model, args=args, train_dataset=Same(), eval_dataset=Same(),
             data_collator=lambda _: {k: v.clone() for k, v in batch.items()},
         )  # fmt: skip
         trainer.train()
+        evaluated = trainer.evaluate()["eval_loss"]  # the batch through the evaluation loop, after training
         assert trainer.is_fsdp_enabled == fsdp
         if fsdp:  # the full weights, gathered from their shards
             from torch.distributed.tensor import DTensor
 
             params = [p.full_tensor() if isinstance(p, DTensor) else p for p in trainer.model.parameters()]
             losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-            return [*losses, float(sum(p.detach().double().norm() ** 2 for p in params) ** 0.5)]
+            return [*losses, evaluated, float(sum(p.detach().double().norm() ** 2 for p in params) ** 0.5)]
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    return [*losses, float(sum(p.double().norm() ** 2 for p in model.parameters()) ** 0.5)]
+    return [*losses, evaluated, float(sum(p.detach().double().norm() ** 2 for p in model.parameters()) ** 0.5)]
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("fsdp", [False, True], ids=["ddp", "fsdp2"])
 def test_ring_trainer_with_images_matches_trainer(tmp_path, fsdp: bool) -> None:
-    """RingTrainer takes image batches unchanged: 3 steps at CP = 2 (DDP or FSDP2) equal transformers'
-    Trainer in one process."""
+    """RingTrainer takes image batches unchanged: 3 steps at CP = 2 (DDP or FSDP2) and an evaluation equal
+    transformers' Trainer in one process."""
     want = trainer_losses(False, str(tmp_path / "ref"))
     for got in run_ranks(2, trainer_losses, True, str(tmp_path / "ring"), fsdp, timeout=280):
-        assert len(got) == len(want) == 4, (got, want)
+        assert len(got) == len(want) == 5, (got, want)
         for g, w in zip(got, want):
             assert abs(g - w) <= 1e-5 * abs(w), (got, want)
 
@@ -395,3 +396,32 @@ def test_one_long_video_spreads_its_frames(world: int) -> None:
     check(per_rank)
     for i in range(len(cases)):
         assert sum(r[i]["encoded"] for r in per_rank) == 7, [r[i]["encoded"] for r in per_rank]
+
+
+def test_decoder_entry_cut_takes_rows_without_a_host_sync() -> None:
+    """The cut at the decoder's entry: local rows in the order of ``entry``, padding rows (``entry >= N``)
+    zero for embeddings and counting on for positions (2-D and M-RoPE ``[3, B, N]``), with no host sync."""
+    from hf_ring.ops.layout import sequence_layout
+    from hf_ring.transformers.context import KEY, RingContext
+    from hf_ring.transformers.multimodal import _cut_entry
+    from testkit.host_syncs import HostSyncs
+
+    n, h = 7, 5
+    entry = torch.tensor([[0, 6, 7, 2], [3, 7, 7, 1]])  # 7 = N: padding that shard_batch added
+    ctx = RingContext(None, 2, 0, sequence_layout(8, 2, 1), entry=entry)
+    embeds = torch.randn(2, n, h, dtype=torch.float64, requires_grad=True)
+    rope = torch.arange(3 * n).view(3, 1, n).expand(3, 2, n) + 100
+    with HostSyncs() as syncs:
+        _, out = _cut_entry(torch.nn.Identity(), (), {"inputs_embeds": embeds, "position_ids": rope, KEY: ctx})
+        _, flat = _cut_entry(torch.nn.Identity(), (), {"inputs_embeds": embeds, KEY: ctx})
+    assert not syncs.count("hf_ring/"), syncs.count("hf_ring/")
+    rows = entry.clamp(max=n - 1)
+    want = embeds.detach()[torch.arange(2)[:, None], rows] * (entry < n)[..., None]
+    assert torch.equal(out["inputs_embeds"].detach(), want)
+    assert torch.equal(flat["position_ids"], entry)  # 0, 1, ... with the padding row counting on: N
+    rope_rows = rope.gather(2, rows.expand(3, 2, 4)) + (entry - rows)
+    assert torch.equal(out["position_ids"], rope_rows)
+    out["inputs_embeds"].sum().backward()
+    counts = torch.zeros(2, n, dtype=torch.float64).index_put_((torch.arange(2)[:, None].expand(2, 4), rows),
+                                                               (entry < n).double(), accumulate=True)  # fmt: skip
+    assert torch.equal(embeds.grad, counts[..., None].expand(2, n, h))

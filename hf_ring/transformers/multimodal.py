@@ -55,6 +55,7 @@ _ENCODERS = ("visual", "vision_model", "vision_tower")
 _CUT = frozenset({"inputs_embeds", "position_ids", "attention_mask", "visual_pos_masks", "deepstack_visual_embeds",
                   "labels", "shift_labels"})  # the last two: this rank's already
 _ATTACHED: weakref.WeakSet = weakref.WeakSet()
+_HOLDS: weakref.WeakSet = weakref.WeakSet()  # models that ``check_entry`` found holding one of ``_ATTACHED``
 
 
 def vision_attention(model: nn.Module, implementation: Any) -> Any:
@@ -89,13 +90,18 @@ def detach() -> None:
             sub.__dict__.pop("_hf_ring_entry", None)
             sub.__dict__.pop("_hf_ring_encoder", None)
     _ATTACHED.clear()
+    for model in list(_HOLDS):
+        model.__dict__.pop("_hf_ring_holds", None)
+    _HOLDS.clear()
 
 
 def check_entry(model: nn.Module, ctx: RingContext) -> None:
     """Refuse a multimodal batch (``ctx.entry``) given to ``model`` unless it holds a model of ``FAMILIES``."""
-    if ctx.entry is None or "_hf_ring_entry" in model.__dict__:
+    if ctx.entry is None or "_hf_ring_entry" in model.__dict__ or "_hf_ring_holds" in model.__dict__:
         return
     if any("_hf_ring_family" in m.__dict__ for m in model.modules()):
+        model._hf_ring_holds = True  # walked once per model, not per forward
+        _HOLDS.add(model)
         return
     raise RingNotSupported(
         f"{type(model).__name__} got a multimodal batch from hf_ring.shard_batch (image or video inputs), which "
@@ -221,24 +227,20 @@ def _drop_context(module: nn.Module, args: Any, kwargs: dict) -> tuple[Any, dict
     return args, {k: v for k, v in kwargs.items() if k not in (KEY, "shift_labels", "num_items_in_batch")}
 
 
-def _extend(t: Tensor, total: int, counting: bool = False) -> Tensor:
-    """``t [B, N, ...]`` -> ``[B, total, ...]``: rows past ``N`` zero (or, ``counting``, positions that
-    count on from the last)."""
-    pad = total - t.shape[1]
-    if pad <= 0:
-        return t
-    if counting:
-        step = torch.arange(1, pad + 1, device=t.device, dtype=t.dtype).view(1, pad, *([1] * (t.dim() - 2)))
-        return torch.cat((t, t[:, -1:] + step), dim=1)
-    return torch.cat((t, t.new_zeros((t.shape[0], pad, *t.shape[2:]))), dim=1)
-
-
-def _take(t: Tensor, entry: Tensor, total: int, counting: bool = False) -> Tensor:
-    """This rank's rows of ``t [B or 1, N, ...]``: ``[B, S_local, ...]`` (``entry [B, S_local]``)."""
+def _take(t: Tensor, entry: Tensor, counting: bool = False) -> Tensor:
+    """This rank's rows of ``t [B or 1, N, ...]``: ``[B, S_local, ...]`` (``entry [B, S_local]``). Rows
+    past the sequence (``entry >= N``: padding that ``shard_batch`` added) are zero, or, ``counting``
+    (positions), count on from the last row: ``t[N - 1] + entry - (N - 1)``. No copy of ``t``, no host
+    sync."""
     b, s = entry.shape
-    t = _extend(t.expand(b, *t.shape[1:]), total, counting)
-    idx = entry.to(t.device).view(b, s, *([1] * (t.dim() - 2))).expand(b, s, *t.shape[2:])
-    return t.gather(1, idx)
+    n, tail = t.shape[1], [1] * (t.dim() - 2)
+    entry = entry if entry.device == t.device else entry.to(t.device)  # made on the batch's device
+    idx = entry.clamp(max=n - 1)
+    rows = t.expand(b, *t.shape[1:]).gather(1, idx.view(b, s, *tail).expand(b, s, *t.shape[2:]))
+    past = (entry - idx).view(b, s, *tail)
+    if counting:
+        return rows + past.to(rows.dtype)
+    return rows.masked_fill(past > 0, 0)
 
 
 def _cut_entry(module: nn.Module, args: Any, kwargs: dict) -> tuple[Any, dict] | None:
@@ -254,16 +256,15 @@ def _cut_entry(module: nn.Module, args: Any, kwargs: dict) -> tuple[Any, dict] |
         )
     entry, n = ctx.entry, embeds.shape[1]
     b = entry.shape[0]
-    total = max(int(entry.max()) + 1, n)
     out = dict(kwargs)
-    out["inputs_embeds"] = _take(embeds, entry, total)
+    out["inputs_embeds"] = _take(embeds, entry)
     positions = kwargs.get("position_ids")
     if positions is None:
         positions = torch.arange(n, device=embeds.device).expand(b, n)
     if positions.dim() == 2:
-        out["position_ids"] = _take(positions, entry, total, counting=True)
+        out["position_ids"] = _take(positions, entry, counting=True)
     else:  # [R, B, N]: multimodal RoPE rows (Qwen: time, height, width; or text first)
-        rows = _take(positions.permute(1, 2, 0), entry, total, counting=True)
+        rows = _take(positions.permute(1, 2, 0), entry, counting=True)
         out["position_ids"] = rows.permute(2, 0, 1)
     mask = kwargs.get("attention_mask")
     if isinstance(mask, Tensor):
@@ -276,8 +277,8 @@ def _cut_entry(module: nn.Module, args: Any, kwargs: dict) -> tuple[Any, dict] |
     visual = kwargs.get("visual_pos_masks")
     if isinstance(visual, Tensor):  # Qwen3-VL's DeepStack: features added at the visual rows of early layers
         order = (visual.reshape(-1).long().cumsum(0) - 1).view(visual.shape)
-        local = _take(visual, entry, total)
-        picked = _take(order, entry, total)[local]
+        local = _take(visual, entry)
+        picked = _take(order, entry)[local]
         out["visual_pos_masks"] = local
         embeds_list = kwargs.get("deepstack_visual_embeds")
         if embeds_list is not None:
