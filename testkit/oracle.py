@@ -30,28 +30,38 @@ def visible(
     window: int | None = None,
     starts: Sequence[Sequence[int]] | None = None,
     chunk: int | None = None,
+    spans: Sequence[Sequence[tuple[int, int]]] | None = None,
 ) -> Tensor:
-    """``[B, Nq, Nk]`` bool, True where query ``i`` sees key ``j`` (``B = len(starts)``, else 1):
+    """``[B, Nq, Nk]`` bool, True where query ``i`` sees key ``j`` (``B = len(starts)`` or ``len(spans)``,
+    else 1):
 
     - ``causal``: ``j <= i``;
-    - ``window``: a sliding window of ``W`` keys, ``i - W < j`` (transformers' sliding window);
+    - ``spans``: each batch row's bidirectional spans ``[s, e)``: two positions of one span also see
+      each other (transformers' ``blockwise_overlay``, OR-ed with the causal mask);
+    - ``window``: a sliding window of ``W`` keys, ``i - W < j`` (transformers' sliding window, AND-ed
+      after the spans, as ``create_masks_for_vision_model``);
     - ``starts``: each batch row's documents' first positions (sorted, from 0): same document only;
     - ``chunk``: the same chunk of ``C`` positions, counted from the document's start (Llama 4).
     """
     n_k = n_q if n_k is None else n_k
     i, j = torch.arange(n_q)[:, None], torch.arange(n_k)[None, :]
-    base = torch.ones(n_q, n_k, dtype=torch.bool)
-    if causal:
-        base &= j <= i
-    if window is not None:
-        base &= j > i - window
     rows = []
-    for row in starts if starts is not None else [[0]]:
+    count = len(starts) if starts is not None else len(spans) if spans is not None else 1
+    for r in range(count):
+        row = starts[r] if starts is not None else [0]
         n = max(n_q, n_k)
+        m = j <= i if causal else torch.ones(n_q, n_k, dtype=torch.bool)
+        if spans is not None:
+            span = torch.full((n,), -1, dtype=torch.long)
+            for k, (a, z) in enumerate(spans[r]):
+                span[a:z] = k
+            m = m | ((span[:n_q, None] == span[None, :n_k]) & (span[:n_q, None] >= 0))
+        if window is not None:
+            m = m & (j > i - window)
         doc = torch.zeros(n, dtype=torch.long)
         for s in list(row)[1:]:
             doc[s:] += 1
-        m = base & (doc[:n_q, None] == doc[None, :n_k])
+        m = m & (doc[:n_q, None] == doc[None, :n_k])
         if chunk is not None:
             first = torch.tensor(list(row), dtype=torch.long)[doc]  # each position's document start
             m &= (i - first[:n_q, None]) // chunk == (j - first[None, :n_k]) // chunk

@@ -70,7 +70,8 @@ def tiny_config(family: str):
 def as_images(batch: dict[str, torch.Tensor], first: int = 0) -> dict[str, torch.Tensor]:
     """A batch of ``qwen_batch``, ``packed_batch`` or ``documents`` for Llama 4 and Gemma 3 (built with
     images of 4x4 patches: 4 image tokens each): image ``i`` (counted from ``first``) a ``[3, 8, 8]``
-    array of its own, no ``token_type_ids`` (Gemma 3 then attends causally, as the ring does)."""
+    array of its own, no ``token_type_ids`` (Gemma 3 then attends causally; the tests add them for its image
+    blocks)."""
     out = {k: v for k, v in batch.items() if k not in ("image_grid_thw", "pixel_values", "mm_token_type_ids")}
     count = len(batch["image_grid_thw"])
     out["pixel_values"] = torch.stack(

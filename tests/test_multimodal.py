@@ -64,6 +64,8 @@ def vlm_errors(cases: list[dict]) -> list[dict]:
             group = hf_ring.setup_context_parallel(torch.distributed.get_world_size(), ulysses_size=c["ulysses"])
         models = [tiny_model(c["family"], attn) for attn in ("sdpa", "ring")]
         batch, docs = _batches(c["family"], c.get("packed"), models[0])
+        if c.get("blocks"):  # Gemma 3's image blocks: the tokens of one image attend to each other both ways
+            batch, docs = _image_blocks(batch), docs and [_image_blocks(d) for d in docs]
         if c.get("frozen"):
             for m in models:
                 encoder(m).requires_grad_(False)
@@ -89,6 +91,14 @@ def vlm_errors(cases: list[dict]) -> list[dict]:
         out.append({**c, "loss": rel_err(loss, ref_loss), "grad": errors[worst], "worst": worst,
                     "abs_loss": float((loss - ref_loss).abs()), "encoded": sum(seen)})  # fmt: skip
     return out
+
+
+def _image_blocks(batch: dict) -> dict:
+    """``batch`` with Gemma 3's ``token_type_ids``: 1 on the image tokens (``get_block_sequence_ids_for_mask``
+    makes each run of them a bidirectional block)."""
+    from testkit.vlm import IMAGE
+
+    return batch | {"token_type_ids": (batch["input_ids"] == IMAGE).long()}
 
 
 def _images(args: tuple, kwargs: dict) -> int:
@@ -133,6 +143,20 @@ def test_step_matches_one_process(family: str, world: int) -> None:
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_gemma3_image_blocks_match_one_process(world: int) -> None:
+    """Gemma 3 with ``token_type_ids``: the tokens of each image attend to each other both ways, in full
+    and sliding-window layers (transformers' ``create_masks_for_vision_model``), exact at CP = 2, 3, 4:
+    rows with right padding, the encoder frozen, packed documents (each alone as the reference), and
+    Ulysses 2 x ring 2."""
+    cases = [dict(family="gemma3", blocks=True), dict(family="gemma3", blocks=True, frozen=True),
+             dict(family="gemma3", blocks=True, packed="text")]  # fmt: skip
+    if world == 4:
+        cases.append(dict(family="gemma3", blocks=True, packed="text", ulysses=2))
+    check(run_ranks(world, vlm_errors, cases, timeout=280))
+
+
+@pytest.mark.timeout(300)
 def test_packed_and_ulysses_match_one_process() -> None:
     cases = [dict(family="qwen3_vl", packed="text"), dict(family="qwen3_vl", packed="rope"),
              dict(family="qwen3_vl", ulysses=2), dict(family="qwen3_vl", packed="rope", ulysses=2),
@@ -166,9 +190,18 @@ def refusals() -> list[str]:
 
     out = []
     batch = as_images(qwen_batch(ROWS_4))
-    types = (batch["input_ids"] == 90).long()  # Gemma 3's image tokens: bidirectional among themselves
-    with pytest.raises(RingNotSupported) as e:
-        tiny_model("gemma3", "ring")(**hf_ring.shard_batch(batch | {"token_type_ids": types}))
+    with pytest.raises(RingNotSupported) as e:  # image blocks given to a model without them
+        qwen = qwen_batch(ROWS)
+        tiny_model("qwen3_vl", "ring")(**hf_ring.shard_batch(_image_blocks(qwen)))
+    out.append(str(e.value))
+    with pytest.raises(ValueError) as e:  # an image block longer than Gemma 3's sliding window (8)
+        long = _image_blocks(batch)
+        long["token_type_ids"][0, 6:20] = 1
+        tiny_model("gemma3", "ring")(**hf_ring.shard_batch(long))
+    out.append(str(e.value))
+    with pytest.raises(RingNotSupported) as e:  # token_type_ids that shard_batch did not see
+        types = _image_blocks(batch)["token_type_ids"]
+        tiny_model("gemma3", "ring")(**hf_ring.shard_batch(batch), token_type_ids=types)
     out.append(str(e.value))
     with pytest.raises(RingNotSupported) as e:  # a multimodal batch given to a text model
         from testkit.models import tiny_model as text_model
@@ -190,10 +223,12 @@ def refusals() -> list[str]:
 @pytest.mark.timeout(120)
 def test_refusals_name_the_problem() -> None:
     for messages in run_ranks(2, refusals, timeout=100):
-        assert "bidirectional" in messages[0] and "token_type_ids" in messages[0]
-        assert "multimodal batch" in messages[1] and "Qwen3-VL" in messages[1]
-        assert "needs input_ids" in messages[2]
-        assert "pixel_values" in messages[3], messages[3]
+        assert "Qwen3-VL got token_type_ids" in messages[0] and "Drop token_type_ids" in messages[0], messages[0]
+        assert "longer than the window" in messages[1] and "sliding window of 8" in messages[1], messages[1]
+        assert "did not see" in messages[2], messages[2]
+        assert "multimodal batch" in messages[3] and "Qwen3-VL" in messages[3]
+        assert "needs input_ids" in messages[4]
+        assert "pixel_values" in messages[5], messages[5]
 
 
 @pytest.mark.timeout(200)

@@ -19,15 +19,16 @@ module imports only torch (for the index tensors).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from .schedule import Placement, Segment, zigzag_placement
+from .schedule import Placement, Schedule, Segment, placement_schedule, span_placement, zigzag_placement
 
-__all__ = ["Run", "ShardLayout", "sequence_layout"]
+__all__ = ["Run", "ShardLayout", "sequence_layout", "with_spans"]
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,8 @@ class ShardLayout:
             batch row is laid out alike.
         starts: per batch row (one entry when shared), the global start of each document.
         packed: the batch holds packed documents (else one sequence per row, one document).
+        spans: per batch row (one entry when shared), the bidirectional spans (global ``[s, e)``,
+            ``with_spans``) whose tokens see each other both ways; ``()``: none.
     """
 
     n: int
@@ -64,6 +67,7 @@ class ShardLayout:
     rows: tuple[Placement, ...]
     starts: tuple[tuple[int, ...], ...]
     packed: bool = False
+    spans: tuple[tuple[tuple[int, int], ...], ...] = ()
 
     @property
     def size(self) -> int:
@@ -90,6 +94,14 @@ class ShardLayout:
         """Global start of document ``doc`` of batch row ``row``."""
         return self.starts[self._row(row)][doc]
 
+    def schedule(self, ring_pos: int) -> Schedule:
+        """The ring schedule of ring position ``ring_pos`` over every batch row (``placement_schedule``
+        per row; one shared when the rows are laid out alike)."""
+        if len(self.rows) == 1:
+            return placement_schedule(self.rows[0], ring_pos)
+        per_row = [placement_schedule(rows, ring_pos, (i, i + 1)) for i, rows in enumerate(self.rows)]
+        return [tuple(blk for row in per_row for blk in row[step]) for step in range(len(per_row[0]))]
+
     def index(self, batch: int, device: torch.device | str = "cpu") -> Tensor:
         """``[P, batch, local]`` int64: the global position of every local row of every CP rank
         (``n``, one past the end, for padding rows)."""
@@ -115,7 +127,7 @@ def _cp_segments(layout: ShardLayout, rank: int, row: int) -> tuple[Segment, ...
         a, b = max(seg.local, lo), min(seg.local + seg.stop - seg.start, hi)
         if a < b:
             start = seg.start + a - seg.local
-            out.append(Segment(seg.doc, start, start + b - a, a - lo))
+            out.append(Segment(seg.doc, start, start + b - a, a - lo, seg.span))
     return tuple(out)
 
 
@@ -147,6 +159,21 @@ def _locate(layout: ShardLayout, batch: int) -> tuple[Tensor, Tensor]:
                 rank_of[b, seg.start : seg.stop] = rank
                 local_of[b, seg.start : seg.stop] = torch.arange(seg.local, seg.local + seg.stop - seg.start)
     return rank_of, local_of
+
+
+def with_spans(layout: ShardLayout, spans: list[list[tuple[int, int]]]) -> ShardLayout:
+    """``layout`` with bidirectional ``spans`` (per batch row, global ``[s, e)``, sorted and disjoint):
+    every row's segments cut at their boundaries (``schedule.span_placement``), so its schedules let
+    the tokens of a span see each other both ways. Unchanged when no row has a span."""
+    if not any(spans):
+        return layout
+    if len(layout.rows) == 1 and all(s == spans[0] for s in spans):
+        rows, starts, kept = (span_placement(layout.rows[0], spans[0]),), layout.starts, (tuple(spans[0]),)
+    else:
+        rows = tuple(span_placement(layout.rows[layout._row(b)], s) for b, s in enumerate(spans))
+        starts = tuple(layout.starts[layout._row(b)] for b in range(len(spans)))
+        kept = tuple(tuple(s) for s in spans)
+    return dataclasses.replace(layout, rows=rows, starts=starts, spans=kept)
 
 
 def sequence_layout(n: int, ring: int, ulysses: int = 1) -> ShardLayout:

@@ -30,7 +30,13 @@ keeps key ``j`` for query ``i`` iff ``i - W < j <= i`` (global positions of one 
 transformers' ``sliding_window_causal_mask_function``); a block that crosses the band's edge carries
 it as ``Block.window``, a block outside the band is no call, and trailing ring steps in which no
 rank has a call are dropped. Chunked attention (boundaries every ``C`` positions of a document) is
-a document placement cut at the chunk boundaries. This module imports nothing.
+a document placement cut at the chunk boundaries.
+
+Bidirectional spans (``span_placement``: Gemma 3's image tokens, transformers' ``blockwise_overlay``):
+the tokens of one span also see the later tokens of their span, so a query of span ``[s, e)`` sees the
+keys ``[doc start, e)`` (under a window, ``i - W < j < e``). The placement is cut at the spans'
+boundaries and every pair of segments of one span is one unmasked call, whatever their order; the
+other pairs are as above. This module imports nothing.
 """
 
 from __future__ import annotations
@@ -99,12 +105,14 @@ Schedule = list[tuple[Block, ...]]
 
 @dataclass(frozen=True)
 class Segment:
-    """A run of one document's tokens held by one rank: global ``[start, stop)`` at local row ``local``."""
+    """A run of one document's tokens held by one rank: global ``[start, stop)`` at local row ``local``;
+    ``span``: the bidirectional span it lies in (``span_placement``), ``-1`` for none."""
 
     doc: int
     start: int
     stop: int
     local: int
+    span: int = -1
 
 
 Placement = list[list[Segment]]
@@ -296,6 +304,27 @@ def chunk_placement(placement: Placement, starts: list[int], chunk: int) -> tupl
     return out, cuts
 
 
+def span_placement(placement: Placement, spans: list[tuple[int, int]]) -> Placement:
+    """``placement``'s segments cut at the boundaries of the bidirectional ``spans`` (global ``[s, e)``,
+    sorted, disjoint), each piece inside span ``k`` tagged ``span=k`` (``placement_schedule`` and
+    ``band_schedule`` then let the tokens of a span see each other both ways)."""
+    cuts = sorted({c for s, e in spans for c in (s, e)})
+    out: Placement = []
+    for segs in placement:
+        mine = []
+        for seg in segs:
+            bounds = [seg.start, *(c for c in cuts if seg.start < c < seg.stop), seg.stop]
+            for a, b in zip(bounds, bounds[1:]):
+                span = next((k for k, (s, e) in enumerate(spans) if s <= a and b <= e), -1)
+                mine.append(Segment(seg.doc, a, b, seg.local + a - seg.start, span))
+        out.append(mine)
+    return out
+
+
+def _one_span(qs: Segment, ks: Segment) -> bool:
+    return qs.span >= 0 and ks.span == qs.span and ks.doc == qs.doc
+
+
 def trim_steps(schedules: list[Schedule]) -> list[Schedule]:
     """Every rank's schedule cut after the last step in which some rank still has a call (the ring
     then makes fewer hops; at least one step is kept)."""
@@ -311,7 +340,8 @@ def placement_schedule(
     At step ``s`` the K/V of rank ``src = (r - s) mod P`` are here. Every pair of segments of the
     same document makes one call: causal when it is the same segment (the diagonal), unmasked when
     the keys come entirely before the queries; keys after the queries, and segments of different
-    documents, make no call. With ``window`` (a sliding window of ``W`` keys, ``i - W < j <= i``)
+    documents, make no call; the segments of one bidirectional span (``span_placement``) meet unmasked.
+    With ``window`` (a sliding window of ``W`` keys, ``i - W < j <= i``)
     pairs are cut to the band (``band_block``) and the schedule ends after the last step in which
     any rank has a call.
     """
@@ -322,7 +352,9 @@ def placement_schedule(
         blocks = []
         for qs, ks in pairs:
             q_rows, k_rows = (qs.local, qs.local + qs.stop - qs.start), (ks.local, ks.local + ks.stop - ks.start)
-            if ks == qs:
+            if _one_span(qs, ks):
+                blocks.append(Block(q_rows, k_rows, causal=False, unit=0, batch=batch))
+            elif ks == qs:
                 blocks.append(Block(q_rows, k_rows, causal=True, unit=0, batch=batch))
             elif ks.stop <= qs.start:
                 blocks.append(Block(q_rows, k_rows, causal=False, unit=0, batch=batch))
@@ -334,14 +366,15 @@ def placement_schedule(
 
 def _step_pairs(placement: Placement, rank: int) -> list[list[tuple[Segment, Segment]]]:
     """Per ring step ``s`` (K/V of rank ``(rank - s) mod P`` here): the pairs (query segment of
-    ``rank``, key segment of that rank) of one document whose keys start before the queries end."""
+    ``rank``, key segment of that rank) of one document whose keys start before the queries end, or of
+    one bidirectional span."""
     size = len(placement)
     return [
         [
             (qs, ks)
             for qs in placement[rank]
             for ks in placement[(rank - step) % size]
-            if ks.doc == qs.doc and ks.start < qs.stop
+            if ks.doc == qs.doc and (ks.start < qs.stop or _one_span(qs, ks))
         ]
         for step in range(size)
     ]
@@ -349,15 +382,27 @@ def _step_pairs(placement: Placement, rank: int) -> list[list[tuple[Segment, Seg
 
 def band_schedule(placement: Placement, rank: int, batch: tuple[int, int] | None, window: int) -> Schedule:
     """``rank``'s ring steps for ``placement`` under a sliding ``window`` (``band_blocks`` per pair of
-    segments of one document), all ``P`` of them (``trim_steps`` cuts them over every rank)."""
-    return [
-        tuple(
-            b
-            for qs, ks in pairs
-            for b in band_blocks((qs.start, qs.stop), (ks.start, ks.stop), qs.local, ks.local, window, batch)
-        )
-        for pairs in _step_pairs(placement, rank)
-    ]
+    segments of one document), all ``P`` of them (``trim_steps`` cuts them over every rank). Two
+    segments of one bidirectional span meet unmasked when every query sees every key (``i - W < j``);
+    a span reaching further than the window raises ``ValueError``."""
+    steps: Schedule = []
+    for pairs in _step_pairs(placement, rank):
+        blocks: list[Block] = []
+        for qs, ks in pairs:
+            if not _one_span(qs, ks):
+                blocks += band_blocks((qs.start, qs.stop), (ks.start, ks.stop), qs.local, ks.local, window, batch)
+            elif qs.stop - window <= ks.start:  # the last query sees the first key: every pair is visible
+                rows = (qs.local, qs.local + qs.stop - qs.start), (ks.local, ks.local + ks.stop - ks.start)
+                blocks.append(Block(*rows, causal=False, unit=0, batch=batch))
+            else:
+                raise ValueError(
+                    f"band_schedule: the bidirectional span holding positions {qs.start}..{qs.stop - 1} reaches "
+                    f"further back than the sliding window of {window} keys (query {qs.stop - 1} and key "
+                    f"{ks.start}); spans longer than the window are not computed. Use images of at most "
+                    f"{window} tokens, or run without context parallelism."
+                )
+        steps.append(tuple(blocks))
+    return steps
 
 
 def document_schedule(starts: list[list[int]], n: int, rank: int, size: int) -> Schedule:

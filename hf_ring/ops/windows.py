@@ -28,6 +28,7 @@ This module imports only torch.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -98,13 +99,16 @@ def ring_level(layout: ShardLayout) -> ShardLayout:
     the Ulysses all-to-all gathers: the ``U`` pieces end to end)."""
     if layout.ulysses == 1:
         return layout
-    return ShardLayout(
-        layout.n, layout.ring, 1, layout.local * layout.ulysses, layout.rows, layout.starts, layout.packed
-    )
+    return dataclasses.replace(layout, ulysses=1, local=layout.local * layout.ulysses)
 
 
 def _chunked(layout: ShardLayout, chunk: int) -> ShardLayout:
     """``layout`` (ring level) with every document cut into pieces of ``chunk`` positions."""
+    if layout.spans:
+        raise ValueError(
+            "mask_plan: chunked attention over a batch with bidirectional spans (token_type_ids of image "
+            "tokens) is not computed; run without the spans or without context parallelism"
+        )
     rows, starts = [], []
     for i, row in enumerate(layout.rows):
         cut, pieces = chunk_placement(row, list(layout.starts[i if len(layout.starts) > 1 else 0]), chunk)
@@ -145,8 +149,9 @@ def mask_plan(
     (``hf_ring.shard_batch``'s; with Ulysses, the plan is over the ring level).
 
     ``route="auto"``: ``"border"`` when the mask reaches back at most one zigzag chunk
-    (``min(W, C) - 1 <= S_ring / 2``) and there is a ring, else ``"ring"``. Computed once per batch
-    and mask (``RingContext.cached``); every rank derives the same route.
+    (``min(W, C) - 1 <= S_ring / 2``), there is a ring and no bidirectional span (``layout.spans``),
+    else ``"ring"``. Computed once per batch and mask (``RingContext.cached``); every rank derives the
+    same route.
     """
     if route not in ROUTES:
         raise ValueError(f"mask_plan: unknown route {route!r}; choose one of {ROUTES}")
@@ -158,12 +163,14 @@ def mask_plan(
         lay = _chunked(lay, chunk)
     reach = min((w - 1 for w in (window, chunk) if w is not None), default=None)
     if route == "auto":
-        border = reach is not None and lay.ring > 1 and reach <= lay.local // 2
+        border = reach is not None and lay.ring > 1 and reach <= lay.local // 2 and not lay.spans
         route = "border" if border else "ring"
     if route == "ring":
         return MaskPlan(window, chunk, "ring", schedule=_ring_schedule(lay.rows, ring_pos, window))
     if reach is None:
         raise ValueError("mask_plan: the border route needs a window or a chunk")
+    if lay.spans:  # its halo holds the rows before a run only; a span's rows also see the rows after them
+        raise ValueError("mask_plan: the border route does not take bidirectional spans; use route='ring'")
     halo = halo_plan(lay, batch, ring_pos, reach)
     n = batch * lay.local
     dst = torch.full((n + halo.offsets[-1],), -1, dtype=torch.long)

@@ -16,8 +16,8 @@ from torch import Tensor
 
 from ..ops.comm import check_same_across_ranks, fingerprint, group_size_rank
 from ..ops.cross_entropy import IGNORE_INDEX
-from ..ops.layout import ShardLayout, sequence_layout
-from ..ops.schedule import balanced_placement, placement_schedule
+from ..ops.layout import ShardLayout, sequence_layout, with_spans
+from ..ops.schedule import balanced_placement
 from ..ops.zigzag import hybrid, hybrid_multiple
 from ..parallel import ContextParallel, context_parallel_state
 from .context import KEY, RingContext
@@ -254,12 +254,7 @@ def shard_batch(
             idx = mine.view(b, layout.local, *([1] * (t.dim() - 2))).expand(b, layout.local, *t.shape[2:])
             return full.gather(1, idx)
 
-        ring_pos = rank // ulysses_size
-        if len({tuple(s) for s in starts}) == 1:
-            schedule = placement_schedule(layout.rows[0], ring_pos)
-        else:
-            per_row = [placement_schedule(rows, ring_pos, (i, i + 1)) for i, rows in enumerate(layout.rows)]
-            schedule = [tuple(blk for row in per_row for blk in row[step]) for step in range(len(per_row[0]))]
+        schedule = layout.schedule(rank // ulysses_size)
     else:
         n_pad = -(-n // multiple) * multiple
         pad = n_pad - n
@@ -273,6 +268,10 @@ def shard_batch(
                 t = torch.cat((t, t.new_full((t.shape[0], pad, *t.shape[2:]), fill)), dim=1)
             return hybrid(t, 1, size, rank, ulysses_size).contiguous()  # the batch shape was checked once, above
 
+    spans = image_spans(batch.get("token_type_ids"), b, n) if whole else []
+    if any(spans):  # Gemma 3's image tokens see each other both ways: the schedule is cut at the spans
+        layout = with_spans(layout, spans)
+        schedule = layout.schedule(rank // ulysses_size)
     out: dict[str, Any] = {k: batch[k] for k in _PASS_KEYS if k in batch}
     entry = None
     if whole:  # the decoder's entry cuts the merged sequence and the model's positions (multimodal.py)
@@ -297,6 +296,24 @@ def shard_batch(
         entry=entry,
     )  # fmt: skip
     return out
+
+
+def image_spans(token_type_ids: Tensor | None, b: int, n: int) -> list[list[tuple[int, int]]]:
+    """Per batch row, the runs of ``token_type_ids [B or 1, N] == 1`` (global ``[s, e)``): the image
+    blocks whose tokens attend to each other both ways (transformers ``get_block_sequence_ids_for_mask``
+    of Gemma 3: a block is a maximal run of image tokens). ``[]`` without ``token_type_ids``."""
+    if token_type_ids is None:
+        return []
+    if token_type_ids.dim() != 2 or token_type_ids.shape[1] != n or token_type_ids.shape[0] not in (1, b):
+        raise ValueError(f"shard_batch: token_type_ids has shape {tuple(token_type_ids.shape)}, expected [{b}, {n}]")
+    image = (token_type_ids.expand(b, n) == 1).to(torch.int8)
+    edges = torch.diff(torch.nn.functional.pad(image, (1, 1)), dim=1)  # +1 where a run starts, -1 after it
+    rows = []
+    for row in edges.tolist():  # once per batch, on the host (as the documents' starts)
+        starts = [i for i, d in enumerate(row) if d == 1]
+        stops = [i for i, d in enumerate(row) if d == -1]
+        rows.append(list(zip(starts, stops)))
+    return rows
 
 
 def _targets(

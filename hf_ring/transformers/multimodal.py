@@ -16,10 +16,14 @@ Gradients: each rank back-propagates through its own rows of the merged sequence
 encoder and embedding gradients are its share; ``RingContext.reduce_loss`` scales the backward by the
 group size, and the DP x CP gradient average gives the one-device gradient (frozen encoders too).
 
+Gemma 3's image blocks (``token_type_ids`` 1: the tokens of one image attend to each other both ways)
+are cut into the batch's layout by ``shard_batch`` (``ShardLayout.spans``), so every ring schedule lets
+them see each other; windowed layers keep their window (transformers' ``create_masks_for_vision_model``).
+
 Refused (``RingNotSupported``): a multimodal batch given to a model whose decoder entry is not in
 ``FAMILIES``; a tensor entering the decoder along the sequence that this module does not know; a padding
-mask; Gemma 3's bidirectional attention inside an image (``token_type_ids`` with image tokens), which
-the ring does not compute.
+mask; ``token_type_ids`` with image tokens for a family other than Gemma 3, or that ``shard_batch`` did
+not see.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from torch import Tensor, nn
 
 from ..errors import RingNotSupported
 from ..ops.gather import gather_rows
+from .attention import ring_mask
 from .carry import ACTIVE, carry_context
 from .context import KEY, RingContext
 
@@ -111,21 +116,26 @@ def check_entry(model: nn.Module, ctx: RingContext) -> None:
     )
 
 
-def _enter(module: nn.Module, args: Any, kwargs: dict) -> None:
+def _enter(module: nn.Module, args: Any, kwargs: dict) -> tuple[Any, dict] | None:
     ctx = kwargs.get(KEY)
     if not isinstance(ctx, RingContext) or ctx.entry is None:
-        return
+        return None
     family = module._hf_ring_family
     name = FAMILIES[family]
     if kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None or kwargs.get("use_cache"):
         raise RingNotSupported(f"{name} under context parallelism runs without a KV cache (use_cache=False)")
     type_ids = kwargs.get("token_type_ids")
-    if name == "Gemma 3" and isinstance(type_ids, Tensor) and bool((type_ids == 1).any()):
+    if ctx.layout.spans and name != "Gemma 3":
         raise RingNotSupported(
-            "Gemma 3 with token_type_ids lets the tokens of each image attend to each other both ways "
-            "(a bidirectional block inside the causal mask), which hf_ring's ring attention does not compute. "
-            "Drop token_type_ids from the batch (every token then attends causally, as Gemma 3 does without "
-            "them) or run this model without context parallelism (cp_size=1)."
+            f"{name} got token_type_ids with image tokens: shard_batch lets the tokens of each image attend to "
+            "each other both ways (Gemma 3's image blocks), which this model does not do. Drop token_type_ids "
+            "from the batch."
+        )
+    if name == "Gemma 3" and isinstance(type_ids, Tensor) and not ctx.layout.spans and bool((type_ids == 1).any()):
+        raise RingNotSupported(
+            "Gemma 3 got token_type_ids with image tokens that hf_ring.shard_batch did not see: their tokens "
+            "attend to each other both ways, which the ring computes from the batch's layout. Put "
+            "token_type_ids in the batch given to shard_batch."
         )
     decoder = getattr(module, "language_model", None)
     if not isinstance(decoder, nn.Module):
@@ -145,6 +155,22 @@ def _enter(module: nn.Module, args: Any, kwargs: dict) -> None:
                 encoder._hf_ring_encoder = encoder.register_forward_pre_hook(_drop_context, with_kwargs=True,
                                                                              prepend=True)  # fmt: skip
                 module._hf_ring_mm.append(encoder._hf_ring_encoder)
+    if ctx.layout.spans and kwargs.get("attention_mask") is None:
+        return args, {**kwargs, "attention_mask": _gemma3_masks(module)}
+    return None
+
+
+def _gemma3_masks(model: nn.Module) -> dict[str, Any]:
+    """Gemma 3's mask per layer type with image blocks, as the ring takes it: the full layers causal, the
+    sliding ones with the text config's window (``create_masks_for_vision_model``: AND(window, OR(causal,
+    blocks))); the blocks themselves are in the batch's layout. Given to the model as its
+    ``attention_mask`` mapping, which it uses as is."""
+    text = model.config.get_text_config()
+    window = getattr(text, "sliding_window", None)
+    return {
+        "full_attention": ring_mask(),
+        "sliding_attention": ring_mask(local_size=window, config=text) if window else ring_mask(),
+    }
 
 
 def _split(patches: list[int], parts: int) -> list[int]:
