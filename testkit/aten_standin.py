@@ -40,7 +40,8 @@ def _attn64(q: Tensor, k: Tensor, v: Tensor, scale: float, keep: Tensor) -> tupl
 
 def _grads64(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, s: Tensor, scale: float):
     """What a flash-style backward computes from the given ``out`` and ``lse [B, H, Sq]`` (float64,
-    ``[B, S, H, D]``, dK/dV summed over each K/V head's query group); an ``lse`` of ``+inf`` gives ``p = 0``."""
+    ``[B, S, H, D]``, dK/dV summed over each K/V head's query group: flash_api.cpp L1055-1058 [T3]); an ``lse``
+    of ``+inf`` gives ``p = 0``."""
     b, sk, hkv, d = k.shape
     rep = q.shape[2] // hkv
     p = torch.exp(s - lse.double()[..., None])
@@ -86,15 +87,19 @@ class AtenCUDAStandIn:
     # ------------------------------------------------------------------ flash (mha_fwd / mha_bwd)
 
     def _check_flash(self, q: Tensor, k: Tensor, v: Tensor) -> None:
-        """``mha_fwd``/``mha_bwd`` on ``[B, S, H, D]`` tensors."""
+        """``mha_fwd``/``mha_bwd`` on ``[B, S, H, D]`` tensors (pytorch/pytorch 03b7c19 ``flash_api.cpp``; the
+        lines are those of ``docs/standins.md`` rows T1-T3)."""
+        # [T1] flash_api.cpp L404-405 (mha_fwd), L869-870 (mha_bwd): major * 10 >= 80
         _check(self.capability[0] * 10 >= 80, "FlashAttention only supports Ampere GPUs or newer.")  # [T1]
-        _check(q.dtype in self.flash_dtypes, "FlashAttention only support fp16 and bf16 data type")  # [T2]
+        # [T2] L408-414 (mha_fwd), L876-884 (mha_bwd): fp16/bf16, k and v in q's dtype
+        _check(q.dtype in self.flash_dtypes, "FlashAttention only support fp16 and bf16 data type")
         _check(k.dtype == q.dtype and v.dtype == q.dtype, "query and key/value must have the same dtype")
         for t in (q, k, v):
             _check(t.dim() == 4 and t.stride(-1) == 1, "Input tensor must have contiguous last dimension")
         b, _, h, d = q.shape
-        _check(d % 8 == 0, "head_size must be a multiple of 8, this is ensured by padding!")  # [T3]
-        _check(d <= 256, "FlashAttention forward only supports head dimension at most 256")  # [T3]
+        # [T3] L451-453 (mha_fwd), L922-924, L928 (mha_bwd): head dim % 8, <= 256, heads % kv heads
+        _check(d % 8 == 0, "head_size must be a multiple of 8, this is ensured by padding!")
+        _check(d <= 256, "FlashAttention forward only supports head dimension at most 256")
         _check(h % k.shape[2] == 0, "Number of heads in key/value must divide number of heads in query")
         _check(k.shape == v.shape and k.shape[0] == b and k.shape[3] == d, "CHECK_SHAPE(k/v)")
 
@@ -110,7 +115,8 @@ class AtenCUDAStandIn:
         scale: float | None = None,
     ) -> tuple[Tensor, Tensor, None, None, int, int, Tensor, Tensor, Tensor]:
         """Takes ``[B, H, S, D]`` (transposed to ``[B, S, H, D]`` for ``mha_fwd``, window ``(-1, -1)``): the
-        flash-attn mask (causal bottom-right), ``lse = +inf`` and out 0 for rows without keys [T4]."""
+        flash-attn mask (causal bottom-right), ``lse = +inf`` and out 0 for rows without keys [T4]: flash_api.cpp
+        L457-462 (mha_fwd's window and causal), L178-181 (set_params_fprop), mask.h L171-172, L188 (449ec00)."""
         q, k, v = (t.transpose(1, 2) for t in (query, key, value))
         self._record("flash_fwd", q=q, k=k, v=v)
         self._check_flash(q, k, v)
@@ -118,7 +124,8 @@ class AtenCUDAStandIn:
         scale = scale if scale is not None else q.shape[-1] ** -0.5
         keep = flash_keeps(q.shape[1], k.shape[1], is_causal, None, "fwd")
         out, lse = _attn64(q, k, v, scale, keep)
-        lse = lse.masked_fill(torch.isneginf(lse), math.inf).float()  # mha_fwd: +inf for rows without keys [T4]
+        # [T4] +inf for rows without keys: softmax.h L177 (00a1abb), flash_api.cpp L566-572 (seqlen_k == 0)
+        lse = lse.masked_fill(torch.isneginf(lse), math.inf).float()
         rng_state = torch.empty(2, dtype=torch.uint64)  # dropout 0: allocated, never written
         unused = torch.empty((), dtype=torch.uint64)
         res = (out.to(q.dtype).contiguous().transpose(1, 2), lse.contiguous(), None, None)
@@ -143,11 +150,12 @@ class AtenCUDAStandIn:
         *,
         scale: float | None = None,
     ) -> tuple[Tensor, Tensor, Tensor]:
-        """``_flash_attention_backward``: varlen iff ``cum_seq_q`` is defined, else ``mha_bwd``."""
+        """``_flash_attention_backward``: varlen iff ``cum_seq_q`` is defined, else ``mha_bwd`` [T5]
+        (attention_backward.cu L914-963, L120-124, L157 at pytorch/pytorch 00afd8f)."""
         dout, q, k, v, o = (t.transpose(1, 2) for t in (grad_out, query, key, value, out))
         self._record("flash_bwd", q=q, k=k, lse=logsumexp, cum_seq_q=cum_seq_q, philox=(philox_seed, philox_offset))
-        dout, o = dout.contiguous(), o.contiguous()  # "CUDA code assumes that dout is contiguous"
-        if cum_seq_q is not None:  # mha_varlen_bwd
+        dout, o = dout.contiguous(), o.contiguous()  # "CUDA code assumes that dout is contiguous" (L88-90)
+        if cum_seq_q is not None:  # mha_varlen_bwd (flash_api.cpp L1112-1113: int32 lengths) [T5]
             _check(cum_seq_q.dtype == torch.int32, "cu_seqlens_q must have dtype int32")
             _check(cum_seq_k is not None and cum_seq_k.dtype == torch.int32, "cu_seqlens_k must have dtype int32")
             _check(q.dim() == 3, "varlen: q must be [total_q, num_heads, head_size]")
@@ -162,7 +170,7 @@ class AtenCUDAStandIn:
         _check(tuple(logsumexp.shape) == (b, h, sq) and logsumexp.is_contiguous(), "logsumexp [B, H, Sq] contiguous")
         scale = scale if scale is not None else d**-0.5
         s = _scores64(q, k, scale, flash_keeps(sq, k.shape[1], is_causal, None, "bwd"))
-        lse = logsumexp.masked_fill(torch.isneginf(logsumexp), 0.0)  # the flash kernels read -inf as 0 [T4]
+        lse = logsumexp.masked_fill(torch.isneginf(logsumexp), 0.0)  # -inf read as 0: softmax.h L76 [T4]
         grads = _grads64(dout, q, k, v, o, lse, s, scale)
         return tuple(g.to(q.dtype).contiguous().transpose(1, 2) for g in grads)  # type: ignore[return-value]
 

@@ -1,7 +1,8 @@
 """torch's cuDNN attention ops on CPU: ``aten._scaled_dot_product_cudnn_attention`` and its ``_backward``,
 with torch 2.13's schemas and output layouts and the rules torch checks before it runs them
 (``sdp_utils.cpp`` ``can_use_cudnn_attention``; the dense path of ``cudnn/MHA.cpp``). Every rule cites
-``docs/standins.md``'s row (``[D<n>]``), which gives the file, lines and versions.
+``docs/standins.md``'s row (``[D<n>]``), which gives the file, lines and versions; the lines quoted here are those of
+pytorch/pytorch ``sdp_utils.cpp`` at 001f694, ``MHA.cpp`` at 02a4a0f and ``attention_backward.cu`` at 00afd8f.
 
 ``CudnnStandIn(capability, version, allow_fp32)``: a GPU of ``capability`` with cuDNN runtime ``version``
 (``91002`` is 9.10.2); ``allow_fp32`` is a test allowance (the real op takes fp16/bf16 only, [D2]), so the
@@ -17,7 +18,7 @@ from testkit.aten_standin import _attn64, _check, _grads64, _scores64, _top_left
 
 __all__ = ["CudnnStandIn"]
 
-_MAX_DIM = 65535  # check_cudnn_tensor_shapes: batch and heads [D8]
+_MAX_DIM = 65535  # check_cudnn_tensor_shapes (sdp_utils.cpp L632-644): batch and heads [D8]
 
 
 class CudnnStandIn:
@@ -37,7 +38,7 @@ class CudnnStandIn:
     def _head_dim_limit(self, d_qk: int, d_v: int, backward: bool) -> bool:
         """[D3]: head dims up to 128; up to 256 on sm_90 / sm_10x with cuDNN > 9.22 and a cuDNN frontend with
         the d256 kernels (``d256``, a build property); (192, 128) from 9.11 there; the backward of a d256 build
-        only for <= 128, (192, 128) and (256, 256)."""
+        only for <= 128, (192, 128) and (256, 256) (sdp_utils.cpp L662-684, L761-800)."""
         major, minor = self.capability
         sm90_10x = (major == 9 and minor == 0) or major == 10
         sm107_old = major == 10 and minor == 7 and self.version <= 92500
@@ -53,18 +54,22 @@ class CudnnStandIn:
     def _check(self, q: Tensor, k: Tensor, v: Tensor, backward: bool = False) -> None:
         """``[B, H, S, D]`` tensors."""
         cc = self.capability[0] * 10 + self.capability[1]
-        _check(self.version >= 90000, "cuDNN version too old to use cuDNN Attention (< v9.0.0)")  # [D1]
-        _check(80 <= cc <= 121, "cuDNN MHA only supports gpu architectures in the range [sm80, sm121]")  # [D1]
-        _check(q.dtype in self.dtypes, "cuDNN attention takes fp16/bf16 (check_dtypes_low_precision)")  # [D2]
+        # [D1] sdp_utils.cpp L969-974 (cuDNN < 9.0), L869-891 (check_cudnn_hardware_support: sm_80..sm_121)
+        _check(self.version >= 90000, "cuDNN version too old to use cuDNN Attention (< v9.0.0)")
+        _check(80 <= cc <= 121, "cuDNN MHA only supports gpu architectures in the range [sm80, sm121]")
+        # [D2] L912-922 (check_dtypes_low_precision); MHA.cpp L452-455: HALF unless bfloat16
+        _check(q.dtype in self.dtypes, "cuDNN attention takes fp16/bf16 (check_dtypes_low_precision)")
         _check(k.dtype == q.dtype and v.dtype == q.dtype, "query, key and value must have the same dtype")
         for t in (q, k, v):
             _check(t.dim() == 4 and t.stride(-1) == 1, "the last dimension of q, k, v must be contiguous")  # [D6]
         b, h, _, d = q.shape
-        _check(d % 8 == 0 and v.shape[-1] % 8 == 0, "head_dim should be a multiple of 8")  # [D3]
+        _check(d % 8 == 0 and v.shape[-1] % 8 == 0, "head_dim should be a multiple of 8")  # [D3] L685-691
         _check(self._head_dim_limit(d, v.shape[-1], backward), "head_dim above the cuDNN limit")  # [D3]
-        _check(k.shape[2] != 1, "cudnn SDPA does not support key/value sequence length 1.")  # [D4]
+        _check(k.shape[2] != 1, "cudnn SDPA does not support key/value sequence length 1.")  # [D4] L716-721
         _check(k.shape[0] == b and v.shape[0] == b and k.shape[2] == v.shape[2], "batch / seq_k mismatch")
-        _check(h % k.shape[1] == 0 and k.shape[1] == v.shape[1], "num_heads must be a multiple of num_heads_k")  # [D5]
+        # [D5] L1006; the 2.13 wheel's sdp_utils_cpp.h L357-395 (K and V heads each divide Q's: the stand-in also
+        # asks K and V for one head count, stricter)
+        _check(h % k.shape[1] == 0 and k.shape[1] == v.shape[1], "num_heads must be a multiple of num_heads_k")
         _check(b <= _MAX_DIM and h <= _MAX_DIM, "cuDNN SDPA does not support batch size or num_heads > 65535")  # [D8]
 
     @staticmethod
@@ -97,7 +102,7 @@ class CudnnStandIn:
         sq, sk, d = query.shape[2], key.shape[2], query.shape[3]
         scale = scale if scale is not None else d**-0.5
         q, k, v = (self._bshd(t) for t in (query, key, value))
-        keep = _top_left(sq, sk, 1 if is_causal else 0)  # [D7]
+        keep = _top_left(sq, sk, 1 if is_causal else 0)  # [D7] MHA.cpp L475: set_causal_mask (top-left)
         out, lse = _attn64(q, k, v, scale, keep)
         _check(value.shape[3] == d, "stand-in: equal head dims (alloc_with_matching_layout's simple case)")
         out_bhsd = torch.empty_like(query)  # alloc_with_matching_layout: the query's memory order [D6]
@@ -127,7 +132,8 @@ class CudnnStandIn:
         scale: float | None = None,
     ) -> tuple[Tensor, Tensor, Tensor]:
         """dQ, dK, dV ``empty_like`` q, k, v (dK/dV with ``Hkv`` heads) [D5]; the stats read through their
-        strides [D6]; ``Delta`` from the ``out`` passed in [D9]."""
+        strides [D6]; ``Delta`` from the ``out`` passed in [D9]; ``grad_out`` in any layout (torch lays it out like
+        ``out`` first: MHA.cpp L1360-1380) [D9]."""
         self._record("bwd", q=query, k=key, lse=logsumexp, out=out, dout=grad_out, causal=is_causal)
         self._check(query, key, value, backward=True)
         _check(attn_bias is None and cum_seq_q is None and cum_seq_k is None, "stand-in: dense, no bias")
@@ -138,12 +144,15 @@ class CudnnStandIn:
         _check(logsumexp.dtype == torch.float32 and tuple(logsumexp.shape) == (b, h, sq, 1), "logsumexp [B, H, Sq, 1]")
         for name, t in (("out", out), ("grad_out", grad_out)):
             _check(t.shape == query.shape[:3] + value.shape[3:] and t.dtype == query.dtype, f"{name} shape/dtype")
-            _check(t.stride(-1) == 1, f"{name} must have a contiguous last dimension")  # [D9]
+        # [D9] MHA.cpp L844-848: O goes to the graph with its own strides (a unit last stride: stricter than torch);
+        # dO is copied into O's layout when cuDNN needs it (L1360-1380, permute_to_matching_layout L381-400)
+        _check(out.stride(-1) == 1, "out must have a contiguous last dimension")
         scale = scale if scale is not None else d**-0.5
         q, k, v, o, do = (self._bshd(t) for t in (query, key, value, out, grad_out))
-        s = _scores64(q, k, scale, _top_left(sq, sk, 1 if is_causal else 0))
-        grads = _grads64(do, q, k, v, o, logsumexp[..., 0], s, scale)
-        made = [torch.empty_like(x) for x in (query, key, value)]  # empty_like keeps the inputs' layout [D5]
+        s = _scores64(q, k, scale, _top_left(sq, sk, 1 if is_causal else 0))  # [D7] MHA.cpp L795
+        grads = _grads64(do, q, k, v, o, logsumexp[..., 0], s, scale)  # [D9] sdpa_backward(O, dO, Stats): L860-861
+        # empty_like keeps the inputs' layout [D5]: attention_backward.cu L245-247
+        made = [torch.empty_like(x) for x in (query, key, value)]
         for m, g in zip(made, grads):
             m.copy_(g.transpose(1, 2))
         return made[0], made[1], made[2]

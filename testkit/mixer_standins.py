@@ -103,6 +103,8 @@ def chunk_gated_delta_rule(
         raise DeprecationWarning("head_first has been removed. Inputs must be in `[B, T, H, ...]` format.")
     # 0.6.0 L538-540 (``chunk_size`` read from **kwargs; transformers' wrapper never passes it)
     check(kwargs.get("chunk_size", 64) in (16, 32, 64), "`chunk_size` must be 16, 32, or 64")
+    # no float32 refusal here (``chunk_gated_delta_rule`` L353-515 / L397-593 has none); only
+    # ops/delta_rule/chunk.py L290 / L303 and ops/gated_delta_product/chunk.py L300 / L365 keep one [F8]
     not_modelled = use_beta_sigmoid_in_kernel or allow_neg_eigval or state_v_first or cp_context is not None
     not_modelled = not_modelled or bool(kwargs.get("use_gate_in_kernel"))
     check(not not_modelled, "the stand-in: no in-kernel gate or beta, no CP context, the [K, V] state layout")

@@ -201,6 +201,24 @@ def test_cudnn_kernel_layouts_and_one_key_blocks() -> None:
     assert len(ops.calls["fwd"]) == calls and torch.allclose(out1, v1.repeat_interleave(2, 2).expand_as(out1))
 
 
+def test_cudnn_backward_takes_grad_out_in_any_layout() -> None:
+    """[D9] torch lays dO out like O before the graph is built (``permute_to_matching_layout``), so a ``grad_out``
+    whose last stride is not 1 gives the same gradients as a contiguous one; ``out`` keeps its unit last stride."""
+    ops = CudnnStandIn(allow_fp32=True)
+    q, k, v = (t.float().transpose(1, 2) for t in _qkv(6, 9, 16))
+    out, lse = ops._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, True, scale=0.25)[:2]
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(3))
+    strided = dout.transpose(-1, -2).contiguous().transpose(-1, -2)  # same values, last stride Sq
+    assert strided.stride(-1) != 1 and torch.equal(strided, dout)
+    rest = (lse, None, None, None, None, None, 6, 9, 0.0, True)
+    ref = ops._scaled_dot_product_cudnn_attention_backward(dout, q, k, v, out, *rest, scale=0.25)
+    got = ops._scaled_dot_product_cudnn_attention_backward(strided, q, k, v, out, *rest, scale=0.25)
+    assert all(torch.equal(a, b) for a, b in zip(ref, got))
+    out_t = out.transpose(-1, -2).contiguous().transpose(-1, -2)
+    with pytest.raises(RuntimeError, match="out must have a contiguous last dimension"):
+        ops._scaled_dot_product_cudnn_attention_backward(dout, q, k, v, out_t, *rest, scale=0.25)
+
+
 def test_fa3_window_rule_never_changes_a_band() -> None:
     """[H6] flash-attn 3 clamps ``left >= Sk - 1`` and ``right >= Sq - 1`` to ``-1`` and then reads ``-1`` as
     ``Sk - 1`` / ``Sq - 1``: for every block shape and band the mask is the band itself (flash-attn 2's clamp
