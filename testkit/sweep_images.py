@@ -3,7 +3,8 @@ text sweep skips: ``testkit.families.skipped``) run with image inputs at CP = ``
 
 ``check_images(model_type)`` returns a sweep record (``testkit.sweep``'s format, variant ``"images"``)
 on the three paths: a family hf_ring cuts at its text decoder's entry (``MULTIMODAL``: its tiny model of
-``testkit.vlm``) must be exact against one process -- the training step's loss and every gradient,
+``testkit.vlm``; Gemma 3 with its processor's ``token_type_ids``, so each image attends to itself both
+ways) must be exact against one process -- the training step's loss and every gradient,
 the vision encoder's included; the prefill's logits; the step with ``enable_chunked_loss`` -- and every
 other family must refuse a batch with ``pixel_values`` (``RingNotSupported``), classified by
 ``testkit.sweep_rank.classify``.
@@ -32,10 +33,11 @@ def _exact(model_type: str) -> dict:
     import torch.distributed as dist
 
     import hf_ring
-    from testkit.vlm import as_images, qwen_batch, tiny_model
+    from testkit.vlm import IMAGE, as_images, qwen_batch, tiny_model
 
     family = MULTIMODAL[model_type]
     batch = as_images(qwen_batch(ROWS))
+    batch["token_type_ids"] = (batch["input_ids"] == IMAGE).long()  # as Gemma 3's processor: bidirectional images
     ref_model, model = tiny_model(family, "sdpa"), tiny_model(family, "ring")
     ref_model.train()
     ref = ref_model(**batch)
