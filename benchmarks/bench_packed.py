@@ -34,7 +34,8 @@ import numpy as np
 import torch
 
 from benchmarks import harness as H
-from hf_ring.ops.schedule import Placement, Segment, balanced_placement, placement_schedule, zigzag_placement
+from hf_ring.ops.placement import Placement, Segment, balanced_placement, zigzag_placement
+from hf_ring.ops.schedule import placement_schedule
 from hf_ring.ops.varlen import varlen_calls
 
 N = 128 * 1024

@@ -17,7 +17,8 @@ from typing import Any
 import torch
 
 from hf_ring.ops.layout import ShardLayout, sequence_layout
-from hf_ring.ops.schedule import Block, balanced_placement
+from hf_ring.ops.placement import balanced_placement
+from hf_ring.ops.schedule import Block
 from hf_ring.ops.windows import MaskPlan, mask_plan, ring_level
 from testkit.flash_rules import flash_limits, flash_window
 

@@ -8,8 +8,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from hf_ring.ops.placement import balanced_placement
 from hf_ring.ops.ring import ring_attention
-from hf_ring.ops.schedule import balanced_placement, document_schedule, placement_schedule
+from hf_ring.ops.schedule import document_schedule, placement_schedule
 from hf_ring.ops.zigzag import shard, unshard
 from testkit.oracle import attention, rel_err, visible
 from testkit.spawn import run_ranks

@@ -12,7 +12,7 @@ the same on every rank of the CP group (each rank derives it from the same full 
     Ulysses x ring, P = 4 = R 2 x U 2: ring position r holds the zigzag shard above, and its U
     ranks r * U + u hold contiguous pieces of it (rank 1: global [6, 8) at local 0).
 
-Packed documents use the per-document layout (``schedule.balanced_placement``) over the ``R`` ring
+Packed documents use the per-document layout (``placement.balanced_placement``) over the ``R`` ring
 positions; rows a rank holds beyond its segments are padding (they belong to no document). This
 module imports only torch (for the index tensors).
 """
@@ -26,7 +26,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .schedule import Placement, Schedule, Segment, placement_schedule, span_placement, zigzag_placement
+from .placement import Placement, Segment, span_placement, zigzag_placement
+from .schedule import Schedule, placement_schedule
 
 __all__ = ["Run", "ShardLayout", "sequence_layout", "with_spans"]
 
@@ -163,7 +164,7 @@ def _locate(layout: ShardLayout, batch: int) -> tuple[Tensor, Tensor]:
 
 def with_spans(layout: ShardLayout, spans: list[list[tuple[int, int]]]) -> ShardLayout:
     """``layout`` with bidirectional ``spans`` (per batch row, global ``[s, e)``, sorted and disjoint):
-    every row's segments cut at their boundaries (``schedule.span_placement``), so its schedules let
+    every row's segments cut at their boundaries (``placement.span_placement``), so its schedules let
     the tokens of a span see each other both ways. Unchanged when no row has a span."""
     if not any(spans):
         return layout

@@ -20,7 +20,7 @@ layout (``ShardLayout``, ring level: the rows a ring position holds) by one of t
 
 - **ring** (longer reach): the zigzag ring with the schedule cut to the mask (``placement_schedule``
   with ``window``; chunked attention is the layout cut at the chunk boundaries,
-  ``schedule.chunk_placement``): blocks outside the band make no call, blocks across its edge carry
+  ``placement.chunk_placement``): blocks outside the band make no call, blocks across its edge carry
   it to the kernel, and the ring stops after the last step in which some rank has a call.
 
 This module imports only torch.
@@ -40,17 +40,9 @@ from .comm import Ring
 from .exchange import Halo, halo_plan, tie
 from .kernels import BlockKernel
 from .layout import ShardLayout
+from .placement import Placement, chunk_placement
 from .ring import block_attention, ring_attention
-from .schedule import (
-    Block,
-    Placement,
-    Schedule,
-    band_blocks,
-    band_schedule,
-    chunk_placement,
-    placement_schedule,
-    trim_steps,
-)
+from .schedule import Block, Schedule, band_blocks, band_schedule, placement_schedule, trim_steps
 
 __all__ = ["ROUTES", "MaskPlan", "mask_plan", "masked_attention", "ring_level"]
 

@@ -17,7 +17,7 @@ from torch import Tensor
 from ..ops.comm import check_same_across_ranks, fingerprint, group_size_rank
 from ..ops.cross_entropy import IGNORE_INDEX
 from ..ops.layout import ShardLayout, sequence_layout, with_spans
-from ..ops.schedule import balanced_placement
+from ..ops.placement import balanced_placement
 from ..ops.zigzag import hybrid, hybrid_multiple
 from ..parallel import ContextParallel, context_parallel_state
 from .context import KEY, RingContext
