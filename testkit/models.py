@@ -32,6 +32,10 @@ def tiny_config(family: str, **overrides):
         return Qwen3Config(head_dim=16, **common)
     if family == "mistral":
         return MistralConfig(**{"sliding_window": None, **common})
+    if family in ("stablelm", "nemotron"):  # decoder layers that call their attention without **kwargs
+        from transformers import AutoConfig
+
+        return AutoConfig.for_model(family, **common)
     raise ValueError(family)
 
 

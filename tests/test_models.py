@@ -75,3 +75,12 @@ def test_lora_step_matches_single_process(dtype: str) -> None:
 def test_gradient_checkpointing_step_matches_single_process(dtype: str) -> None:
     cases = _cases(dtype, ckpt=True) + [dict(family="llama", dtype=dtype, lora=True, ckpt=True)]
     check(run_ranks(4, model_errors, cases))
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_layers_that_drop_the_keyword_arguments_match_single_process(dtype: str) -> None:
+    """StableLM and Nemotron call their attention without the batch's keyword arguments; the ring takes
+    the layer's ``ring_context`` from ``carry.ACTIVE`` (``install.ATTENTION_CALLERS``), also when
+    activation checkpointing recomputes the layer in backward: CP = 3 equals one process."""
+    cases = [dict(family=f, dtype=dtype, lora=False, ckpt=ckpt) for f in ("stablelm", "nemotron") for ckpt in (0, 1)]
+    check(run_ranks(3, model_errors, cases))

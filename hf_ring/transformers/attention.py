@@ -33,6 +33,7 @@ from ..ops.ring import ring_attention
 from ..ops.ulysses import ulysses_ring_attention
 from ..ops.windows import MaskPlan, mask_plan, masked_attention
 from ..parallel import attention_backend, context_parallel_state, default_group
+from .carry import ACTIVE
 from .context import RingContext
 from .support import check_layer
 from .temperature import global_temperature
@@ -146,8 +147,9 @@ def ring_attention_forward(
 
     ``query: [B, Hq, S_local, Dqk]``, ``key: [B, Hkv, S_local, Dqk]``, ``value: [B, Hkv, S_local, Dv]``,
     this rank's zigzag shard (see ``hf_ring.shard_batch``). Returns ``([B, S_local, Hq, Dv], None)``.
-    The CP group is the batch's (``ring_context``); without one (a shard made by hand), the default
-    CP group. With Ulysses (``setup_context_parallel(..., ulysses_size=U)``) the shard is in the
+    The CP group is the batch's (``ring_context``, or the one ``carry.ACTIVE`` holds for a decoder layer
+    that drops it: ``install.ATTENTION_CALLERS``); without one (a shard made by hand), the default CP group.
+    With Ulysses (``setup_context_parallel(..., ulysses_size=U)``) the shard is in the
     hybrid layout and the call runs ``ulysses_ring_attention``, which needs ``U`` to divide ``Hq``
     (``ValueError`` otherwise). Under autocast, q/k/v are cast to the autocast dtype, as SDPA's are. A value head dim
     that differs from the query/key one (multi-head latent attention) is zero-padded, which leaves
@@ -158,6 +160,8 @@ def ring_attention_forward(
     for name, what in _UNSUPPORTED.items():
         if kwargs.get(name) is not None:
             raise RingNotSupported(f'attn_implementation="ring" does not support {what} (got {name}=...).')
+    if ring_context is None:  # a decoder layer that calls its attention without the batch's keyword arguments
+        ring_context = ACTIVE.get()
     if dropout:
         raise RingNotSupported(
             f'attn_implementation="ring" does not support attention dropout (dropout={dropout} while '

@@ -96,6 +96,17 @@ ROUTER_CALLER = Change(
     "`carry.carry_context`: the call's `ring_context` is the one of the forward running now (`carry.ACTIVE`) "
     "for the router loss, which the forward calls without it; reset when it returns",
 )  # fmt: skip
+ATTENTION_CALLER = Change(
+    "transformers.models.<module>.<decoder layer>.forward", METHOD, MODULE,
+    "`carry.carry_context` on the decoder layers that call their attention without the batch's keyword arguments "
+    "(`ATTENTION_CALLERS`: StableLM, Nemotron): the ring attention function takes the layer's `ring_context` "
+    "from `carry.ACTIVE`, also in activation-checkpoint recomputes",
+)  # fmt: skip
+# modeling module -> its decoder layers that drop the keyword arguments (``self.self_attn(...)`` without ``**kwargs``)
+ATTENTION_CALLERS = {
+    "transformers.models.stablelm.modeling_stablelm": ("StableLmDecoderLayer",),
+    "transformers.models.nemotron.modeling_nemotron": ("NemotronDecoderLayer",),
+}
 LOSS = Change(
     "<model>.loss_function", ATTRIBUTE, MODEL,
     "`loss.CausalLMLoss` (as `_loss_function`): the loss transformers would use, with a labelled `ring_context` "
@@ -132,8 +143,8 @@ def changes() -> tuple[Change, ...]:
     """The table: the process rows, one row per routed function and adapter of ``mixers.FAMILIES``,
     the router-loss rows (by kind: they apply to any modeling module whose loss qualifies) and the
     model rows."""
-    return (ATTENTION, MASK, BUILD_HOOK, VISION, *_mixer_rows().values(), ROUTER_LOSS, ROUTER_CALLER, LOSS, GUARD,
-            ENTRY)  # fmt: skip
+    return (ATTENTION, MASK, BUILD_HOOK, VISION, *_mixer_rows().values(), ROUTER_LOSS, ROUTER_CALLER,
+            ATTENTION_CALLER, LOSS, GUARD, ENTRY)  # fmt: skip
 
 
 @functools.cache
@@ -295,6 +306,8 @@ def install_module(module: ModuleType) -> None:
         _replace(ROUTER_LOSS, module, router.FUNCTION, router.dispatcher)
         for cls in router.callers(module):
             _replace(ROUTER_CALLER, cls, "forward", carry_context)
+    for cls_name in ATTENTION_CALLERS.get(module.__name__, ()):
+        _replace(ATTENTION_CALLER, getattr(module, cls_name), "forward", carry_context)
 
 
 def _give(model: Any) -> None:
@@ -374,7 +387,7 @@ def markdown() -> str:
     for row in changes():
         if row.kind == FUNCTION and row.scope == MODULE and row is not ROUTER_LOSS:
             continue  # in its module's line
-        if row.kind == METHOD and row.scope == MODULE and row is not ROUTER_CALLER:
+        if row.kind == METHOD and row.scope == MODULE and row not in (ROUTER_CALLER, ATTENTION_CALLER):
             continue
         lines.append(f"| `{row.target}` | {row.kind} | {_WHEN[row.scope]} | {row.why} |")
         if row is BUILD_HOOK:
