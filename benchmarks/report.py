@@ -204,6 +204,7 @@ RENDERERS: dict[str, Callable[[], str]] = {
     "planner-host": planned.planner_host,
     "planner-published": planned.planner_published,
     "vision-spread": planned.vision_spread,
+    "vision-recipe-plan": planned.vision_recipe_plan,
     "multimodal-exactness": prose.multimodal_exactness,
     "batch-check": prose.batch_check,
     "softcap": prose.softcap,

@@ -220,3 +220,51 @@ def vision_spread() -> str:
     )
     head = ["vision tower", "encoded on", "peak per GPU (GiB)", "step (s)", "of which the tower (s)"]
     return intro + "\n\n" + table(head, rows) + "\n\n" + outro
+
+
+VIDEO_RECIPE = "qwen3.5-9b-video-256k"
+
+
+def vision_recipe_plan() -> str:
+    """The planner's figures for the long-video recipe (what ``hf-ring plan RECIPE`` prints, condensed), and
+    its peak with every rank encoding every frame."""
+    from dataclasses import replace
+
+    from hf_ring.planner import GiB, plan, smallest_cp
+    from hf_ring.recipes.reader import recipe_model, recipe_path, recipe_settings
+
+    recipe = recipe_path(VIDEO_RECIPE)
+    m, s = recipe_model(recipe), recipe_settings(recipe)
+    p = plan(m, s)
+    with mock.patch("hf_ring.planner.vision.encoded_tokens", _every_rank), \
+            mock.patch("hf_ring.planner.timing.encoded_tokens", _every_rank):
+        whole = plan(m, s)
+    best = smallest_cp(m, replace(s, cp=None))
+    t = p.time
+    assert t is not None
+    g = GiB
+    phases = ", ".join(f"{k.replace('layer backward, ', '')} {v / g:.2f}" + ("  <- peak" if k == p.peak_phase else "")
+                       for k, v in p.phases.items())  # fmt: skip
+    opts = (f"mode={s.mode}, dtype={s.dtype}, checkpointing={s.checkpointing}, offload={s.offload}, "
+            f"sharding={s.sharding}, chunked_loss={s.chunked_loss}, tiled_mlp={s.tiled_mlp}")  # fmt: skip
+    lines = [
+        f"{m.name}: {p.seq_len:,} tokens on {p.gpus} GPUs, CP={p.cp} (DP={p.gpus // p.cp}), {p.tokens_per_rank:,} "
+        f"tokens per rank; {opts}",
+        f"  weights {p.rows['weights'] / g:.2f}, gradients {p.rows['gradients'] / g:.2f}, optimizer state "
+        f"{p.rows['optimizer state'] / g:.2f} GiB",
+        f"  activation peak, by phase: {phases}",
+        f"  peak (model states + activation peak + reserve)     {p.peak / g:.2f} of {p.gpu_bytes / g:.2f}: "
+        f"{'fits' if p.fits else 'does not fit'}; host {sum(p.host.values()) / g:.2f} GiB per rank (offloaded)",
+        f"  step time per micro-batch (estimate): {t.total_s:.2f} s = attention {t.attention_s:.2f} + GEMMs "
+        f"{t.gemm_s:.2f} + memory-bound {t.memory_s:.2f} + exposed communication {t.exposed_comm_s:.3f} + vision "
+        f"tower {t.vision_s:.2f}; {t.tokens_per_s:,.0f} tokens/s per GPU, MFU {t.mfu:.0%} (estimate)",
+        *(f"  {n}" for n in p.notes if n.startswith("vision tower")),
+        f"  smallest CP size that fits: {best}",
+    ]
+    return (
+        f"The planner's figures (`hf-ring plan {VIDEO_RECIPE}`; `--write` writes its `memory_gb`), condensed:\n\n"
+        "```\n" + "\n".join(lines) + "\n```\n\n"
+        f"With the encoder on every rank (before its frames were spread) the peak would be {whole.peak / g:.2f} GiB "
+        f"per GPU, in the phase \"{whole.peak_phase}\". The recipe keeps CP = {p.cp} for the step time (the smallest "
+        f"CP that fits is {best})."
+    )
