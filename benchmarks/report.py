@@ -209,6 +209,7 @@ RENDERERS: dict[str, Callable[[], str]] = {
     "batch-check": prose.batch_check,
     "softcap": prose.softcap,
     "checkpoint-cost": prose.checkpoints,
+    "recipe-vlm": prose.recipe_vlm,
 }
 
 

@@ -1,16 +1,18 @@
 """The measured figures in the prose of docs/multimodal.md, docs/transformers.md and docs/trainer.md, from
 their results files: the vision-language models' exactness (``multimodal_exactness.jsonl``), the cost of
 the batch check (``batch_check.jsonl``), of soft-capping on CPU (``softcap.jsonl``) and of sealing and
-checking checkpoints (``checkpoints.jsonl``). Each ends with the command that wrote the file and the
+checking checkpoints (``checkpoints.jsonl``), and a run of the ``tiny-cpu-vlm`` recipe
+(``recipe_tiny-cpu-vlm.json``). Each ends with the command that wrote the file and the
 machine it was measured on; ``benchmarks.report`` puts them in the documents' marked regions.
 """
 
 from __future__ import annotations
 
+import json
 import math
 
 from .harness import machine_text, versions_text
-from .report_measured import measured_line, read_rows, table, tokens
+from .report_measured import RESULTS, measured_line, read_rows, table, tokens
 
 FAMILIES = {"qwen3_vl": "Qwen3-VL", "qwen3_vl_moe": "Qwen3-VL-MoE", "qwen3_5": "Qwen3.5", "qwen3_5_moe": "Qwen3.5-MoE",
             "llama4": "Llama 4", "gemma3": "Gemma 3"}  # fmt: skip
@@ -93,4 +95,15 @@ def checkpoints() -> str:
         f"resume (split over the ranks of a job): {min(sums):.1f}-{max(sums):.1f} times the time of writing the "
         f"checkpoint (SHA-256 at {min(rate):.1f}-{max(rate):.1f} GB/s per core here), hence off by default. "
         + measured_line(rows, "python -m benchmarks.bench_checkpoints")
+    )
+
+
+def recipe_vlm() -> str:
+    """The ``tiny-cpu-vlm`` recipe's run: its launch command, steps, seconds and losses."""
+    r = json.loads((RESULTS / "recipe_tiny-cpu-vlm.json").read_text())
+    versions = versions_text(r.get("versions"))
+    return (
+        f"`{r['launch']}`: {r['steps']} steps in {r['train_seconds']:.1f} s of training ({r['wall_seconds']:.1f} s "
+        f"wall), losses {', '.join(f'{x:.2f}' for x in r['losses'])}. `{r['command']}`; measured on "
+        f"{machine_text(r.get('machine'))}" + (f"; {versions}." if versions else ".")
     )
