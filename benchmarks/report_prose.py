@@ -2,17 +2,16 @@
 their results files: the vision-language models' exactness (``multimodal_exactness.jsonl``), the cost of
 the batch check (``batch_check.jsonl``), of soft-capping on CPU (``softcap.jsonl``) and of sealing and
 checking checkpoints (``checkpoints.jsonl``), and a run of the ``tiny-cpu-vlm`` recipe
-(``recipe_tiny-cpu-vlm.json``). Each ends with the command that wrote the file and the
+(``recipe_tiny-cpu-vlm.jsonl``). Each ends with the command that wrote the file and the
 machine it was measured on; ``benchmarks.report`` puts them in the documents' marked regions.
 """
 
 from __future__ import annotations
 
-import json
 import math
 
 from .harness import machine_text, versions_text
-from .report_measured import RESULTS, measured_line, read_rows, table, tokens
+from .report_measured import measured_line, read_rows, table, tokens
 
 FAMILIES = {"qwen3_vl": "Qwen3-VL", "qwen3_vl_moe": "Qwen3-VL-MoE", "qwen3_5": "Qwen3.5", "qwen3_5_moe": "Qwen3.5-MoE",
             "llama4": "Llama 4", "gemma3": "Gemma 3"}  # fmt: skip
@@ -100,7 +99,7 @@ def checkpoints() -> str:
 
 def recipe_vlm() -> str:
     """The ``tiny-cpu-vlm`` recipe's run: its launch command, steps, seconds and losses."""
-    r = json.loads((RESULTS / "recipe_tiny-cpu-vlm.json").read_text())
+    r = read_rows("recipe_tiny-cpu-vlm")[0]
     versions = versions_text(r.get("versions"))
     return (
         f"`{r['launch']}`: {r['steps']} steps in {r['train_seconds']:.1f} s of training ({r['wall_seconds']:.1f} s "

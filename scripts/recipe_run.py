@@ -2,7 +2,7 @@
 and wall seconds (the run's ``summary.json``), the command, the machine, the versions.
 
     PYTHONPATH=. python scripts/recipe_run.py tiny-cpu-vlm --nproc 2 \\
-        --out benchmarks/results/recipe_tiny-cpu-vlm.json      # ~10 s on 2 cores
+        --out benchmarks/results/recipe_tiny-cpu-vlm.jsonl      # ~10 s on 2 cores
 
 ``scripts/render_docs.py`` renders docs/multimodal.md's sentence on ``tiny-cpu-vlm`` from the file.
 """
@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("recipe", help="a packaged recipe that runs on CPU (tiny-cpu-...)")
     p.add_argument("--nproc", type=int, default=2, help="processes (torchrun --nproc_per_node)")
-    p.add_argument("--out", type=Path, required=True, help="the JSON file to write")
+    p.add_argument("--out", type=Path, required=True, help="the JSON-lines file to write (one row)")
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         run = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.nproc), "-m", "hf_ring.cli",
@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> None:
         "machine": machine_info(),
         "versions": versions(transformers=True),
     }
-    args.out.write_text(json.dumps(data, indent=1) + "\n")
+    args.out.write_text(json.dumps(data) + "\n")  # one row, as benchmarks/results/*.jsonl
     print(json.dumps(data))
 
 
