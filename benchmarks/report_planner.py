@@ -1,15 +1,20 @@
 """The planner's figures in the prose of docs/memory.md and docs/multimodal.md, computed by
 ``hf_ring.planner`` each time the documents are rendered (``benchmarks.report`` puts them in the marked
 regions): what the tools remove, the MLP's share of one layer's recompute, the LoRA adapters' float32
-copies, the ring's overlap threshold, the longest sequences next to published figures, and the vision
-tower's cost with and without spreading its frames over the CP group. Each names the setup it prices.
+copies, the ring's overlap threshold, the longest sequences next to published figures, the vision
+tower's cost with and without spreading its frames over the CP group, and the long-video recipe's plan.
+Each names the setup it prices.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
 from unittest import mock
 
 from .report_measured import table, tokens
+
+if TYPE_CHECKING:
+    from hf_ring.planner import ModelShape
 
 LLAMA = "Llama-3.1-8B"
 
@@ -22,7 +27,7 @@ def _gib(b: float, digits: int = 1) -> str:
     return f"{b / 2**30:.{digits}f} GiB"
 
 
-def _mlp_part(m, b: int, lora: bool) -> float:  # noqa: ANN001 (a ModelShape)
+def _mlp_part(m: ModelShape, b: int, lora: bool) -> float:
     """Bytes per token of the MLP's part of one layer's recompute: what it saves for backward (the LoRA
     adapters' float32 input copies included) and its two gradients in flight."""
     from hf_ring.planner import LORA_TARGETS, activation_terms
@@ -110,6 +115,7 @@ def lora_fp32() -> str:
     fp32 = activation_terms(m, 2, lora=lora)
     bf16 = activation_terms(m, 2, lora=lora, lora_fp32=False)
     copies = fp32["layer_saved"] - bf16["layer_saved"]
+    ratio = lora_ratio()  # measured / planned
     p = plan(m, PlanSettings(seq_len=2**20, gpus=8, cp=8, sharding="fsdp", offload=True))
     largest = p.peak_phase
     phases = "; ".join(f"{k}: {_gib(v)}" for k, v in sorted(p.phases.items(), key=lambda kv: -kv[1]))
@@ -118,8 +124,9 @@ def lora_fp32() -> str:
         f"adapter then saves a float32 copy of its input: {_kib(copies)} per token per layer for {LLAMA} with all "
         f"seven projections adapted, on top of the layer's own {_kib(bf16['layer_saved'])} of bf16 activations, so the "
         f"recompute of one layer costs {_kib(fp32['layer_saved'])} instead of {_kib(bf16['layer_saved'])} per token. "
-        f"Measured on the small model (`LoRA r16 bf16 ckpt+chunked` above): {abs(1 - lora_ratio()):.0%} below the "
-        "planner. `--lora-bf16-adapters` plans without it (PEFT's `autocast_adapter_dtype=False`).\n"
+        f"Measured on the small model (`LoRA r16 bf16 ckpt+chunked` above): {abs(1 - ratio):.0%} "
+        f"{'below' if ratio < 1 else 'above'} the planner. `--lora-bf16-adapters` plans without it (PEFT's "
+        "`autocast_adapter_dtype=False`).\n"
         f"- Without tiling, the MLP part of one layer's recompute is the largest single working set: {LLAMA} at 1M "
         f"on 8 GPUs with LoRA and offload peaks in \"{largest}\" (phases: {phases})."
     )
@@ -176,6 +183,7 @@ VIDEO_CMD = (f"hf-ring plan {VIDEO} --seq-len 256K --gpus 8 --cp 8 --sharding fs
 
 
 def _every_rank(visual_tokens: float, cp: int) -> float:
+    """``hf_ring.planner.vision.encoded_tokens`` as it was before the encoder was spread: every frame."""
     return visual_tokens
 
 
