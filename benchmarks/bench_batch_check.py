@@ -66,7 +66,7 @@ def main() -> None:
     args = ap.parse_args()
     lengths = (4096,) if args.quick else LENGTHS
     per_rank, load = H.launch(_rank, 2, lengths, threads=1, timeout=600)
-    rows = [{**r, "foreign_load": load, "versions": H.versions()} for r in per_rank[0]]
+    rows = [{**r, "foreign_load": load, "machine": H.machine_info(), "versions": H.versions()} for r in per_rank[0]]
     print("| N | check ms | shard_batch ms | embedding ms | check / shard_batch | check / embedding |")
     print("|---|---|---|---|---|---|")
     for r in rows:

@@ -2,8 +2,9 @@
 
 A document marks each generated part ``<!-- name:start -->`` ... ``<!-- name:end -->``; ``render(name)``
 writes it from its results file (``RENDERERS``): the long tables of ``benchmarks/results/*.jsonl``
-(``benchmarks.report_measured``), ``docs/demo/seeds.json`` and the demo's ``needle.json`` files,
-``docs/models.json`` (the model sweep), the recipes' ``memory_gb`` and the planner itself. Every
+(``benchmarks.report_measured``), the small results files of the prose (``benchmarks.report_prose``),
+``docs/demo/seeds.json`` and the demo's ``needle.json`` files, ``docs/models.json`` (the model sweep),
+the recipes' ``memory_gb`` and the planner itself (``benchmarks.report_planner``). Every
 measured figure says on which machine it was measured, as its results file records it ("a machine
 not recorded" where it does not). ``fill(text)`` renders every region of a document;
 ``scripts/render_docs.py`` writes them (``--check``: only compares), and ``tests/test_docs.py`` fails
@@ -18,6 +19,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from . import report_measured as measured
+from . import report_planner as planned
+from . import report_prose as prose
 from .harness import machine_text
 from .report_measured import pct, table, tokens
 
@@ -192,6 +195,21 @@ RENDERERS: dict[str, Callable[[], str]] = {
     "packed": measured.packed,
     "ulysses": measured.ulysses,
     "gptoss": measured.gptoss,
+    "memory-fit": measured.memory_fit,
+    "chunked-loss-autocast": measured.autocast_errors,
+    "memory-tools": planned.memory_tools,
+    "mlp-recompute": planned.mlp_recompute,
+    "ring-overlap": planned.ring_overlap,
+    "planner-findings": planned.lora_fp32,
+    "planner-host": planned.planner_host,
+    "planner-published": planned.planner_published,
+    "vision-spread": planned.vision_spread,
+    "vision-recipe-plan": planned.vision_recipe_plan,
+    "multimodal-exactness": prose.multimodal_exactness,
+    "batch-check": prose.batch_check,
+    "softcap": prose.softcap,
+    "checkpoint-cost": prose.checkpoints,
+    "recipe-vlm": prose.recipe_vlm,
 }
 
 

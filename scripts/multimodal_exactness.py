@@ -1,33 +1,65 @@
 """Exactness of the vision-language models under CP: per family and CP size, the worst relative error of
 the loss and of any gradient against one process (float64; every case of tests/test_multimodal.py).
 
-    PYTHONPATH=. python scripts/multimodal_exactness.py
+    PYTHONPATH=. python scripts/multimodal_exactness.py [--out benchmarks/results/multimodal_exactness.jsonl]
+
+``--out`` writes one JSON row per family and CP size, each with the command, the machine and the
+seconds the whole run took; ``scripts/render_docs.py`` renders docs/multimodal.md's table from the
+committed file.
 """
 
+import argparse
+import json
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.harness import machine_info, versions  # noqa: E402
 from testkit.spawn import close_all, run_ranks  # noqa: E402
 from tests.test_multimodal import vlm_errors  # noqa: E402
 
-if __name__ == "__main__":
-    fams = ["qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "llama4", "gemma3"]
+FAMILIES = ["qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "llama4", "gemma3"]
+
+
+def cases(world: int) -> list[dict]:
+    """Every case of one CP size: plain, encoder frozen, packed (and packed M-RoPE for Qwen), and at
+    CP = 4 Ulysses 2 x 2."""
+    out = []
+    for f in FAMILIES:
+        out += [dict(family=f), dict(family=f, frozen=True), dict(family=f, packed="text")]
+        if f.startswith("qwen"):
+            out.append(dict(family=f, packed="rope"))
+        if world == 4:
+            out.append(dict(family=f, ulysses=2))
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, help="write the rows as JSON here")
+    args = p.parse_args(argv)
+    start = time.perf_counter()
+    rows = []
     for world in (2, 3, 4):
-        cases = []
-        for f in fams:
-            cases += [dict(family=f), dict(family=f, frozen=True), dict(family=f, packed="text")]
-            if f.startswith("qwen"):
-                cases.append(dict(family=f, packed="rope"))
-            if world == 4:
-                cases.append(dict(family=f, ulysses=2))
-        res = run_ranks(world, vlm_errors, cases, timeout=500)
-        for f in fams:
+        res = run_ranks(world, vlm_errors, cases(world), timeout=500)
+        for f in FAMILIES:
             rs = [r for rank in res for r in rank if r["family"] == f]
             worst = max(rs, key=lambda r: r["grad"])
-            print(
-                f"CP={world} {f:12s} cases={len(rs) // world} loss rel max {max(r['loss'] for r in rs):.1e} "
-                f"abs max {max(r['abs_loss'] for r in rs):.1e} grad rel max {worst['grad']:.1e} ({worst['worst']})"
-            )
+            row = {"family": f, "cp": world, "cases": len(rs) // world, "loss_rel": max(r["loss"] for r in rs),
+                   "loss_abs": max(r["abs_loss"] for r in rs), "grad_rel": worst["grad"], "worst": worst["worst"]}
+            rows.append(row)
+            print(f"CP={world} {f:12s} cases={row['cases']} loss rel max {row['loss_rel']:.1e} abs max "
+                  f"{row['loss_abs']:.1e} grad rel max {row['grad_rel']:.1e} ({row['worst']})")  # fmt: skip
     close_all()
+    seconds = time.perf_counter() - start
+    print(f"{seconds:.0f} s")
+    if args.out:
+        meta = {"command": "PYTHONPATH=. python scripts/multimodal_exactness.py --out " + str(args.out),
+                "machine": machine_info(), "versions": versions(transformers=True), "seconds": seconds}  # fmt: skip
+        args.out.write_text("".join(json.dumps({**r, **meta}) + "\n" for r in rows))
+
+
+if __name__ == "__main__":
+    main()
