@@ -10,6 +10,7 @@ and on 4 processes as DP 2 x CP 2 against TRL's ``GRPOTrainer`` on 2, with DDP o
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -97,15 +98,27 @@ def _whole(grad: torch.Tensor) -> np.ndarray:
     return (grad.full_tensor() if hasattr(grad, "full_tensor") else grad).detach().numpy().copy()
 
 
-def _grpo_run(kind: str, case: str, out: str, tok_dir: str, fixed: bool, cp: int, **more: object) -> dict:
-    from datasets import Dataset
-    from transformers import AutoTokenizer, TrainerCallback
+def keep_grads(grads: list, model: Callable[[], torch.nn.Module]) -> object:
+    """A callback appending every trainable parameter of ``model()``'s gradient (gathered from FSDP2 shards)
+    to ``grads`` just before each optimizer step."""
+    from transformers import TrainerCallback
+
+    class Keep(TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, **kwargs):  # noqa: ANN001
+            grads.append({n: _whole(p.grad) for n, p in model().named_parameters()
+                          if p.requires_grad and p.grad is not None})  # fmt: skip
+
+    return Keep()
+
+
+def grpo_setup(kind: str, case: dict, out: str, fixed: bool, cp: int, **more: object) -> tuple:
+    """The config, trainer class and LoRA flag of a run (``kind``: ``ring``, ``ref`` one process, ``ddp`` TRL
+    over the launched processes): 2 optimizer steps of 2 micro-batches of 4 completions, SGD, float32."""
     from trl import GRPOConfig, GRPOTrainer
 
     from hf_ring.trainer.grpo import RingGRPOConfig, RingGRPOTrainer
-    from testkit.models import tiny_model
 
-    spec = dict(CASES[case])
+    spec = dict(case)
     lora = spec.pop("lora")
     ring = kind == "ring"
     if kind != "ref":
@@ -116,23 +129,27 @@ def _grpo_run(kind: str, case: str, out: str, tok_dir: str, fixed: bool, cp: int
                   **spec, **more)  # fmt: skip
     args = RingGRPOConfig(cp_size=cp, **common) if ring else GRPOConfig(**common)  # type: ignore[arg-type]
     cls = RingGRPOTrainer if ring else GRPOTrainer
-    cls = _fixed_completions(cls) if fixed else cls
-    model = tiny_model("llama", "ring" if ring else "sdpa", vocab_size=VOCAB)
+    return args, _fixed_completions(cls) if fixed else cls, lora
+
+
+def _grpo_run(kind: str, case: str, out: str, tok_dir: str, fixed: bool, cp: int, **more: object) -> dict:
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+
+    from testkit.models import tiny_model
+
+    args, cls, lora = grpo_setup(kind, CASES[case], out, fixed, cp, **more)
+    model = tiny_model("llama", "ring" if kind == "ring" else "sdpa", vocab_size=VOCAB)
     extra: dict = {}
     if lora:
         from peft import LoraConfig
 
         extra["peft_config"] = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"])
     grads: list[dict] = []
-
-    class Keep(TrainerCallback):
-        def on_pre_optimizer_step(self, args, state, control, **kwargs):  # noqa: ANN001
-            grads.append({n: _whole(p.grad) for n, p in trainer.model.named_parameters()
-                          if p.requires_grad and p.grad is not None})  # fmt: skip
-
     SEEN.clear()
+    keep = keep_grads(grads, lambda: trainer.model)
     trainer = cls(model=model, reward_funcs=reward_words, args=args, train_dataset=Dataset.from_list(_prompts()),
-                  processing_class=AutoTokenizer.from_pretrained(tok_dir), callbacks=[Keep()], **extra)  # fmt: skip
+                  processing_class=AutoTokenizer.from_pretrained(tok_dir), callbacks=[keep], **extra)  # fmt: skip
     trainer.train()
     logs = [{k: v for k, v in h.items() if k not in SKIP} for h in trainer.state.log_history if "loss" in h]
     return {"logs": logs, "grads": grads, "cp": getattr(trainer, "cp_size", None), "seen": list(SEEN)}

@@ -1,6 +1,6 @@
 """``RingGRPOTrainer`` on image prompts: a tiny Qwen3-VL (``testkit.vlm``) at CP = 2 and 3 (and DP 2 x CP 2)
-against one-process ``trl.GRPOTrainer`` (sdpa) on the same conversational prompts with one image each,
-completions and rewards, float32. TRL tokenizes each prompt with the processor (``pixel_values``,
+against one-process ``trl.GRPOTrainer`` (sdpa) on the same conversational prompts (one image each, every
+third two), completions and rewards, float32. TRL tokenizes each prompt with the processor (``pixel_values``,
 ``image_grid_thw``, ``mm_token_type_ids``) and scores left-padded prompt + completion rows; here the rows
 move to the right, the images enter the model whole on every rank and the text decoder runs on this rank's
 shard. The loss, every logged metric (but the two reward standard deviations, see tests/test_grpo.py) and
@@ -17,12 +17,12 @@ import numpy as np
 import pytest
 import torch
 
-from testkit.spawn import launcher_env, run_ranks
+from testkit.spawn import run_ranks
 
 pytest.importorskip("trl")
 
 from tests.test_dpo import assert_same_runs  # noqa: E402
-from tests.test_grpo import SKIP, _whole  # noqa: E402
+from tests.test_grpo import SKIP, grpo_setup, keep_grads  # noqa: E402
 
 CASES = {
     "lora-decoder-frozen-tower-grpo-kl-temperature": dict(loss_type="grpo", beta=0.05, temperature=0.7, lora=True),
@@ -38,16 +38,19 @@ SEEN: list[list[str]] = []
 
 
 def _prompts(n: int = 8) -> list[dict]:
-    """``n`` conversational prompts of 2 to 9 words, each with an image of its own size (4, 6 or 9 tokens)."""
+    """``n`` conversational prompts of 2 to 9 words, each with one image (every third with two) of its own
+    size (4, 6 or 9 image tokens)."""
     from PIL import Image
 
     g = torch.Generator().manual_seed(3)
     out = []
     for i, size in enumerate(torch.randint(2, 10, (n,), generator=g).tolist()):
-        h, w = (8, 12, 12, 8)[i % 4], (8, 8, 12, 12)[i % 4]
-        pixels = (np.random.RandomState(10 + i).rand(h, w, 3) * 255).astype("uint8")
+        images = []
+        for j in range(1 + (i % 3 == 0)):
+            h, w = (8, 12, 12, 8)[(i + j) % 4], (8, 8, 12, 12)[(i + j) % 4]
+            images.append(Image.fromarray((np.random.RandomState(10 + i + 50 * j).rand(h, w, 3) * 255).astype("uint8")))
         text = " ".join(f"w{int(t)}" for t in torch.randint(0, 60, (size,), generator=g))
-        out.append({"prompt": [{"role": "user", "content": text}], "image": Image.fromarray(pixels)})
+        out.append({"prompt": [{"role": "user", "content": text}], "images": images})
     return out
 
 
@@ -55,21 +58,6 @@ def reward_words(completions: list, **_: object) -> list[float]:
     texts = [c[0]["content"] if isinstance(c, list) else c for c in completions]
     SEEN.append(texts)
     return [float(len(t.split()) % 5) + 0.5 * t.count("w1") for t in texts]
-
-
-def _fixed_completions(cls: type) -> type:
-    """``cls`` generating fixed completions (a function of the prompt and its place in the batch)."""
-
-    class Fixed(cls):  # type: ignore[misc, valid-type]
-        def _generate_single_turn(self, prompt_ids, *args, **kwargs):  # noqa: ANN001, ANN202
-            out = []
-            for i, p in enumerate(prompt_ids):
-                g = torch.Generator().manual_seed(int(sum(p)) * 31 + i % 4)
-                n = int(torch.randint(2, 15, (1,), generator=g))
-                out.append((torch.randint(3, 64, (n,), generator=g)).tolist() + ([1] if n % 2 else []))
-            return out, None
-
-    return Fixed
 
 
 def processor():  # noqa: ANN201
@@ -84,24 +72,11 @@ def processor():  # noqa: ANN201
 def grpo_vlm_run(kind: str, case: str, out: str, data_dir: str, cp: int = 2, fixed: bool = True) -> dict:
     """One run on this rank (``kind``: ``ring``, ``ref`` one process, ``ddp`` TRL over the launched processes)."""
     from datasets import load_from_disk
-    from transformers import TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
 
-    from hf_ring.trainer.grpo import RingGRPOConfig, RingGRPOTrainer
     from testkit.vlm import tiny_model
 
-    spec = dict(CASES[case])
-    lora = spec.pop("lora")
+    args, cls, lora = grpo_setup(kind, CASES[case], out, fixed, cp)
     ring = kind == "ring"
-    if kind != "ref":
-        launcher_env()
-    common = dict(output_dir=out, max_steps=2, per_device_train_batch_size=4, gradient_accumulation_steps=2,
-                  num_generations=4, max_completion_length=16, learning_rate=0.05, optim="sgd", logging_steps=1,
-                  report_to="none", use_cpu=True, disable_tqdm=True, bf16=False, save_strategy="no", seed=0,
-                  **spec)  # fmt: skip
-    args = RingGRPOConfig(cp_size=cp, **common) if ring else GRPOConfig(**common)  # type: ignore[arg-type]
-    cls = RingGRPOTrainer if ring else GRPOTrainer
-    cls = _fixed_completions(cls) if fixed else cls
     model = tiny_model("qwen3_vl", "ring" if ring else "sdpa", dtype=torch.float32)
     extra: dict = {}
     if lora:  # the decoder's attention and MLP only: the vision tower stays frozen
@@ -110,15 +85,10 @@ def grpo_vlm_run(kind: str, case: str, out: str, data_dir: str, cp: int = 2, fix
         extra["peft_config"] = LoraConfig(r=4, lora_alpha=8,
                                           target_modules=r".*language_model.*\.(q_proj|v_proj|up_proj)")  # fmt: skip
     grads: list[dict] = []
-
-    class Keep(TrainerCallback):
-        def on_pre_optimizer_step(self, args, state, control, **kwargs):  # noqa: ANN001
-            grads.append({n: _whole(p.grad) for n, p in trainer.model.named_parameters()
-                          if p.requires_grad and p.grad is not None})  # fmt: skip
-
     SEEN.clear()
+    keep = keep_grads(grads, lambda: trainer.model)
     trainer = cls(model=model, reward_funcs=reward_words, args=args, train_dataset=load_from_disk(data_dir),
-                  processing_class=processor(), callbacks=[Keep()], **extra)  # fmt: skip
+                  processing_class=processor(), callbacks=[keep], **extra)  # fmt: skip
     keys: list[str] = []
     if ring:  # the batches the ring ran carry the images
         from hf_ring.trainer import fused_head
