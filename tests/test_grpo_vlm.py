@@ -6,11 +6,13 @@ move to the right, the images enter the model whole on every rank and the text d
 shard. The loss, every logged metric (but the two reward standard deviations, see tests/test_grpo.py) and
 every gradient at every optimizer step are those of one process: LoRA on the decoder with the vision tower
 frozen (KL against the adapter-disabled reference, a temperature) and full fine-tuning with the tower
-trained. And generation with images (transformers ``generate`` with sdpa on every rank of the group), and
-what stays refused."""
+trained; and a tiny Qwen3.5 (Gated DeltaNet layers) in float64. And generation with images (transformers
+``generate`` with sdpa on every rank of the group), and what stays refused."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +29,11 @@ from tests.test_grpo import SKIP, grpo_setup, keep_grads  # noqa: E402
 CASES = {
     "lora-decoder-frozen-tower-grpo-kl-temperature": dict(loss_type="grpo", beta=0.05, temperature=0.7, lora=True),
     "full-trained-tower-dapo": dict(loss_type="dapo", beta=0.0, lora=False),
+    # Qwen3.5: Gated DeltaNet and attention layers, M-RoPE; float64, transformers' delta rule too
+    # (``_delta_rule_in_float64``)
+    "qwen3_5-full-trained-tower-dapo": dict(
+        loss_type="dapo", beta=0.0, lora=False, family="qwen3_5", dtype=torch.float64
+    ),
 }
 # a chat template for the tiny processor: the image parts as Qwen's vision tokens, then the text
 TEMPLATE = (
@@ -60,6 +67,27 @@ def reward_words(completions: list, **_: object) -> list[float]:
     return [float(len(t.split()) % 5) + 0.5 * t.count("w1") for t in texts]
 
 
+@contextmanager
+def _delta_rule_in_float64() -> Iterator[None]:
+    """transformers' reference gated delta rule (``modeling_qwen3_5.torch_chunk_gated_delta_rule``, 5.x) casts its
+    inputs to float32 and sums the log-decays within chunks of 64 tokens: in a float64 model its rounding then
+    depends on where each chunk starts, which moves a row's decay gradients (``A_log``, ``dt_bias``,
+    ``in_proj_a``) by about 3e-4 of their largest when the row is shifted by its padding, in one process (the
+    ring, whose shards start chunks elsewhere, differs from one process by as much). Here the module's
+    ``torch.float32`` reads as float64, for the reference and the ring alike: then within 1e-6."""
+    from types import SimpleNamespace
+
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as module
+
+    real = module.torch
+    module.torch = SimpleNamespace(**{k: getattr(real, k) for k in dir(real) if not k.startswith("__")})
+    module.torch.float32 = real.float64
+    try:
+        yield
+    finally:
+        module.torch = real
+
+
 def processor():  # noqa: ANN201
     from testkit.vlm import tiny_processor
 
@@ -75,9 +103,12 @@ def grpo_vlm_run(kind: str, case: str, out: str, data_dir: str, cp: int = 2, fix
 
     from testkit.vlm import tiny_model
 
-    args, cls, lora = grpo_setup(kind, CASES[case], out, fixed, cp)
+    spec = dict(CASES[case])
+    family = spec.pop("family", "qwen3_vl")
+    dtype = spec.pop("dtype", torch.float32)
+    args, cls, lora = grpo_setup(kind, spec, out, fixed, cp)
     ring = kind == "ring"
-    model = tiny_model("qwen3_vl", "ring" if ring else "sdpa", dtype=torch.float32)
+    model = tiny_model(family, "ring" if ring else "sdpa", dtype=dtype)
     extra: dict = {}
     if lora:  # the decoder's attention and MLP only: the vision tower stays frozen
         from peft import LoraConfig
@@ -96,7 +127,8 @@ def grpo_vlm_run(kind: str, case: str, out: str, data_dir: str, cp: int = 2, fix
         shard = fused_head.shard_batch
         fused_head.shard_batch = lambda batch, **kw: keys.extend(sorted(batch)) or shard(batch, **kw)
     try:
-        trainer.train()
+        with _delta_rule_in_float64() if dtype == torch.float64 else nullcontext():
+            trainer.train()
     finally:
         if ring:
             fused_head.shard_batch = shard
