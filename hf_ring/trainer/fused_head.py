@@ -61,8 +61,8 @@ def refuse_images_without_grids(batch: dict[str, Tensor]) -> None:
     if images and batch.get("image_grid_thw") is None and batch.get("video_grid_thw") is None:
         raise NotImplementedError(
             f"hf_ring: GRPO's left-padded prompts with images ({', '.join(images)}) run under context parallelism "
-            "for Qwen-style models only (image_grid_thw, mm_token_type_ids: Qwen3-VL, Qwen3.5); Gemma 3 "
-            "(token_type_ids: bidirectional attention within each image) and Llama 4 are not supported. "
+            "for Qwen-style models only (image_grid_thw, mm_token_type_ids: Qwen3-VL, Qwen3.5); Gemma 3 and "
+            "Llama 4 are not verified there. "
             "Train this model's image prompts with cp_size=1."
         )
 

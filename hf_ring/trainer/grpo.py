@@ -133,9 +133,8 @@ def _refuse_images(model: Any, args: Any) -> None:
     other = sorted(f for f in families if not f.startswith("Qwen"))
     if other:
         why = {
-            "Gemma 3": "TRL gives its batches token_type_ids, whose bidirectional attention within each image the "
-            "ring does not compute",
-            "Llama 4": "its tiled images are not wired to GRPO's left-padded rows",
+            "Gemma 3": "its images without grids and TRL's token_type_ids are not verified on GRPO's left-padded rows",
+            "Llama 4": "its tiled images are not verified on GRPO's left-padded rows",
         }
         raise NotImplementedError(
             f"RingGRPOTrainer: image prompts with {', '.join(other)} are not supported with cp_size > 1 "
