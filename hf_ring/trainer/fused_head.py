@@ -7,7 +7,8 @@ per-token tensors ``[B, N - 1]`` (``log_probs``, and ``entropy``, ``mean_logits`
 hidden states in chunks. ``ring_fused_head(lm, cp, ...)`` wraps that forward: with a CP group of
 ``P > 1`` each rank shards the full batch (``shard_batch``: zigzag, right padding, packed documents;
 left padding, as GRPO's prompts have, is moved to the right first: the rows' RoPE positions shift
-by a constant, which changes no attention score), runs the ring model on its shard, computes its
+by a constant, which changes no attention score; image inputs enter whole, per-token ``mm_token_type_ids``
+move with their rows), runs the ring model on its shard, computes its
 tokens' log-probabilities from the LM head's input in chunks (``sequence_logprobs``) and either
 gathers the per-token values of the CP group into the full ``[B, N - 1]`` (``gather_tokens``: one
 float per token and field; GRPO) or, where TRL reads them only through per-row sums (DPO without
@@ -37,9 +38,10 @@ from .mesh import adopt_parallelism_config, parallelism_sizes
 from .rows import pack_image_rows, pack_rows, plant_row_sums
 from .trainer import RingTrainer, resolve_ulysses_size
 
-__all__ = ["HeadOptions", "RingTrainerForTRL", "ring_fused_head"]
+__all__ = ["HeadOptions", "RingTrainerForTRL", "refuse_images_without_grids", "ring_fused_head"]
 
 _PASSED = ("input_ids", "attention_mask", "position_ids", "labels")
+_PER_TOKEN = ("input_ids", "attention_mask", "labels", "mm_token_type_ids", "token_type_ids")  # [B, N]
 _DROPPED = ("use_cache", "return_dict", "logits_to_keep")
 
 
@@ -48,6 +50,21 @@ def _shift_left(x: Tensor, shift: Tensor) -> Tensor:
     n = x.shape[1]
     idx = (torch.arange(n, device=x.device)[None] + shift[:, None]) % n
     return x.gather(1, idx.view(*idx.shape, *([1] * (x.dim() - 2))).expand_as(x))
+
+
+def refuse_images_without_grids(batch: dict[str, Tensor]) -> None:
+    """Raise ``NotImplementedError`` for GRPO's image batches other than Qwen-style ones. Left-padded rows
+    with images are moved to the right for the ring: exact where the model's positions come from the
+    real tokens only, as Qwen's M-RoPE does (``get_rope_index`` reads ``input_ids``, ``mm_token_type_ids``
+    and ``image_grid_thw`` where ``attention_mask`` is 1; transformers 5.x ``modeling_qwen3_vl.py``)."""
+    images = [k for k in MULTIMODAL_KEYS if k not in _PER_TOKEN and batch.get(k) is not None]
+    if images and batch.get("image_grid_thw") is None and batch.get("video_grid_thw") is None:
+        raise NotImplementedError(
+            f"hf_ring: GRPO's left-padded prompts with images ({', '.join(images)}) run under context parallelism "
+            "for Qwen-style models only (image_grid_thw, mm_token_type_ids: Qwen3-VL, Qwen3.5); Gemma 3 and "
+            "Llama 4 are not verified there. "
+            "Train this model's image prompts with cp_size=1."
+        )
 
 
 @dataclass(frozen=True)
@@ -101,14 +118,13 @@ def _ring_forward(
     from trl.trainer.utils import FusedCausalLMOutput
 
     images = sorted(k for k in MULTIMODAL_KEYS if kwargs.get(k) is not None)
-    allowed = (*_PASSED, *_DROPPED, *(MULTIMODAL_KEYS if opt.row_sums else ()))
+    allowed = (*_PASSED, *_DROPPED, *MULTIMODAL_KEYS)
     unknown = sorted(k for k in kwargs if k not in allowed and kwargs[k] is not None)
     if args or unknown or kwargs.get("labels") is None:
         raise NotImplementedError(
-            "hf_ring: TRL's fused LM head under context parallelism takes input_ids, attention_mask, position_ids "
-            f"and labels{' (and image inputs, for DPO)' if opt.row_sums else ''} only (this call passed "
-            f"{unknown or 'positional arguments or no labels'}); train this model with cp_size=1, or without the "
-            "inputs it cannot shard (images in GRPO's prompts, MoE router logits)."
+            "hf_ring: TRL's fused LM head under context parallelism takes input_ids, attention_mask, position_ids, "
+            f"labels and image inputs only (this call passed {unknown or 'positional arguments or no labels'}); "
+            "train this model with cp_size=1, or without the inputs it cannot shard (MoE router logits)."
         )
     batch = {k: kwargs[k] for k in (*_PASSED, *images) if kwargs.get(k) is not None}
     n = batch["input_ids"].shape[1]
@@ -125,11 +141,14 @@ def _ring_forward(
     else:
         mask = batch.get("attention_mask")
         shift = None
+        if images:
+            refuse_images_without_grids(batch)
         if mask is not None and not bool(mask[:, 0].all()):  # left padding (GRPO's prompts): move it right
             if batch.get("position_ids") is not None:
                 raise NotImplementedError("hf_ring: left padding together with position_ids is not supported")
             shift = (mask == 0).long().cumprod(1).sum(1)  # the leading zeros of each row
-            batch = {k: _shift_left(v, shift) for k, v in batch.items()}
+            # per-token tensors move with their rows; the images (pixel_values, grids) do not
+            batch = {k: _shift_left(v, shift) if k in _PER_TOKEN else v for k, v in batch.items()}
         full = {k: v[:, :n] for k, v in _token_values(lm, inner, state, batch, opt).items()}
         if shift is not None:
             full = {k: _shift_left(v, -shift) for k, v in full.items()}

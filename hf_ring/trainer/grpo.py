@@ -18,6 +18,13 @@ completions of every process's prompts; here it asks for each CP group's prompts
 of the group gets the group's completions (``one_request_per_cp_group``), so the ranks train on the
 same completions and vLLM's sampling log-probabilities (importance sampling correction) come along.
 
+Image prompts (conversational prompts with an ``image`` / ``images`` column, a processor, a Qwen-style
+vision-language model: ``pixel_values``, ``image_grid_thw``, ``mm_token_type_ids``) generate on every rank
+of the group with the images and are scored as TRL scores them: the fused head moves each row's left padding
+to the right with its ``mm_token_type_ids`` (the model's M-RoPE positions come from the real tokens only) and
+hands the images to ``shard_batch`` whole (tests/test_grpo_vlm.py). Refused with images at ``cp_size > 1``:
+Gemma 3 and Llama 4, and ``use_vllm=True``.
+
 Refused at ``cp_size > 1`` (each would see the CP group's duplicated rewards or entropies, or is not
 wired yet): ``vllm_mode="colocate"``, ``scale_rewards="batch"``, ``multi_objective_aggregation="normalize_then_sum"``,
 ``top_entropy_quantile < 1``, the entropy bonus (``entropy_coef != 0``, ``use_adaptive_entropy``:
@@ -116,14 +123,44 @@ def _refuse(args: Any) -> None:
         )
 
 
+def _refuse_images(model: Any, args: Any) -> None:
+    """Image prompts at ``cp_size > 1`` run for Qwen-style vision-language models (``image_grid_thw``,
+    ``mm_token_type_ids``, M-RoPE) generating with transformers; refuse the rest by name."""
+    from ..transformers.multimodal import FAMILIES
+
+    modules = model.modules() if isinstance(model, torch.nn.Module) else ()
+    families = {FAMILIES[type(m).__name__] for m in modules if type(m).__name__ in FAMILIES}
+    other = sorted(f for f in families if not f.startswith("Qwen"))
+    if other:
+        why = {
+            "Gemma 3": "its images without grids and TRL's token_type_ids are not verified on GRPO's left-padded rows",
+            "Llama 4": "its tiled images are not verified on GRPO's left-padded rows",
+        }
+        raise NotImplementedError(
+            f"RingGRPOTrainer: image prompts with {', '.join(other)} are not supported with cp_size > 1 "
+            f"({'; '.join(why.get(f, 'untested') for f in other)}); Qwen-style models (Qwen3-VL, Qwen3.5) run them. "
+            "Train this model's image prompts with cp_size=1."
+        )
+    if getattr(args, "use_vllm", False):
+        raise NotImplementedError(
+            "RingGRPOTrainer: image prompts with use_vllm=True are not supported with cp_size > 1 (asking the vLLM "
+            "server for each CP group's image features once is not verified yet); generate with transformers "
+            "(use_vllm=False), which runs image prompts under context parallelism, or train with cp_size=1."
+        )
+
+
 def has_image_prompts(dataset: Any) -> bool:
     """Whether ``dataset``'s first example holds images as TRL's ``GRPOTrainer`` reads them: an
     ``image`` or ``images`` column, or a conversational prompt with an ``{"type": "image"}`` part."""
+    if isinstance(dataset, dict):  # eval datasets by name
+        return any(has_image_prompts(d) for d in dataset.values())
     if dataset is None:
         return False
     try:
         example = next(iter(dataset))
     except (StopIteration, TypeError):
+        return False
+    if not isinstance(example, dict):
         return False
     if example.get("image") is not None or example.get("images"):
         return True
@@ -180,16 +217,11 @@ class RingGRPOTrainer(RingTrainerForTRL, GRPOTrainer):
 
     def __init__(self, model: Any = None, reward_funcs: Any = None, args: Any = None, **kwargs: Any) -> None:
         _refuse(args)
+        cp_size = kwargs.get("cp_size") or getattr(args, "cp_size", 1) or 1
+        if cp_size > 1 and any(has_image_prompts(kwargs.get(k)) for k in ("train_dataset", "eval_dataset")):
+            _refuse_images(model, args)
         temperature = float(getattr(args, "temperature", 1.0) or 1.0)
         self._ring_init(model, args, ("entropy",), temperature, reward_funcs=reward_funcs, **kwargs)
-        if self.cp_size > 1 and has_image_prompts(kwargs.get("train_dataset")):
-            raise NotImplementedError(
-                "RingGRPOTrainer: image prompts are not supported with cp_size > 1: GRPO's per-token "
-                "log-probabilities are gathered over the CP group from left-padded prompt + completion rows, and "
-                "that path does not carry image inputs (pixel_values, image_grid_thw) yet, so it cannot be exact. "
-                "Train image prompts with cp_size=1 (TRL's own path), or preference pairs with images with "
-                "RingDPOTrainer, which runs them under context parallelism."
-            )
         client = getattr(getattr(self, "vllm_generation", None), "vllm_client", None)  # the main process's
         if client is not None and self.cp_size > 1:
             one_request_per_cp_group(client, self.accelerator.num_processes, self.cp_size)
