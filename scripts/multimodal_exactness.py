@@ -25,7 +25,7 @@ FAMILIES = ["qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "llama4", "gem
 
 def cases(world: int) -> list[dict]:
     """Every case of one CP size: plain, encoder frozen, packed (and packed M-RoPE for Qwen), and at
-    CP = 4 Ulysses 2 x 2."""
+    CP = 4 Ulysses 2 x 2; Gemma 3 also with its image blocks (``token_type_ids``), plain and packed."""
     out = []
     for f in FAMILIES:
         out += [dict(family=f), dict(family=f, frozen=True), dict(family=f, packed="text")]
@@ -33,6 +33,10 @@ def cases(world: int) -> list[dict]:
             out.append(dict(family=f, packed="rope"))
         if world == 4:
             out.append(dict(family=f, ulysses=2))
+        if f == "gemma3":  # with its processor's token_type_ids: each image's tokens see each other both ways
+            out += [dict(family=f, blocks=True), dict(family=f, blocks=True, packed="text")]
+            if world == 4:
+                out.append(dict(family=f, blocks=True, packed="text", ulysses=2))
     return out
 
 
