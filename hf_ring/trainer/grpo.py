@@ -22,8 +22,8 @@ Image prompts (conversational prompts with an ``image`` / ``images`` column, a p
 vision-language model: ``pixel_values``, ``image_grid_thw``, ``mm_token_type_ids``) generate on every rank
 of the group with the images and are scored as TRL scores them: the fused head moves each row's left padding
 to the right with its ``mm_token_type_ids`` (the model's M-RoPE positions come from the real tokens only) and
-hands the images to ``shard_batch`` whole (tests/test_grpo_vlm.py). Refused with images at ``cp_size > 1``:
-Gemma 3 and Llama 4, and ``use_vllm=True``.
+hands the images to ``shard_batch`` whole (tests/test_grpo_vlm.py); Gemma 3's image prompts the same way, with
+its ``token_type_ids`` (its image blocks) moved with the rows. Refused with images at ``cp_size > 1``: Llama 4, and ``use_vllm=True``.
 
 Refused at ``cp_size > 1`` (each would see the CP group's duplicated rewards or entropies, or is not
 wired yet): ``vllm_mode="colocate"``, ``scale_rewards="batch"``, ``multi_objective_aggregation="normalize_then_sum"``,
@@ -125,21 +125,22 @@ def _refuse(args: Any) -> None:
 
 def _refuse_images(model: Any, args: Any) -> None:
     """Image prompts at ``cp_size > 1`` run for Qwen-style vision-language models (``image_grid_thw``,
-    ``mm_token_type_ids``, M-RoPE) generating with transformers; refuse the rest by name."""
+    ``mm_token_type_ids``, M-RoPE) and Gemma 3 (``token_type_ids``: its image blocks); refuse the rest by name."""
     from ..transformers.multimodal import FAMILIES
 
     modules = model.modules() if isinstance(model, torch.nn.Module) else ()
     families = {FAMILIES[type(m).__name__] for m in modules if type(m).__name__ in FAMILIES}
-    other = sorted(f for f in families if not f.startswith("Qwen"))
+    other = sorted(f for f in families if not f.startswith("Qwen") and f != "Gemma 3")
     if other:
         why = {
-            "Gemma 3": "its images without grids and TRL's token_type_ids are not verified on GRPO's left-padded rows",
-            "Llama 4": "its tiled images are not verified on GRPO's left-padded rows",
+            # transformers 5.x modeling_llama4.py, Llama4TextAttention.forward: attn_temperature_tuning
+            "Llama 4": "its NoPE layers scale the queries by the absolute position, which moving GRPO's left "
+            "padding to the right would change",
         }
         raise NotImplementedError(
             f"RingGRPOTrainer: image prompts with {', '.join(other)} are not supported with cp_size > 1 "
-            f"({'; '.join(why.get(f, 'untested') for f in other)}); Qwen-style models (Qwen3-VL, Qwen3.5) run them. "
-            "Train this model's image prompts with cp_size=1."
+            f"({'; '.join(why.get(f, 'untested') for f in other)}); Qwen-style models (Qwen3-VL, Qwen3.5) and "
+            "Gemma 3 run them. Train this model's image prompts with cp_size=1."
         )
     if getattr(args, "use_vllm", False):
         raise NotImplementedError(
