@@ -45,8 +45,8 @@ CASES = {
     ),
 }
 # the inputs TRL hands the model for each family's image prompts
-IMAGE_KEYS = {"qwen3_vl": {"pixel_values", "image_grid_thw", "mm_token_type_ids"}, "gemma3": {"pixel_values", "token_type_ids"}}
-IMAGE_KEYS["qwen3_5"] = IMAGE_KEYS["qwen3_vl"]
+QWEN_KEYS = {"pixel_values", "image_grid_thw", "mm_token_type_ids"}
+IMAGE_KEYS = {"qwen3_vl": QWEN_KEYS, "qwen3_5": QWEN_KEYS, "gemma3": {"pixel_values", "token_type_ids"}}
 # a chat template for the tiny processor: the image parts as Qwen's vision tokens, then the text
 TEMPLATE = (
     "{% for m in messages %}{% if m['content'] is string %}{{ m['content'] }} {% else %}{% for p in m['content'] %}"

@@ -23,7 +23,8 @@ vision-language model: ``pixel_values``, ``image_grid_thw``, ``mm_token_type_ids
 of the group with the images and are scored as TRL scores them: the fused head moves each row's left padding
 to the right with its ``mm_token_type_ids`` (the model's M-RoPE positions come from the real tokens only) and
 hands the images to ``shard_batch`` whole (tests/test_grpo_vlm.py); Gemma 3's image prompts the same way, with
-its ``token_type_ids`` (its image blocks) moved with the rows. Refused with images at ``cp_size > 1``: Llama 4, and ``use_vllm=True``.
+its ``token_type_ids`` (its image blocks) moved with the rows. Refused with images at ``cp_size > 1``: Llama 4,
+and ``use_vllm=True``.
 
 Refused at ``cp_size > 1`` (each would see the CP group's duplicated rewards or entropies, or is not
 wired yet): ``vllm_mode="colocate"``, ``scale_rewards="batch"``, ``multi_objective_aggregation="normalize_then_sum"``,
