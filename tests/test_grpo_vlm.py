@@ -112,8 +112,28 @@ def processor(family: str = "qwen3_vl"):  # noqa: ANN201
     return proc
 
 
-def grpo_vlm_run(kind: str, case: str, out: str, data_dir: str, cp: int = 2, fixed: bool = True) -> dict:
-    """One run on this rank (``kind``: ``ring``, ``ref`` one process, ``ddp`` TRL over the launched processes)."""
+def grpo_vlm_run(
+    kind: str, case: str, out: str, data_dir: str, cp: int = 2, fixed: bool = True, vllm: bool = False
+) -> dict:  # fmt: skip
+    """One run on this rank (``kind``: ``ring``, ``ref`` one process, ``ddp`` TRL over the launched processes);
+    ``vllm``: TRL's vLLM server mode, its client the stand-in ``testkit.vllm_standin``."""
+    if not vllm:
+        return _grpo_vlm_run(kind, case, out, data_dir, cp, fixed)
+    import trl.generation.vllm_generation as vg
+
+    from testkit.vllm_standin import VLLMClientStandIn
+
+    before = vg.is_vllm_available, vg.VLLMClient
+    vg.is_vllm_available, vg.VLLMClient = (lambda: True), VLLMClientStandIn
+    VLLMClientStandIn.requests, VLLMClientStandIn.image_requests, VLLMClientStandIn.synced = [], [], []
+    try:
+        res = _grpo_vlm_run(kind, case, out, data_dir, cp, False, use_vllm=True, vllm_mode="server")
+    finally:
+        vg.is_vllm_available, vg.VLLMClient = before
+    return {**res, "requests": VLLMClientStandIn.requests, "image_requests": VLLMClientStandIn.image_requests}
+
+
+def _grpo_vlm_run(kind: str, case: str, out: str, data_dir: str, cp: int, fixed: bool, **more: object) -> dict:
     from datasets import load_from_disk
 
     from testkit.vlm import tiny_model
@@ -121,7 +141,7 @@ def grpo_vlm_run(kind: str, case: str, out: str, data_dir: str, cp: int = 2, fix
     spec = dict(CASES[case])
     family = spec.pop("family", "qwen3_vl")
     dtype = spec.pop("dtype", torch.float32)
-    args, cls, lora = grpo_setup(kind, spec, out, fixed, cp)
+    args, cls, lora = grpo_setup(kind, spec, out, fixed, cp, **more)
     ring = kind == "ring"
     model = tiny_model(family, "ring" if ring else "sdpa", dtype=dtype)
     extra: dict = {}
@@ -188,6 +208,22 @@ def test_ring_grpo_trainer_with_image_prompts_dp2_cp2_matches_trl_over_2_process
     assert ring[0]["seen"] == ring[1]["seen"] == ddp[0]["seen"] and ring[2]["seen"] == ring[3]["seen"] == ddp[1]["seen"]
     _check(case, ring[:2], ddp[0], 2)
     _check(case, ring[2:], ddp[1], 2)
+
+
+@pytest.mark.parametrize("cp", [2, 3])
+def test_ring_grpo_trainer_vllm_server_mode_with_image_prompts_matches_single_process(tmp_path: Path, cp: int) -> None:
+    """``use_vllm=True, vllm_mode="server"`` with image prompts (TRL's client replaced by ``testkit.vllm_standin``,
+    whose completions are a fixed function of the prompt and its images): the server is asked for the CP group's
+    image features and completions once, exactly what one process asks for, and the run (with vLLM's importance
+    sampling correction) equals one-process ``GRPOTrainer``'s."""
+    data = _data(tmp_path)
+    case = "full-trained-tower-dapo"
+    ring = run_ranks(cp, grpo_vlm_run, "ring", case, str(tmp_path / "ring"), data, cp, False, True, timeout=500)
+    ref = run_ranks(1, grpo_vlm_run, "ref", case, str(tmp_path / "ref"), data, cp, False, True, timeout=400)[0]
+    assert ring[0]["requests"] == ref["requests"] and len(ref["requests"]) == 2  # one generation batch per step
+    assert ring[0]["image_requests"] == ref["image_requests"] and all(c > 0 for c in ref["image_requests"][0])
+    assert all(not r["requests"] and not r["image_requests"] for r in ring[1:])  # the main process asks
+    _check(case, ring, ref, cp)
 
 
 def test_ring_grpo_trainer_generates_from_image_prompts_once_per_cp_group(tmp_path: Path) -> None:
