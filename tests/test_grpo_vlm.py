@@ -210,14 +210,16 @@ def test_ring_grpo_trainer_with_image_prompts_dp2_cp2_matches_trl_over_2_process
     _check(case, ring[2:], ddp[1], 2)
 
 
-@pytest.mark.parametrize("cp", [2, 3])
-def test_ring_grpo_trainer_vllm_server_mode_with_image_prompts_matches_single_process(tmp_path: Path, cp: int) -> None:
+@pytest.mark.parametrize(("case", "cp"), [("full-trained-tower-dapo", 2), ("full-trained-tower-dapo", 3),
+                                         ("gemma3-lora-decoder-frozen-tower-grpo-kl-temperature", 2)])  # fmt: skip
+def test_ring_grpo_trainer_vllm_server_mode_with_image_prompts_matches_single_process(
+    tmp_path: Path, case: str, cp: int
+) -> None:
     """``use_vllm=True, vllm_mode="server"`` with image prompts (TRL's client replaced by ``testkit.vllm_standin``,
     whose completions are a fixed function of the prompt and its images): the server is asked for the CP group's
     image features and completions once, exactly what one process asks for, and the run (with vLLM's importance
     sampling correction) equals one-process ``GRPOTrainer``'s."""
     data = _data(tmp_path)
-    case = "full-trained-tower-dapo"
     ring = run_ranks(cp, grpo_vlm_run, "ring", case, str(tmp_path / "ring"), data, cp, False, True, timeout=500)
     ref = run_ranks(1, grpo_vlm_run, "ref", case, str(tmp_path / "ref"), data, cp, False, True, timeout=400)[0]
     assert ring[0]["requests"] == ref["requests"] and len(ref["requests"]) == 2  # one generation batch per step
