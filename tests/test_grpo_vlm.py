@@ -228,12 +228,12 @@ def test_ring_grpo_trainer_vllm_server_mode_with_image_prompts_matches_single_pr
     _check(case, ring, ref, cp)
 
 
-def test_ring_grpo_trainer_generates_from_image_prompts_once_per_cp_group(tmp_path: Path) -> None:
-    """transformers' generate with the images and sampling (sdpa on every rank): both ranks of the CP group
-    score the same completions and log the same finite losses."""
+@pytest.mark.parametrize("case", ["full-trained-tower-dapo", "gemma3-lora-decoder-frozen-tower-grpo-kl-temperature"])
+def test_ring_grpo_trainer_generates_from_image_prompts_once_per_cp_group(tmp_path: Path, case: str) -> None:
+    """transformers' generate with the images and sampling (sdpa on every rank; Gemma 3 with its
+    ``token_type_ids``): both ranks of the CP group score the same completions and log the same finite losses."""
     data = _data(tmp_path)
-    ring = run_ranks(2, grpo_vlm_run, "ring", "full-trained-tower-dapo", str(tmp_path / "ring"), data, 2, False,
-                     timeout=500)  # fmt: skip
+    ring = run_ranks(2, grpo_vlm_run, "ring", case, str(tmp_path / "ring"), data, 2, False, timeout=500)
     assert ring[0]["seen"] == ring[1]["seen"] and len(ring[0]["seen"]) == 2
     assert all(np.isfinite(h["loss"]) for h in ring[0]["logs"]) and ring[0]["logs"] == ring[1]["logs"]
 
