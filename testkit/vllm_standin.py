@@ -17,15 +17,24 @@ Rules, each from ``trl/generation/vllm_client.py`` at v1.16.0:
   logprobs], "logprob_token_ids": same shape}``, prompt-major: the ``n`` completions of a prompt
   come before those of the next (455-466); ``logprobs=0``: one value per token, the sampled
   token's (the docstring, 403-406); ``logprobs=None``: none (here: ``None`` lists).
+- ``image_features(images, max_concurrent_requests=64)`` (326-368): one entry per prompt, ``None`` where the
+  prompt has no images, else the server's processed images; ``VLLMGeneration`` asks for every gathered prompt's
+  images (``all_images[::num_generations]``) and reads only ``["mm_placeholders"]["image"]`` (one entry per
+  image), which it replaces by the image-token runs of the prompt (``trl/generation/vllm_generation.py``
+  519-548, 611-615). Here: ``{"mm_hashes": {"image": [...]}, "mm_placeholders": {"image": [...]}}``, a hash of
+  each image's pixels (the processed data depends on the image alone, 333-335).
+- ``generate(..., features=...)``: token-id prompts only, one request per prompt, ``prompt_ids`` echoed back
+  unchanged (445-446, 468-506); here the completions are a fixed function of the prompt and its images' hashes.
 - ``update_named_params(metadata, named_params)`` streams the weights (821); here it consumes them.
 - ``reset_prefix_cache()`` (875).
 
-``VLLMClientStandIn.requests`` keeps every ``generate`` call's prompts (the test checks what reached
-the server).
+``VLLMClientStandIn.requests`` keeps every ``generate`` call's prompts and ``image_requests`` every
+``image_features`` call's image counts per prompt (the tests check what reached the server).
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Iterator
 from typing import Any
@@ -42,6 +51,7 @@ class VLLMClientStandIn:
     vocab = 64
     eos = 1
     requests: list[list[list[int]]] = []
+    image_requests: list[list[int]] = []
     synced: list[int] = []
 
     def __init__(
@@ -69,6 +79,16 @@ class VLLMClientStandIn:
     def reset_prefix_cache(self) -> None:
         pass
 
+    def image_features(self, images: list[list | None], max_concurrent_requests: int = 64) -> list[dict | None]:
+        type(self).image_requests.append([len(i) if i else 0 for i in images])
+
+        def one(pics: list) -> dict:
+            hashes = [int(sum(hashlib.sha256(image.tobytes()).digest()[:4])) for image in pics]
+            return {"mm_hashes": {"image": hashes},
+                    "mm_placeholders": {"image": [{"offset": 0, "length": 0} for _ in pics]}}  # fmt: skip
+
+        return [one(pics) if pics else None for pics in images]
+
     def generate(
         self,
         prompts: list[str] | list[list[int]],
@@ -84,13 +104,17 @@ class VLLMClientStandIn:
         structured_outputs_regex: str | None = None,
         generation_kwargs: dict | None = None,
     ) -> dict[str, Any]:
-        if features is not None or any(isinstance(p, str) for p in prompts) or logprobs not in (0, None):
-            raise NotImplementedError("VLLMClientStandIn: token-id prompts, no image features, logprobs 0 or None")
+        if any(isinstance(p, str) for p in prompts) or logprobs not in (0, None):
+            raise NotImplementedError("VLLMClientStandIn: token-id prompts, logprobs 0 or None")
+        if features is not None and len(features) != len(prompts):
+            raise ValueError(f"VLLMClientStandIn: {len(features)} features for {len(prompts)} prompts")
         type(self).requests.append([list(p) for p in prompts])
         completions, values = [], []
-        for p in prompts:
+        for i, p in enumerate(prompts):
+            feats = features[i] if features is not None else None
+            seen = sum(feats["mm_hashes"]["image"]) if feats else 0  # the images' hashes
             for j in range(n):  # prompt-major, as the server returns its choices
-                g = torch.Generator().manual_seed(int(sum(p)) * 31 + j)
+                g = torch.Generator().manual_seed(int(sum(p)) * 31 + j + 7 * seen)
                 k = int(torch.randint(2, max(3, max_tokens), (1,), generator=g))
                 ids = torch.randint(3, self.vocab, (k,), generator=g).tolist()
                 ids = (ids + [self.eos])[:max_tokens] if k % 2 else ids

@@ -217,3 +217,25 @@ def tiny_processor():
             return None if arg is None else super().check_argument_for_proper_class(name, arg)
 
     return ImagesOnly(image_processor=images, tokenizer=tok, video_processor=None)
+
+
+def tiny_gemma3_processor():
+    """A ``Gemma3Processor`` for ``tiny_model("gemma3", ...)`` (nothing downloaded): the word-level tokenizer of
+    ``tiny_processor`` (``w0`` ... ``w76`` are ids 3 ... 79) whose ``<start_of_image>``, ``<image_soft_token>``,
+    ``<end_of_image>`` have the tiny config's ids, and the PIL image processor resizing each image to the tiny
+    encoder's ``8 x 8`` (4 image tokens, ``mm_tokens_per_image``). The processor's ``token_type_ids`` mark the
+    image tokens (1), as Gemma 3's does."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import Gemma3Processor, PreTrainedTokenizerFast
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    special = {"<image_soft_token>": IMAGE, "<start_of_image>": START, "<end_of_image>": END}
+    vocab = {"<pad>": 0, "</s>": 1, "<unk>": 2, **{f"w{i}": i + 3 for i in range(77)}, **special}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="</s>", pad_token="<pad>", unk_token="<unk>",
+                                  extra_special_tokens={"image_token": "<image_soft_token>",
+                                                        "boi_token": "<start_of_image>",
+                                                        "eoi_token": "<end_of_image>"})  # fmt: skip
+    images = Gemma3ImageProcessorPil(size={"height": 8, "width": 8})
+    return Gemma3Processor(image_processor=images, tokenizer=tok, image_seq_length=4)

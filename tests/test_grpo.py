@@ -223,8 +223,8 @@ def test_refusals() -> None:
 
 
 def test_image_prompts_are_refused_under_context_parallelism_where_not_exact(tmp_path: Path) -> None:
-    """Image prompts run at CP > 1 for Qwen-style models generating with transformers (tests/test_grpo_vlm.py);
-    Gemma 3, Llama 4 and the vLLM server are refused by name when the trainer is built."""
+    """Image prompts run at CP > 1 for Qwen-style models and Gemma 3, generating with transformers or the vLLM
+    server (tests/test_grpo_vlm.py); Llama 4 is refused by name when the trainer is built."""
     from hf_ring.trainer.grpo import _refuse_images, has_image_prompts
     from testkit.vlm import tiny_model
 
@@ -232,20 +232,14 @@ def test_image_prompts_are_refused_under_context_parallelism_where_not_exact(tmp
     assert has_image_prompts([{"prompt": "w1", "images": ["x"]}]) and has_image_prompts([{"prompt": image}])
     assert has_image_prompts({"a": [{"prompt": "w1"}], "b": [{"prompt": "w1", "image": "x"}]})
     assert not has_image_prompts([{"prompt": "w1"}]) and not has_image_prompts([{"prompt": "w1", "images": []}])
-
-    class Args:
-        use_vllm = False
-
-    _refuse_images(tiny_model("qwen3_vl", "sdpa"), Args())
-    with pytest.raises(NotImplementedError, match="Llama 4 are not supported with cp_size > 1.*cp_size=1"):
-        _refuse_images(tiny_model("llama4", "sdpa"), Args())
-    Args.use_vllm = True
-    with pytest.raises(NotImplementedError, match="use_vllm=True.*use_vllm=False"):
-        _refuse_images(tiny_model("qwen3_vl", "sdpa"), Args())
-    run_ranks(2, _refuse_gemma_images, str(tmp_path / "out"), timeout=200)
+    _refuse_images(tiny_model("qwen3_vl", "sdpa"))
+    _refuse_images(tiny_model("gemma3", "sdpa"))
+    with pytest.raises(NotImplementedError, match="Llama 4 are not supported.*absolute position.*cp_size=1"):
+        _refuse_images(tiny_model("llama4", "sdpa"))
+    run_ranks(2, _refuse_llama4_images, str(tmp_path / "out"), timeout=200)
 
 
-def _refuse_gemma_images(out: str) -> None:
+def _refuse_llama4_images(out: str) -> None:
     from datasets import Dataset
     from PIL import Image
 
@@ -257,8 +251,8 @@ def _refuse_gemma_images(out: str) -> None:
     data = Dataset.from_list([{"prompt": [{"role": "user", "content": "w1 w2"}], "image": image}] * 4)
     args = RingGRPOConfig(output_dir=out, cp_size=2, use_cpu=True, report_to="none", per_device_train_batch_size=2,
                           num_generations=2, max_completion_length=4)  # fmt: skip
-    with pytest.raises(NotImplementedError, match="image prompts with Gemma 3 .*not verified.*cp_size=1"):
-        RingGRPOTrainer(model=tiny_model("gemma3", "ring", dtype=torch.float32), reward_funcs=reward_words,
+    with pytest.raises(NotImplementedError, match="image prompts with Llama 4 .*absolute position.*cp_size=1"):
+        RingGRPOTrainer(model=tiny_model("llama4", "ring", dtype=torch.float32), reward_funcs=reward_words,
                         args=args, train_dataset=data, processing_class=tiny_processor())  # fmt: skip
 
 

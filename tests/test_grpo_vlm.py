@@ -34,13 +34,27 @@ CASES = {
     "qwen3_5-full-trained-tower-dapo": dict(
         loss_type="dapo", beta=0.0, lora=False, family="qwen3_5", dtype=torch.float64
     ),
+    # Gemma 3: the processor's token_type_ids (its image blocks attend both ways), sliding windows of 8 tokens
+    "gemma3-lora-decoder-frozen-tower-grpo-kl-temperature": dict(
+        loss_type="grpo", beta=0.05, temperature=0.7, lora=True, family="gemma3"
+    ),
+    # float64: SigLIP's key biases have a zero gradient (softmax ignores them), in float32 1e-11 of rounding that
+    # differs by 7e-4 of itself between the runs after the first step (every other gradient within 4e-6)
+    "gemma3-full-trained-tower-dapo": dict(
+        loss_type="dapo", beta=0.0, lora=False, family="gemma3", dtype=torch.float64
+    ),
 }
+# the inputs TRL hands the model for each family's image prompts
+QWEN_KEYS = {"pixel_values", "image_grid_thw", "mm_token_type_ids"}
+IMAGE_KEYS = {"qwen3_vl": QWEN_KEYS, "qwen3_5": QWEN_KEYS, "gemma3": {"pixel_values", "token_type_ids"}}
 # a chat template for the tiny processor: the image parts as Qwen's vision tokens, then the text
 TEMPLATE = (
     "{% for m in messages %}{% if m['content'] is string %}{{ m['content'] }} {% else %}{% for p in m['content'] %}"
     "{% if p['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|> {% else %}{{ p['text'] }} {% endif %}"
     "{% endfor %}{% endif %}{% endfor %}"
 )
+# Gemma 3's: each image part as its start token, which the processor expands to the image's tokens
+GEMMA3_TEMPLATE = TEMPLATE.replace("<|vision_start|><|image_pad|><|vision_end|>", "<start_of_image>")
 SEEN: list[list[str]] = []
 
 
@@ -88,17 +102,38 @@ def _delta_rule_in_float64() -> Iterator[None]:
         module.torch = real
 
 
-def processor():  # noqa: ANN201
-    from testkit.vlm import tiny_processor
+def processor(family: str = "qwen3_vl"):  # noqa: ANN201
+    from testkit.vlm import tiny_gemma3_processor, tiny_processor
 
-    proc = tiny_processor()
-    proc.chat_template = TEMPLATE
+    gemma = family == "gemma3"
+    proc = tiny_gemma3_processor() if gemma else tiny_processor()
+    proc.chat_template = GEMMA3_TEMPLATE if gemma else TEMPLATE
     proc.tokenizer.padding_side = "left"  # as TRL pads its prompt ids
     return proc
 
 
-def grpo_vlm_run(kind: str, case: str, out: str, data_dir: str, cp: int = 2, fixed: bool = True) -> dict:
-    """One run on this rank (``kind``: ``ring``, ``ref`` one process, ``ddp`` TRL over the launched processes)."""
+def grpo_vlm_run(
+    kind: str, case: str, out: str, data_dir: str, cp: int = 2, fixed: bool = True, vllm: bool = False
+) -> dict:  # fmt: skip
+    """One run on this rank (``kind``: ``ring``, ``ref`` one process, ``ddp`` TRL over the launched processes);
+    ``vllm``: TRL's vLLM server mode, its client the stand-in ``testkit.vllm_standin``."""
+    if not vllm:
+        return _grpo_vlm_run(kind, case, out, data_dir, cp, fixed)
+    import trl.generation.vllm_generation as vg
+
+    from testkit.vllm_standin import VLLMClientStandIn
+
+    before = vg.is_vllm_available, vg.VLLMClient
+    vg.is_vllm_available, vg.VLLMClient = (lambda: True), VLLMClientStandIn
+    VLLMClientStandIn.requests, VLLMClientStandIn.image_requests, VLLMClientStandIn.synced = [], [], []
+    try:
+        res = _grpo_vlm_run(kind, case, out, data_dir, cp, False, use_vllm=True, vllm_mode="server")
+    finally:
+        vg.is_vllm_available, vg.VLLMClient = before
+    return {**res, "requests": VLLMClientStandIn.requests, "image_requests": VLLMClientStandIn.image_requests}
+
+
+def _grpo_vlm_run(kind: str, case: str, out: str, data_dir: str, cp: int, fixed: bool, **more: object) -> dict:
     from datasets import load_from_disk
 
     from testkit.vlm import tiny_model
@@ -106,7 +141,7 @@ def grpo_vlm_run(kind: str, case: str, out: str, data_dir: str, cp: int = 2, fix
     spec = dict(CASES[case])
     family = spec.pop("family", "qwen3_vl")
     dtype = spec.pop("dtype", torch.float32)
-    args, cls, lora = grpo_setup(kind, spec, out, fixed, cp)
+    args, cls, lora = grpo_setup(kind, spec, out, fixed, cp, **more)
     ring = kind == "ring"
     model = tiny_model(family, "ring" if ring else "sdpa", dtype=dtype)
     extra: dict = {}
@@ -119,7 +154,7 @@ def grpo_vlm_run(kind: str, case: str, out: str, data_dir: str, cp: int = 2, fix
     SEEN.clear()
     keep = keep_grads(grads, lambda: trainer.model)
     trainer = cls(model=model, reward_funcs=reward_words, args=args, train_dataset=load_from_disk(data_dir),
-                  processing_class=processor(), callbacks=[keep], **extra)  # fmt: skip
+                  processing_class=processor(family), callbacks=[keep], **extra)  # fmt: skip
     keys: list[str] = []
     if ring:  # the batches the ring ran carry the images
         from hf_ring.trainer import fused_head
@@ -133,7 +168,7 @@ def grpo_vlm_run(kind: str, case: str, out: str, data_dir: str, cp: int = 2, fix
         if ring:
             fused_head.shard_batch = shard
     logs = [{k: v for k, v in h.items() if k not in SKIP} for h in trainer.state.log_history if "loss" in h]
-    tower = [n for n in grads[0] if ".visual." in n] if grads else []
+    tower = [n for n in grads[0] if ".visual." in n or ".vision_tower." in n] if grads else []
     return {"logs": logs, "grads": grads, "cp": getattr(trainer, "cp_size", None), "seen": list(SEEN),
             "keys": sorted(set(keys)), "tower_grads": len(tower)}  # fmt: skip
 
@@ -148,7 +183,7 @@ def _data(tmp_path: Path) -> str:
 def _check(case: str, ring: list[dict], ref: dict, cp: int) -> None:
     assert all(r["cp"] == cp for r in ring) and len(ref["logs"]) == len(ring[0]["logs"]) == 2
     assert all(r["seen"] == ref["seen"] for r in ring), "the runs scored different completions"
-    assert {"pixel_values", "image_grid_thw", "mm_token_type_ids"} <= set(ring[0]["keys"]), ring[0]["keys"]
+    assert IMAGE_KEYS[CASES[case].get("family", "qwen3_vl")] <= set(ring[0]["keys"]), ring[0]["keys"]
     assert len(ref["grads"]) == len(ring[0]["grads"]) == 2
     # the tower: trained (its gradients compared too) or frozen (none)
     assert (ref["tower_grads"] > 0) == (not CASES[case]["lora"]) and ring[0]["tower_grads"] == ref["tower_grads"]
@@ -175,24 +210,44 @@ def test_ring_grpo_trainer_with_image_prompts_dp2_cp2_matches_trl_over_2_process
     _check(case, ring[2:], ddp[1], 2)
 
 
-def test_ring_grpo_trainer_generates_from_image_prompts_once_per_cp_group(tmp_path: Path) -> None:
-    """transformers' generate with the images and sampling (sdpa on every rank): both ranks of the CP group
-    score the same completions and log the same finite losses."""
+@pytest.mark.parametrize(("case", "cp"), [("full-trained-tower-dapo", 2), ("full-trained-tower-dapo", 3),
+                                         ("gemma3-lora-decoder-frozen-tower-grpo-kl-temperature", 2)])  # fmt: skip
+def test_ring_grpo_trainer_vllm_server_mode_with_image_prompts_matches_single_process(
+    tmp_path: Path, case: str, cp: int
+) -> None:
+    """``use_vllm=True, vllm_mode="server"`` with image prompts (TRL's client replaced by ``testkit.vllm_standin``,
+    whose completions are a fixed function of the prompt and its images): the server is asked for the CP group's
+    image features and completions once, exactly what one process asks for, and the run (with vLLM's importance
+    sampling correction) equals one-process ``GRPOTrainer``'s."""
     data = _data(tmp_path)
-    ring = run_ranks(2, grpo_vlm_run, "ring", "full-trained-tower-dapo", str(tmp_path / "ring"), data, 2, False,
-                     timeout=500)  # fmt: skip
+    ring = run_ranks(cp, grpo_vlm_run, "ring", case, str(tmp_path / "ring"), data, cp, False, True, timeout=500)
+    ref = run_ranks(1, grpo_vlm_run, "ref", case, str(tmp_path / "ref"), data, cp, False, True, timeout=400)[0]
+    assert ring[0]["requests"] == ref["requests"] and len(ref["requests"]) == 2  # one generation batch per step
+    assert ring[0]["image_requests"] == ref["image_requests"] and all(c > 0 for c in ref["image_requests"][0])
+    assert all(not r["requests"] and not r["image_requests"] for r in ring[1:])  # the main process asks
+    _check(case, ring, ref, cp)
+
+
+@pytest.mark.parametrize("case", ["full-trained-tower-dapo", "gemma3-lora-decoder-frozen-tower-grpo-kl-temperature"])
+def test_ring_grpo_trainer_generates_from_image_prompts_once_per_cp_group(tmp_path: Path, case: str) -> None:
+    """transformers' generate with the images and sampling (sdpa on every rank; Gemma 3 with its
+    ``token_type_ids``): both ranks of the CP group score the same completions and log the same finite losses."""
+    data = _data(tmp_path)
+    ring = run_ranks(2, grpo_vlm_run, "ring", case, str(tmp_path / "ring"), data, 2, False, timeout=500)
     assert ring[0]["seen"] == ring[1]["seen"] and len(ring[0]["seen"]) == 2
     assert all(np.isfinite(h["loss"]) for h in ring[0]["logs"]) and ring[0]["logs"] == ring[1]["logs"]
 
 
 def test_image_batches_without_grids_are_refused_at_the_fused_head() -> None:
-    """Left-padded rows move to the right with their ``mm_token_type_ids``; that keeps the positions of Qwen's
-    M-RoPE (from the real tokens only), and image batches of other models (no ``image_grid_thw``) are refused."""
+    """Left-padded rows move to the right with their ``mm_token_type_ids`` / ``token_type_ids``; that keeps the
+    positions of Qwen's M-RoPE (from the real tokens only) and Gemma 3's attention (positions as differences, its
+    image blocks from ``token_type_ids``); image batches with neither (Llama 4) are refused."""
     from hf_ring.trainer.fused_head import refuse_images_without_grids
 
     ids = torch.ones(2, 8, dtype=torch.long)
     refuse_images_without_grids({"input_ids": ids, "pixel_values": torch.zeros(8, 24),
                                  "image_grid_thw": torch.tensor([[1, 2, 4]])})  # fmt: skip
-    with pytest.raises(NotImplementedError, match="Qwen-style models only.*Gemma 3.*cp_size=1"):
-        refuse_images_without_grids({"input_ids": ids, "pixel_values": torch.zeros(1, 3, 8, 8),
-                                     "token_type_ids": torch.zeros_like(ids)})  # fmt: skip
+    refuse_images_without_grids({"input_ids": ids, "pixel_values": torch.zeros(1, 3, 8, 8),
+                                 "token_type_ids": torch.zeros_like(ids)})  # fmt: skip
+    with pytest.raises(NotImplementedError, match="Qwen-style models.*Gemma 3.*Llama 4 is not exact.*cp_size=1"):
+        refuse_images_without_grids({"input_ids": ids, "pixel_values": torch.zeros(1, 3, 8, 8)})

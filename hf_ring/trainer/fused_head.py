@@ -53,17 +53,21 @@ def _shift_left(x: Tensor, shift: Tensor) -> Tensor:
 
 
 def refuse_images_without_grids(batch: dict[str, Tensor]) -> None:
-    """Raise ``NotImplementedError`` for GRPO's image batches other than Qwen-style ones. Left-padded rows
-    with images are moved to the right for the ring: exact where the model's positions come from the
-    real tokens only, as Qwen's M-RoPE does (``get_rope_index`` reads ``input_ids``, ``mm_token_type_ids``
-    and ``image_grid_thw`` where ``attention_mask`` is 1; transformers 5.x ``modeling_qwen3_vl.py``)."""
+    """Raise ``NotImplementedError`` for GRPO's image batches other than Qwen-style and Gemma 3 ones. Left-padded
+    rows with images are moved to the right for the ring: exact where the model's positions come from the real
+    tokens only, as Qwen's M-RoPE does (``get_rope_index`` reads ``input_ids``, ``mm_token_type_ids`` and
+    ``image_grid_thw`` where ``attention_mask`` is 1; transformers 5.x ``modeling_qwen3_vl.py``), or where they
+    enter only as differences, as Gemma 3's do (RoPE, sliding windows; its image blocks come from
+    ``token_type_ids``, which move with the rows; ``modeling_gemma3.py``). Llama 4 (no grids, no
+    ``token_type_ids``) scales queries by the absolute position in its NoPE layers: refused."""
     images = [k for k in MULTIMODAL_KEYS if k not in _PER_TOKEN and batch.get(k) is not None]
-    if images and batch.get("image_grid_thw") is None and batch.get("video_grid_thw") is None:
+    known = ("image_grid_thw", "video_grid_thw", "token_type_ids")
+    if images and all(batch.get(k) is None for k in known):
         raise NotImplementedError(
             f"hf_ring: GRPO's left-padded prompts with images ({', '.join(images)}) run under context parallelism "
-            "for Qwen-style models only (image_grid_thw, mm_token_type_ids: Qwen3-VL, Qwen3.5); Gemma 3 and "
-            "Llama 4 are not verified there. "
-            "Train this model's image prompts with cp_size=1."
+            "for Qwen-style models (image_grid_thw, mm_token_type_ids: Qwen3-VL, Qwen3.5) and Gemma 3 "
+            "(token_type_ids) only; Llama 4 is not exact there (its NoPE layers scale queries by the absolute "
+            "position, which moving the left padding changes). Train this model's image prompts with cp_size=1."
         )
 
 

@@ -22,8 +22,9 @@ Image prompts (conversational prompts with an ``image`` / ``images`` column, a p
 vision-language model: ``pixel_values``, ``image_grid_thw``, ``mm_token_type_ids``) generate on every rank
 of the group with the images and are scored as TRL scores them: the fused head moves each row's left padding
 to the right with its ``mm_token_type_ids`` (the model's M-RoPE positions come from the real tokens only) and
-hands the images to ``shard_batch`` whole (tests/test_grpo_vlm.py). Refused with images at ``cp_size > 1``:
-Gemma 3 and Llama 4, and ``use_vllm=True``.
+hands the images to ``shard_batch`` whole (tests/test_grpo_vlm.py); Gemma 3's image prompts the same way, with
+its ``token_type_ids`` (its image blocks) moved with the rows; with the vLLM server the images' features are
+asked for and paired with the prompts once per CP group too. Refused with images at ``cp_size > 1``: Llama 4.
 
 Refused at ``cp_size > 1`` (each would see the CP group's duplicated rewards or entropies, or is not
 wired yet): ``vllm_mode="colocate"``, ``scale_rewards="batch"``, ``multi_objective_aggregation="normalize_then_sum"``,
@@ -123,30 +124,26 @@ def _refuse(args: Any) -> None:
         )
 
 
-def _refuse_images(model: Any, args: Any) -> None:
+def _refuse_images(model: Any) -> None:
     """Image prompts at ``cp_size > 1`` run for Qwen-style vision-language models (``image_grid_thw``,
-    ``mm_token_type_ids``, M-RoPE) generating with transformers; refuse the rest by name."""
+    ``mm_token_type_ids``, M-RoPE) and Gemma 3 (``token_type_ids``: its image blocks); refuse the rest by name."""
     from ..transformers.multimodal import FAMILIES
 
     modules = model.modules() if isinstance(model, torch.nn.Module) else ()
     families = {FAMILIES[type(m).__name__] for m in modules if type(m).__name__ in FAMILIES}
-    other = sorted(f for f in families if not f.startswith("Qwen"))
+    other = sorted(f for f in families if not f.startswith("Qwen") and f != "Gemma 3")
     if other:
         why = {
-            "Gemma 3": "its images without grids and TRL's token_type_ids are not verified on GRPO's left-padded rows",
-            "Llama 4": "its tiled images are not verified on GRPO's left-padded rows",
+            # transformers 5.x modeling_llama4.py, Llama4TextAttention.forward: attn_temperature_tuning
+            "Llama 4": "its NoPE layers scale the queries by the absolute position, which moving GRPO's left "
+            "padding to the right would change",
         }
         raise NotImplementedError(
             f"RingGRPOTrainer: image prompts with {', '.join(other)} are not supported with cp_size > 1 "
-            f"({'; '.join(why.get(f, 'untested') for f in other)}); Qwen-style models (Qwen3-VL, Qwen3.5) run them. "
-            "Train this model's image prompts with cp_size=1."
+            f"({'; '.join(why.get(f, 'untested') for f in other)}); Qwen-style models (Qwen3-VL, Qwen3.5) and "
+            "Gemma 3 run them. Train this model's image prompts with cp_size=1."
         )
-    if getattr(args, "use_vllm", False):
-        raise NotImplementedError(
-            "RingGRPOTrainer: image prompts with use_vllm=True are not supported with cp_size > 1 (asking the vLLM "
-            "server for each CP group's image features once is not verified yet); generate with transformers "
-            "(use_vllm=False), which runs image prompts under context parallelism, or train with cp_size=1."
-        )
+
 
 
 def has_image_prompts(dataset: Any) -> bool:
@@ -170,45 +167,58 @@ def has_image_prompts(dataset: Any) -> bool:
     return any(isinstance(p, dict) and p.get("type") == "image" for p in parts)
 
 
-def one_request_per_cp_group(client: Any, world: int, cp_size: int) -> None:
-    """Make ``client.generate`` (TRL's ``VLLMClient`` on the main process, vLLM server mode) ask the
-    server for the prompts of each CP group's first rank only and hand the group's other ranks the
-    same completions.
+def _group_slices(values: list, world: int, cp_size: int, what: str) -> tuple[list, int]:
+    """The entries of the CP groups' first ranks in ``values`` (``len(values) / world`` per rank, in rank order),
+    checked equal to the other ranks' of their group, and the count per rank."""
+    if len(values) % world:
+        raise RuntimeError(f"hf_ring: {len(values)} {what} from {world} processes; expected a multiple")
+    m = len(values) // world
+    for r in range(world):
+        first = r - r % cp_size
+        if values[r * m : (r + 1) * m] != values[first * m : (first + 1) * m]:
+            raise RuntimeError(
+                f"hf_ring: rank {r} asked vLLM for other {what} than rank {first} of its CP group; the ranks of "
+                "a CP group must hold the same batch."
+            )
+    return [v for g in range(0, world, cp_size) for v in values[g * m : (g + 1) * m]], m
 
-    TRL gathers every process's prompts (``len(prompts) / n`` distinct ones each, in rank order),
-    asks the server once for all of them, and gives each process the slice at its rank
-    (``trl/generation/vllm_generation.py``, ``VLLMGeneration.generate``, TRL 1.16). The ranks of a
-    CP group hold the same prompts and must train on the same completions: here the server samples
-    each group's prompts once (not ``cp_size`` times), and every rank's slice is its group's."""
-    ask = client.generate
+
+def _spread(values: list | None, per: int, world: int, cp_size: int) -> list | None:
+    """Each rank's block of ``per`` entries: its CP group's block of ``values`` (the groups' blocks in order)."""
+    if values is None:
+        return None
+    return [v for r in range(world) for v in values[(r // cp_size) * per : (r // cp_size + 1) * per]]
+
+
+def one_request_per_cp_group(client: Any, world: int, cp_size: int) -> None:
+    """Make ``client.generate`` and ``client.image_features`` (TRL's ``VLLMClient`` on the main process, vLLM
+    server mode) ask the server for the prompts (and images) of each CP group's first rank only and hand the
+    group's other ranks the same completions (and features).
+
+    TRL gathers every process's prompts and images (``len(prompts) / n`` distinct ones each, in rank order),
+    asks the server for the images' features, pairs them with the prompts, asks once for all completions, and
+    gives each process the slice at its rank (``trl/generation/vllm_generation.py``, ``VLLMGeneration.generate``
+    585-650, TRL 1.16). The ranks of a CP group hold the same prompts and must train on the same completions:
+    here the server processes and samples each group's prompts once (not ``cp_size`` times), and every rank's
+    slice is its group's."""
+    ask, features_of = client.generate, getattr(client, "image_features", None)
     if getattr(ask, "hf_ring_cp", False):
         return
 
     def generate(prompts: list, features: list | None = None, n: int = 1, **kwargs: Any) -> dict:
-        if len(prompts) % world:
-            raise RuntimeError(f"hf_ring: {len(prompts)} prompts from {world} processes; expected a multiple")
-        m = len(prompts) // world
-        groups = range(0, world, cp_size)  # CP groups are consecutive ranks; their first ranks
-        for r in range(world):
-            first = r - r % cp_size
-            if prompts[r * m : (r + 1) * m] != prompts[first * m : (first + 1) * m]:
-                raise RuntimeError(
-                    f"hf_ring: rank {r} asked vLLM for other prompts than rank {first} of its CP group; the ranks of "
-                    "a CP group must hold the same batch."
-                )
-        asked = [p for g in groups for p in prompts[g * m : (g + 1) * m]]
-        feats = None if features is None else [f for g in groups for f in features[g * m : (g + 1) * m]]
+        asked, m = _group_slices(prompts, world, cp_size, "prompts")
+        feats = None if features is None else _group_slices(features, world, cp_size, "image features")[0]
         out = ask(prompts=asked, features=feats, n=n, **kwargs)
+        return {k: _spread(v, m if k == "prompt_ids" else m * n, world, cp_size) for k, v in out.items()}
 
-        def spread(values: list | None, per: int) -> list | None:  # each rank: its group's block
-            if values is None:
-                return None
-            return [v for r in range(world) for v in values[(r // cp_size) * per : (r // cp_size + 1) * per]]
-
-        return {k: spread(v, m if k == "prompt_ids" else m * n) for k, v in out.items()}
+    def image_features(images: list, *args: Any, **kwargs: Any) -> list:
+        asked, m = _group_slices(images, world, cp_size, "images")
+        return _spread(features_of(asked, *args, **kwargs), m, world, cp_size)  # type: ignore[misc, return-value]
 
     generate.hf_ring_cp = True  # type: ignore[attr-defined]
     client.generate = generate
+    if features_of is not None:
+        client.image_features = image_features
 
 
 class RingGRPOTrainer(RingTrainerForTRL, GRPOTrainer):
@@ -219,7 +229,7 @@ class RingGRPOTrainer(RingTrainerForTRL, GRPOTrainer):
         _refuse(args)
         cp_size = kwargs.get("cp_size") or getattr(args, "cp_size", 1) or 1
         if cp_size > 1 and any(has_image_prompts(kwargs.get(k)) for k in ("train_dataset", "eval_dataset")):
-            _refuse_images(model, args)
+            _refuse_images(model)
         temperature = float(getattr(args, "temperature", 1.0) or 1.0)
         self._ring_init(model, args, ("entropy",), temperature, reward_funcs=reward_funcs, **kwargs)
         client = getattr(getattr(self, "vllm_generation", None), "vllm_client", None)  # the main process's
