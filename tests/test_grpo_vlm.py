@@ -242,12 +242,12 @@ def test_image_batches_without_grids_are_refused_at_the_fused_head() -> None:
     """Left-padded rows move to the right with their ``mm_token_type_ids`` / ``token_type_ids``; that keeps the
     positions of Qwen's M-RoPE (from the real tokens only) and Gemma 3's attention (positions as differences, its
     image blocks from ``token_type_ids``); image batches with neither (Llama 4) are refused."""
-    from hf_ring.trainer.fused_head import refuse_images_without_grids
+    from hf_ring.trainer.fused_head import refuse_unshiftable_images
 
     ids = torch.ones(2, 8, dtype=torch.long)
-    refuse_images_without_grids({"input_ids": ids, "pixel_values": torch.zeros(8, 24),
+    refuse_unshiftable_images({"input_ids": ids, "pixel_values": torch.zeros(8, 24),
                                  "image_grid_thw": torch.tensor([[1, 2, 4]])})  # fmt: skip
-    refuse_images_without_grids({"input_ids": ids, "pixel_values": torch.zeros(1, 3, 8, 8),
+    refuse_unshiftable_images({"input_ids": ids, "pixel_values": torch.zeros(1, 3, 8, 8),
                                  "token_type_ids": torch.zeros_like(ids)})  # fmt: skip
     with pytest.raises(NotImplementedError, match="Qwen-style models.*Gemma 3.*Llama 4 is not exact.*cp_size=1"):
-        refuse_images_without_grids({"input_ids": ids, "pixel_values": torch.zeros(1, 3, 8, 8)})
+        refuse_unshiftable_images({"input_ids": ids, "pixel_values": torch.zeros(1, 3, 8, 8)})

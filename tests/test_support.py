@@ -123,6 +123,18 @@ def test_unrouted_mixers_are_refused(model_type: str, message: str) -> None:
         assert msg.startswith("RingNotSupported") and message in msg and "no context-parallel form" in msg, msg
 
 
+def test_a_causal_mask_with_the_models_own_mask_functions_is_refused() -> None:
+    """Gemma 3's text model with ``use_bidirectional_attention`` ORs a function of its own into every causal
+    mask (transformers ``create_causal_mask(or_mask_function=...)``); the ring cannot see it and refuses,
+    also in one process with a window longer than the sequence (it used to attend causally there)."""
+    from testkit.families import tiny_config
+
+    config = tiny_config("gemma3_text", use_bidirectional_attention=True, sliding_window=4096)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="ring")
+    with pytest.raises(hf_ring.RingNotSupported, match="mask functions of the model's own"):
+        model(input_ids=torch.randint(0, 50, (1, 24)))
+
+
 def hand_sharded_hybrid() -> str:
     """A hybrid run on a shard made by hand (no ring_context): its mixers cannot know the layout."""
     model = build("lfm2", "ring")

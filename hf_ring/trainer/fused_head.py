@@ -38,7 +38,7 @@ from .mesh import adopt_parallelism_config, parallelism_sizes
 from .rows import pack_image_rows, pack_rows, plant_row_sums
 from .trainer import RingTrainer, resolve_ulysses_size
 
-__all__ = ["HeadOptions", "RingTrainerForTRL", "refuse_images_without_grids", "ring_fused_head"]
+__all__ = ["HeadOptions", "RingTrainerForTRL", "refuse_unshiftable_images", "ring_fused_head"]
 
 _PASSED = ("input_ids", "attention_mask", "position_ids", "labels")
 _PER_TOKEN = ("input_ids", "attention_mask", "labels", "mm_token_type_ids", "token_type_ids")  # [B, N]
@@ -52,7 +52,7 @@ def _shift_left(x: Tensor, shift: Tensor) -> Tensor:
     return x.gather(1, idx.view(*idx.shape, *([1] * (x.dim() - 2))).expand_as(x))
 
 
-def refuse_images_without_grids(batch: dict[str, Tensor]) -> None:
+def refuse_unshiftable_images(batch: dict[str, Tensor]) -> None:
     """Raise ``NotImplementedError`` for GRPO's image batches other than Qwen-style and Gemma 3 ones. Left-padded
     rows with images are moved to the right for the ring: exact where the model's positions come from the real
     tokens only, as Qwen's M-RoPE does (``get_rope_index`` reads ``input_ids``, ``mm_token_type_ids`` and
@@ -146,7 +146,7 @@ def _ring_forward(
         mask = batch.get("attention_mask")
         shift = None
         if images:
-            refuse_images_without_grids(batch)
+            refuse_unshiftable_images(batch)
         if mask is not None and not bool(mask[:, 0].all()):  # left padding (GRPO's prompts): move it right
             if batch.get("position_ids") is not None:
                 raise NotImplementedError("hf_ring: left padding together with position_ids is not supported")

@@ -145,7 +145,6 @@ def _refuse_images(model: Any) -> None:
         )
 
 
-
 def has_image_prompts(dataset: Any) -> bool:
     """Whether ``dataset``'s first example holds images as TRL's ``GRPOTrainer`` reads them: an
     ``image`` or ``images`` column, or a conversational prompt with an ``{"type": "image"}`` part."""
@@ -227,9 +226,10 @@ class RingGRPOTrainer(RingTrainerForTRL, GRPOTrainer):
 
     def __init__(self, model: Any = None, reward_funcs: Any = None, args: Any = None, **kwargs: Any) -> None:
         _refuse(args)
-        cp_size = kwargs.get("cp_size") or getattr(args, "cp_size", 1) or 1
+        sizes = parallelism_sizes(args)  # a ParallelismConfig's (or the launcher's) CP size, else cp_size
+        cp_size = sizes["cp_size"] if sizes else kwargs.get("cp_size") or getattr(args, "cp_size", 1) or 1
         if cp_size > 1 and any(has_image_prompts(kwargs.get(k)) for k in ("train_dataset", "eval_dataset")):
-            _refuse_images(model)
+            _refuse_images(model)  # before TRL's init runs anything (a model given by name: at the fused head)
         temperature = float(getattr(args, "temperature", 1.0) or 1.0)
         self._ring_init(model, args, ("entropy",), temperature, reward_funcs=reward_funcs, **kwargs)
         client = getattr(getattr(self, "vllm_generation", None), "vllm_client", None)  # the main process's

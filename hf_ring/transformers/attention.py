@@ -96,7 +96,8 @@ def ring_mask(
     transformers' sliding-window and chunked mask builders) names the window or chunk, told apart
     by the config field it equals; a local mask with the model's own extra mask functions
     (``use_vmap``), or one that equals both fields or neither, is marked unknown (refused by the
-    attention function when it is shorter than the sequence).
+    attention function when it is shorter than the sequence), and so is a causal mask with them
+    (refused always: the ring does not see what they add).
     """
     if attention_mask is not None and not bool(attention_mask.all()):
         raise RingNotSupported(
@@ -105,6 +106,8 @@ def ring_mask(
             "left padding is not supported."
         )
     if local_size is None:
+        if use_vmap:  # a causal mask the model adds functions of its own to (a bidirectional prefix, image blocks)
+            return _local_mask(None, None, 0, "the model adds mask functions of its own to its causal mask")
         return RING_MASK
     window, chunk = getattr(config, "sliding_window", None), getattr(config, "attention_chunk_size", None)
     if use_vmap:

@@ -308,11 +308,10 @@ def image_spans(token_type_ids: Tensor | None, b: int, n: int) -> list[list[tupl
         raise ValueError(f"shard_batch: token_type_ids has shape {tuple(token_type_ids.shape)}, expected [{b}, {n}]")
     image = (token_type_ids.expand(b, n) == 1).to(torch.int8)
     edges = torch.diff(torch.nn.functional.pad(image, (1, 1)), dim=1)  # +1 where a run starts, -1 after it
-    rows = []
-    for row in edges.tolist():  # once per batch, on the host (as the documents' starts)
-        starts = [i for i, d in enumerate(row) if d == 1]
-        stops = [i for i, d in enumerate(row) if d == -1]
-        rows.append(list(zip(starts, stops)))
+    rows: list[list[tuple[int, int]]] = [[] for _ in range(b)]
+    # once per batch: only the runs' ends come to the host (row-major, so starts and stops pair up)
+    for (r, a), (_, z) in zip((edges == 1).nonzero().tolist(), (edges == -1).nonzero().tolist()):
+        rows[r].append((a, z))
     return rows
 
 

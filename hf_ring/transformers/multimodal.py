@@ -118,24 +118,20 @@ def check_entry(model: nn.Module, ctx: RingContext) -> None:
 
 def _enter(module: nn.Module, args: Any, kwargs: dict) -> tuple[Any, dict] | None:
     ctx = kwargs.get(KEY)
-    if not isinstance(ctx, RingContext) or ctx.entry is None:
-        return None
+    entry = isinstance(ctx, RingContext) and ctx.entry is not None
     family = module._hf_ring_family
     name = FAMILIES[family]
+    if name == "Gemma 3" and not (entry and ctx.layout.spans):
+        _refuse_unseen_blocks(module, kwargs.get("token_type_ids"))
+    if not entry:
+        return None
     if kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None or kwargs.get("use_cache"):
         raise RingNotSupported(f"{name} under context parallelism runs without a KV cache (use_cache=False)")
-    type_ids = kwargs.get("token_type_ids")
     if ctx.layout.spans and name != "Gemma 3":
         raise RingNotSupported(
             f"{name} got token_type_ids with image tokens: shard_batch lets the tokens of each image attend to "
             "each other both ways (Gemma 3's image blocks), which this model does not do. Drop token_type_ids "
             "from the batch."
-        )
-    if name == "Gemma 3" and isinstance(type_ids, Tensor) and not ctx.layout.spans and bool((type_ids == 1).any()):
-        raise RingNotSupported(
-            "Gemma 3 got token_type_ids with image tokens that hf_ring.shard_batch did not see: their tokens "
-            "attend to each other both ways, which the ring computes from the batch's layout. Put "
-            "token_type_ids in the batch given to shard_batch."
         )
     decoder = getattr(module, "language_model", None)
     if not isinstance(decoder, nn.Module):
@@ -158,6 +154,22 @@ def _enter(module: nn.Module, args: Any, kwargs: dict) -> tuple[Any, dict] | Non
     if ctx.layout.spans and kwargs.get("attention_mask") is None:
         return args, {**kwargs, "attention_mask": _gemma3_masks(module)}
     return None
+
+
+def _refuse_unseen_blocks(model: nn.Module, type_ids: Any) -> None:
+    """Gemma 3 on the ring with image blocks (``token_type_ids`` 1) that no ``shard_batch`` layout holds:
+    its full layers' mask ORs the blocks in (``block_sequence_ids``), which the ring's mask function cannot
+    see, so the ring would attend causally there. Refused (one host read, only on this path)."""
+    text = model.config.get_text_config()
+    if getattr(text, "_attn_implementation", None) != "ring" or not isinstance(type_ids, Tensor):
+        return
+    if bool((type_ids == 1).any()):
+        raise RingNotSupported(
+            "Gemma 3 got token_type_ids with image tokens that hf_ring.shard_batch did not see (each image's "
+            'tokens attend to each other both ways) under attn_implementation="ring": the ring computes those '
+            "blocks from the batch's layout. Put token_type_ids in the batch given to hf_ring.shard_batch, or run "
+            'without context parallelism with attn_implementation="sdpa".'
+        )
 
 
 def _gemma3_masks(model: nn.Module) -> dict[str, Any]:

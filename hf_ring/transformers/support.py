@@ -184,6 +184,12 @@ def _check_mask(module: nn.Module, config: Any, name: str, kwargs: dict[str, Any
                 f"config.attention_chunk_size >= {n_global}."
             )
         return
+    if mask.unknown is not None and mask.local_size == 0:
+        raise RingNotSupported(
+            f'attn_implementation="ring": this {name} layer\'s causal mask carries mask functions of the model\'s '
+            "own (a bidirectional prefix or image blocks, transformers' or_mask_function / and_mask_function), "
+            "which the ring does not compute. Run this model with another attn_implementation."
+        )
     if mask.unknown is not None and mask.local_size < n_global:
         raise RingNotSupported(
             f'attn_implementation="ring": this {name} layer\'s mask is local over {mask.local_size} tokens, '
