@@ -92,7 +92,7 @@ def test_context_is_only_read_from_kwargs() -> None:
 
 @pytest.mark.parametrize("labelled", [True, False])
 def test_model_without_context_still_runs(labelled: bool) -> None:
-    """A model called with hand-made shards (no ring_context) runs on the default group, as before."""
+    """A model called without its ring_context runs as one process on what it is given."""
     batch = tiny_batch(1, 10)
     kwargs = {k: v for k, v in hf_ring.shard_batch(batch).items() if k != KEY}
     if not labelled:

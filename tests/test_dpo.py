@@ -76,7 +76,19 @@ class _Grads:
         return Keep()
 
 
-def dpo_run(kind: str, case: str, out: str, tok_dir: str, data_dir: str) -> dict:
+def logit_stats(prediction) -> dict[str, float]:  # noqa: ANN001
+    """``compute_metrics``: statistics of the logits TRL hands it (a plain forward on the evaluation pairs)."""
+    logits = np.asarray(prediction.predictions, dtype=np.float64)
+    real = logits[logits != -100]  # the evaluation loop pads the batches' logits to one length with -100
+    return {"logits_mean": float(real.mean()), "logits_abs_mean": float(np.abs(real).mean()),
+            "logits_max": float(real.max()), "logits_count": float(real.size)}  # fmt: skip
+
+
+def dpo_run(
+    kind: str, case: str, out: str, tok_dir: str, data_dir: str, cp: int | None = None, metrics: bool = False
+) -> dict:
+    """One run on this rank (``kind``: ``ring`` or ``ref``, one-process TRL) of ``CASES[case]``; ``cp``
+    overrides the case's CP size; ``metrics``: evaluation with ``compute_metrics=logit_stats``."""
     from datasets import load_from_disk
     from transformers import AutoTokenizer
     from trl import DPOConfig, DPOTrainer
@@ -86,7 +98,7 @@ def dpo_run(kind: str, case: str, out: str, tok_dir: str, data_dir: str) -> dict
 
     spec = dict(CASES[case])
     lora, ref, mesh, ulysses = spec.pop("lora"), spec.pop("ref"), spec.pop("mesh", False), spec.pop("ulysses", 1)
-    evals, cp = spec.pop("evals", False), spec.pop("cp", 2)
+    evals, cp = spec.pop("evals", False) or metrics, spec.pop("cp", 2) if cp is None else cp
     if evals:  # evaluation under CP too: eval_loss and the eval_ metrics
         spec.update(eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=2)
     ring = kind == "ring"
@@ -113,7 +125,8 @@ def dpo_run(kind: str, case: str, out: str, tok_dir: str, data_dir: str) -> dict
     keep = _Grads(holder)
     trainer = cls(model=model, args=args, train_dataset=load_from_disk(data_dir),
                   eval_dataset=load_from_disk(data_dir) if evals else None,
-                  processing_class=AutoTokenizer.from_pretrained(tok_dir), callbacks=[keep], **extra)  # fmt: skip
+                  processing_class=AutoTokenizer.from_pretrained(tok_dir), callbacks=[keep],
+                  compute_metrics=logit_stats if metrics else None, **extra)  # fmt: skip
     holder[0] = trainer.model
     rows: list[int] = []
     gathered: list[int] = []
@@ -224,17 +237,36 @@ def test_planted_row_sums_give_trl_its_masked_row_sums() -> None:
     assert (out["log_probs"] * (comp_pos > 2)).sum(1).tolist() == [-4.0, 0.0]
 
 
-def test_padding_free_without_context_parallelism_is_refused(tmp_path: Path) -> None:
+@pytest.mark.parametrize("case", ["full-sigmoid+ipo-packed", "lora-sigmoid"])
+def test_ring_dpo_trainer_cp1_is_dpo_trainer(tmp_path: Path, case: str) -> None:
+    """At ``cp_size=1`` ``RingDPOTrainer`` with a ring-loaded model is TRL's ``DPOTrainer``: padded pairs, the
+    evaluation with ``compute_metrics``, and ``padding_free=True``, which TRL 1.16 runs padded."""
     from datasets import Dataset
-    from transformers import AutoTokenizer
-
-    from hf_ring.trainer.dpo import RingDPOConfig, RingDPOTrainer
-    from testkit.models import tiny_model
 
     _tokenizer(tmp_path / "tok")
-    args = RingDPOConfig(output_dir=str(tmp_path / "out"), padding_free=True, use_cpu=True, report_to="none",
-                         max_length=48)  # fmt: skip
-    models = {k: tiny_model("llama", "ring", vocab_size=VOCAB) for k in ("model", "ref_model")}
-    with pytest.raises(ValueError, match="padding_free=True packs.*cp_size > 1 or padding_free=False"):
-        RingDPOTrainer(args=args, train_dataset=Dataset.from_list(_pairs()),
-                       processing_class=AutoTokenizer.from_pretrained(str(tmp_path / "tok")), **models)  # fmt: skip
+    for kind in ("ring", "ref"):
+        Dataset.from_list(_pairs()).save_to_disk(tmp_path / f"pairs-{kind}")
+    runs = {kind: run_ranks(1, dpo_run, kind, case, str(tmp_path / kind), str(tmp_path / "tok"),
+                            str(tmp_path / f"pairs-{kind}"), 1, True, timeout=300)  # fmt: skip
+            for kind in ("ring", "ref")}
+    ring, ref = runs["ring"], runs["ref"][0]
+    assert ring[0]["cp"] == 1 and len(ref["logs"]) == len(ring[0]["logs"]) == 3
+    assert "eval_logits_mean" in ref["logs"][-1]
+    assert_same_runs(f"{case}-cp1", ring, ref, "RingDPOTrainer", "DPOTrainer")
+
+
+def test_ring_dpo_trainer_compute_metrics_matches_single_process(tmp_path: Path) -> None:
+    """TRL's ``compute_metrics`` gets the logits of a plain forward on the evaluation pairs (no fused head, no
+    ``shard_batch``): at CP = 2 each rank computes them on the whole batch, as one process does."""
+    from datasets import Dataset
+
+    _tokenizer(tmp_path / "tok")
+    for kind in ("ring", "ref"):
+        Dataset.from_list(_pairs()).save_to_disk(tmp_path / f"pairs-{kind}")
+    case = "full-sigmoid+ipo"
+    ring = run_ranks(2, dpo_run, "ring", case, str(tmp_path / "ring"), str(tmp_path / "tok"),
+                     str(tmp_path / "pairs-ring"), None, True, timeout=300)  # fmt: skip
+    ref = run_ranks(1, dpo_run, "ref", case, str(tmp_path / "ref"), str(tmp_path / "tok"),
+                    str(tmp_path / "pairs-ref"), None, True, timeout=300)[0]  # fmt: skip
+    assert ring[0]["cp"] == 2 and "eval_logits_mean" in ref["logs"][-1]
+    assert_same_runs(f"{case}-compute_metrics", ring, ref, "RingDPOTrainer", "DPOTrainer")

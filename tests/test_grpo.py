@@ -62,11 +62,12 @@ def _fixed_completions(cls: type) -> type:
 
 def grpo_run(
     kind: str, case: str, out: str, tok_dir: str, fixed: bool = True, cp: int = 2, vllm: bool = False,
-    mesh: bool = False,
+    mesh: bool = False, evals: bool = False,
 ) -> dict:  # fmt: skip
     """One run on this rank (``kind``: ``ring``, ``ref`` one process, ``ddp`` TRL over the launched processes);
     ``vllm``: TRL's vLLM server mode, its client the stand-in ``testkit.vllm_standin``; ``mesh``: the ring's
-    CP size from ``ParallelismConfig(dp_shard_size=2, cp_size=cp)``, with FSDP2 (``testkit.fsdp``)."""
+    CP size from ``ParallelismConfig(dp_shard_size=2, cp_size=cp)``, with FSDP2 (``testkit.fsdp``); ``evals``:
+    an evaluation (generation, rewards, loss) after the second step."""
     from contextlib import nullcontext
 
     more: dict = {}
@@ -75,8 +76,10 @@ def grpo_run(
 
         more["parallelism_config"] = ParallelismConfig(dp_shard_size=2, cp_size=cp)
         cp = 1  # from the config
+    if evals:
+        more.update(eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=4)
     if not vllm:
-        return _grpo_run(kind, case, out, tok_dir, fixed, cp)
+        return _grpo_run(kind, case, out, tok_dir, fixed, cp, **more)
     import trl.generation.vllm_generation as vg
 
     from testkit.fsdp import fsdp2_on_cpu
@@ -148,10 +151,13 @@ def _grpo_run(kind: str, case: str, out: str, tok_dir: str, fixed: bool, cp: int
     grads: list[dict] = []
     SEEN.clear()
     keep = keep_grads(grads, lambda: trainer.model)
+    evals = Dataset.from_list(_prompts()[:4]) if getattr(args, "eval_strategy", "no") != "no" else None
     trainer = cls(model=model, reward_funcs=reward_words, args=args, train_dataset=Dataset.from_list(_prompts()),
-                  processing_class=AutoTokenizer.from_pretrained(tok_dir), callbacks=[keep], **extra)  # fmt: skip
+                  eval_dataset=evals, processing_class=AutoTokenizer.from_pretrained(tok_dir), callbacks=[keep],
+                  **extra)  # fmt: skip
     trainer.train()
-    logs = [{k: v for k, v in h.items() if k not in SKIP} for h in trainer.state.log_history if "loss" in h]
+    logs = [{k: v for k, v in h.items() if k not in SKIP and not k.endswith(("_runtime", "_per_second"))}
+            for h in trainer.state.log_history if "loss" in h or "eval_loss" in h]  # fmt: skip
     return {"logs": logs, "grads": grads, "cp": getattr(trainer, "cp_size", None), "seen": list(SEEN)}
 
 
@@ -174,6 +180,20 @@ def test_ring_grpo_trainer_cp4_matches_single_process_grpo_trainer(tmp_path: Pat
     assert all(r["cp"] == 4 for r in ring) and len(ref["logs"]) == len(ring[0]["logs"]) == 2
     assert all(r["seen"] == ref["seen"] for r in ring), "the runs scored different completions"
     assert_same_runs("full-dapo", ring, ref, "RingGRPOTrainer", "GRPOTrainer")
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_ring_grpo_trainer_cp1_is_grpo_trainer(tmp_path: Path, case: str) -> None:
+    """At ``cp_size=1`` ``RingGRPOTrainer`` with a ring-loaded model is TRL's ``GRPOTrainer``: transformers'
+    ``generate`` (sampling, a KV cache) on left-padded prompts, the training steps and an evaluation."""
+    _tokenizer(tmp_path / "tok")
+    runs = {kind: run_ranks(1, grpo_run, kind, case, str(tmp_path / kind), str(tmp_path / "tok"), False, 1,
+                            evals=True, timeout=300)  # fmt: skip
+            for kind in ("ring", "ref")}
+    ring, ref = runs["ring"], runs["ref"][0]
+    assert ring[0]["cp"] == 1 and len(ref["logs"]) == len(ring[0]["logs"]) == 3 and "eval_loss" in ref["logs"][-1]
+    assert ring[0]["seen"] == ref["seen"], "the runs scored different completions"
+    assert_same_runs(f"{case}-cp1", ring, ref, "RingGRPOTrainer", "GRPOTrainer")
 
 
 def test_ring_grpo_trainer_generates_once_per_cp_group(tmp_path: Path) -> None:

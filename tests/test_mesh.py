@@ -240,7 +240,7 @@ def test_fsdp2_over_dp_shard_x_cp_equals_one_process(tmp_path, trainer: str) -> 
           f"relative to the parameter's largest {worst['grad']:.2e}")  # fmt: skip
 
 
-def dp_shard_without_fsdp(out: str) -> str:
+def dp_shard_without_fsdp(out: str, asked: bool = False) -> str:
     from accelerate.parallelism_config import ParallelismConfig
     from datasets import Dataset
 
@@ -249,18 +249,26 @@ def dp_shard_without_fsdp(out: str) -> str:
     from testkit.spawn import launcher_env
 
     launcher_env()
+    more = {"fsdp": "full_shard", "fsdp_config": {"version": 2}} if asked else {}
     args = RingTrainingArguments(output_dir=out, use_cpu=True, report_to="none",
-                                 parallelism_config=ParallelismConfig(dp_shard_size=2, cp_size=2))  # fmt: skip
+                                 parallelism_config=ParallelismConfig(dp_shard_size=2, cp_size=2), **more)  # fmt: skip
     data = Dataset.from_list(_lm_data())
     RingTrainer(model=tiny_model("llama", "ring", vocab_size=VOCAB), args=args, train_dataset=data)
     return "built"
 
 
-def test_dp_shard_without_fsdp_is_one_clear_error_on_every_rank(tmp_path) -> None:
+@pytest.mark.parametrize("asked", [False, True])
+def test_dp_shard_without_fsdp_is_one_clear_error_on_every_rank(tmp_path, asked: bool) -> None:
+    """Without ``fsdp`` the message says to set it; with ``fsdp="full_shard"`` and FSDP2 asked for on gloo
+    (which accelerate never shards on) it says why FSDP is off and what to do instead."""
     from testkit.spawn import run_ranks
 
     with pytest.raises(RuntimeError) as err:
-        run_ranks(4, dp_shard_without_fsdp, str(tmp_path), timeout=MESH_TIMEOUT)
+        run_ranks(4, dp_shard_without_fsdp, str(tmp_path), asked, timeout=MESH_TIMEOUT)
     msg = str(err.value)
     assert "failed on 4 rank(s)" in msg and "dp_shard_size=2 shards the model with FSDP2" in msg
-    assert 'set fsdp="full_shard"' in msg and "or set dp_shard_size to 1" in msg
+    if asked:
+        assert "only on GPU-type backends" in msg and "MULTI_CPU" in msg and "set dp_shard_size to 1" in msg, msg
+        assert 'set fsdp="full_shard"' not in msg
+    else:
+        assert 'set fsdp="full_shard"' in msg and "or set dp_shard_size to 1" in msg

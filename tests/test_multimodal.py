@@ -203,10 +203,6 @@ def refusals() -> list[str]:
         types = _image_blocks(batch)["token_type_ids"]
         tiny_model("gemma3", "ring")(**hf_ring.shard_batch(batch), token_type_ids=types)
     out.append(str(e.value))
-    with pytest.raises(RingNotSupported) as e:  # image blocks on the ring without shard_batch: one unpadded row
-        row = _image_blocks(as_images(qwen_batch(ROWS_4[1:])))
-        tiny_model("gemma3", "ring")(**{k: v for k, v in row.items() if k != "labels"})
-    out.append(str(e.value))
     with pytest.raises(RingNotSupported) as e:  # a multimodal batch given to a text model
         from testkit.models import tiny_model as text_model
 
@@ -230,10 +226,9 @@ def test_refusals_name_the_problem() -> None:
         assert "Qwen3-VL got token_type_ids" in messages[0] and "Drop token_type_ids" in messages[0], messages[0]
         assert "longer than the window" in messages[1] and "sliding window of 8" in messages[1], messages[1]
         assert "did not see" in messages[2], messages[2]
-        assert "did not see" in messages[3] and 'attn_implementation="sdpa"' in messages[3], messages[3]
-        assert "multimodal batch" in messages[4] and "Qwen3-VL" in messages[4]
-        assert "needs input_ids" in messages[5]
-        assert "pixel_values" in messages[6], messages[6]
+        assert "multimodal batch" in messages[3] and "Qwen3-VL" in messages[3]
+        assert "needs input_ids" in messages[4]
+        assert "pixel_values" in messages[5], messages[5]
 
 
 @pytest.mark.timeout(200)

@@ -49,10 +49,11 @@ CONFIGS = {
 }  # fmt: skip
 
 
-def build(model_type: str, attn: str, **overrides) -> torch.nn.Module:
+def build(model_type: str, attn: str, experts_implementation: str | None = None, **overrides) -> torch.nn.Module:
     torch.manual_seed(0)
     config = AutoConfig.for_model(model_type, **{**CONFIGS[model_type], **overrides})
-    return AutoModelForCausalLM.from_config(config, attn_implementation=attn)
+    more = {"experts_implementation": experts_implementation} if experts_implementation else {}
+    return AutoModelForCausalLM.from_config(config, attn_implementation=attn, **more)
 
 
 def step_errors(model_type: str, n: int = 29, **overrides) -> dict[str, float]:
@@ -125,32 +126,36 @@ def test_unrouted_mixers_are_refused(model_type: str, message: str) -> None:
 
 def test_a_causal_mask_with_the_models_own_mask_functions_is_refused() -> None:
     """Gemma 3's text model with ``use_bidirectional_attention`` ORs a function of its own into every causal
-    mask (transformers ``create_causal_mask(or_mask_function=...)``); the ring cannot see it and refuses,
-    also in one process with a window longer than the sequence (it used to attend causally there)."""
+    mask (transformers ``create_causal_mask(or_mask_function=...)``); the ring cannot see it and refuses a
+    batch from ``shard_batch``, also in one process with a window longer than the sequence (it used to attend
+    causally there). Called without ``shard_batch`` the model runs as one process, with that mask (SDPA's)."""
     from testkit.families import tiny_config
 
     config = tiny_config("gemma3_text", use_bidirectional_attention=True, sliding_window=4096)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="ring")
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="ring").double()
+    ids = torch.randint(0, 50, (1, 24))
     with pytest.raises(hf_ring.RingNotSupported, match="mask functions of the model's own"):
-        model(input_ids=torch.randint(0, 50, (1, 24)))
+        model(**hf_ring.shard_batch({"input_ids": ids}))
+    torch.manual_seed(0)
+    ref = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").double()
+    assert (model(input_ids=ids).logits - ref(input_ids=ids).logits).abs().max().item() <= 1e-12
 
 
-def hand_sharded_hybrid() -> str:
-    """A hybrid run on a shard made by hand (no ring_context): its mixers cannot know the layout."""
-    model = build("lfm2", "ring")
+def unsharded_errors(model_type: str) -> dict[str, float]:
+    """Without ``shard_batch`` (no ``ring_context``) every rank of the CP group holds the whole batch and runs
+    it as one process: the mixers (LFM2) and the window (Qwen2-MoE) over the whole sequence, float64."""
+    hf_ring.setup_context_parallel(cp_size=torch.distributed.get_world_size())
     batch = tiny_batch(2, 28)
-    kwargs = hf_ring.shard_batch(batch)
-    kwargs.pop("ring_context")
-    try:
-        model(**kwargs)
-    except hf_ring.RingNotSupported as e:
-        return str(e)
-    return "no error"
+    kw = {"experts_implementation": "eager"} if model_type == "qwen2_moe" else {}  # grouped_mm: no float64
+    out, want = (build(model_type, attn, **kw).double()(**batch) for attn in ("ring", "sdpa"))
+    return {"logits": (out.logits - want.logits).abs().max().item(), "loss": abs(out.loss.item() - want.loss.item())}
 
 
-def test_hybrid_without_ring_context_is_refused() -> None:
-    for msg in run_ranks(2, hand_sharded_hybrid):
-        assert "no ring_context" in msg and "shard_batch" in msg, msg
+@pytest.mark.parametrize("model_type", ["lfm2", "qwen2_moe"])
+def test_without_ring_context_the_whole_batch_runs_as_one_process(model_type: str) -> None:
+    for r in run_ranks(2, unsharded_errors, model_type):
+        assert max(r.values()) <= 1e-12, r
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -160,23 +165,6 @@ def test_windows_and_chunks_are_exact(model_type: str, world: int) -> None:
     border route (zigzag chunks of 8), at CP = 4 the ring (chunks of 4)."""
     for r in run_ranks(world, step_errors, model_type):
         assert r["loss"] <= 1e-5 and r["grads"] <= 1e-5, r
-
-
-def hand_sharded_window() -> str:
-    """A windowed model on a shard made by hand (no ring_context): the layout is unknown."""
-    model = build("qwen2_moe", "ring")
-    kwargs = hf_ring.shard_batch(tiny_batch(2, 28))
-    kwargs.pop("ring_context")
-    try:
-        model(**kwargs)
-    except hf_ring.RingNotSupported as e:
-        return str(e)
-    return "no error"
-
-
-def test_window_without_ring_context_is_refused() -> None:
-    for msg in run_ranks(2, hand_sharded_window):
-        assert "slides over 8 tokens" in msg and "shard_batch" in msg, msg
 
 
 def test_window_the_mask_does_not_apply_is_refused() -> None:

@@ -10,6 +10,7 @@ started together once per session; each writes JSON and parameters that the test
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -184,3 +185,32 @@ def test_model_side_options_train_like_plain_trainer(tmp_path) -> None:
     assert len(losses[0]) == 3 and losses[0] == pytest.approx(losses[1], rel=1e-5)
     with pytest.raises(ValueError, match="activation_offload=True needs activation_checkpointing"):
         RingTrainingArguments(str(tmp_path / "c"), activation_offload=True, use_cpu=True)
+
+
+def test_no_future_warning_from_hf_ring_calls(tmp_path) -> None:
+    """hf_ring's own use of transformers and TRL warns of nothing deprecated: the configs (TRL's default the
+    deprecated ``gradient_checkpointing`` alias to True, which transformers >= 5.25 warns of at every run), and
+    a RingTrainer step with activation checkpointing and offload; FutureWarning raised as an error."""
+    import warnings
+
+    from hf_ring.trainer import RingTrainer, RingTrainingArguments
+    from testkit.models import tiny_model
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from trainer_run import Samples
+
+    common = dict(max_steps=1, per_device_train_batch_size=2, report_to="none", use_cpu=True, disable_tqdm=True,
+                  save_strategy="no")  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        if importlib.util.find_spec("trl") is not None:
+            from hf_ring.trainer.dpo import RingDPOConfig
+            from hf_ring.trainer.grpo import RingGRPOConfig
+            from hf_ring.trainer.trl import RingSFTConfig
+
+            for config in (RingDPOConfig, RingGRPOConfig, RingSFTConfig):
+                more = {"num_generations": 2} if config is RingGRPOConfig else {}
+                assert config(str(tmp_path / config.__name__), **common, **more).activation_checkpointing is True
+        args = RingTrainingArguments(str(tmp_path / "run"), activation_checkpointing=True, activation_offload=True,
+                                     **common)  # fmt: skip
+        RingTrainer(model=tiny_model("llama", "ring"), args=args, train_dataset=Samples(4, 1)).train()

@@ -4,7 +4,9 @@ options of long sequences, and ``apply_model_options``, which puts those options
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
+from typing import Any
 
 from torch import nn
 from transformers import TrainingArguments
@@ -96,6 +98,7 @@ class RingTrainingArguments(TrainingArguments):
 
     def __post_init__(self) -> None:
         check_numbers(self)
+        _resolve_checkpointing_alias(self)
         super().__post_init__()
         sizes = parallelism_sizes(self)  # accelerate's ParallelismConfig(cp_size=P), here or from the launcher
         if sizes is not None and self.cp_size == 1:
@@ -118,6 +121,23 @@ class RingTrainingArguments(TrainingArguments):
                 f"RingTrainingArguments: ulysses_size={self.ulysses_size} does not divide cp_size={self.cp_size}; "
                 f"pick a divisor of {self.cp_size} (1 is plain ring attention)."
             )
+
+
+def _resolve_checkpointing_alias(args: Any) -> None:
+    """TRL's configs (``DPOConfig``, ``GRPOConfig``, ``SFTConfig``) default ``gradient_checkpointing`` to ``True``,
+    which transformers >= 5.25 calls a deprecated alias of ``activation_checkpointing`` and resolves with a
+    ``FutureWarning`` on every run. Where transformers has the new field and the old one holds its class default,
+    move that value to the new field first: the same resolution, without the warning. A value a user set
+    differently still reaches transformers (and its warning)."""
+    fields = {f.name: f for f in dataclasses.fields(args)}
+    for old, new in (("gradient_checkpointing", "activation_checkpointing"),
+                     ("gradient_checkpointing_kwargs", "activation_checkpointing_kwargs")):  # fmt: skip
+        if new not in fields or old not in fields or getattr(args, new) is not None:
+            continue
+        value, default = getattr(args, old), fields[old].default
+        if value is not None and value == default:
+            setattr(args, new, value)
+            setattr(args, old, None)
 
 
 # field -> (the least value, whether it may equal it, whole numbers only, what it counts; None is

@@ -33,6 +33,7 @@ positions (``hf_ring.trainer.rows.pack_image_rows``). tests/test_dpo_vlm.py.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,7 +51,7 @@ __all__ = ["RingDPOConfig", "RingDPOTrainer"]
 class RingDPOConfig(DPOConfig, RingTrainingArguments):
     """``trl.DPOConfig`` (its defaults) plus ``cp_size``, ``ulysses_size``, ``chunked_loss``, ``tiled_mlp``,
     ``activation_offload``. ``padding_free=True`` packs each micro-batch's chosen and rejected rows
-    as documents of one row (at ``cp_size > 1``; see the module docstring)."""
+    as documents of one row (at ``cp_size > 1``; see the module docstring; at ``cp_size=1``, TRL's padding)."""
 
 
 def ld_alpha_tail(label_mask: Tensor) -> Tensor:
@@ -83,10 +84,11 @@ class RingDPOTrainer(RingTrainerForTRL, DPOTrainer):
         finally:
             if self._fused_pack:
                 args.padding_free = True
-        if self._fused_pack and self.cp_size == 1:
-            raise ValueError(
-                "RingDPOConfig: padding_free=True packs each batch's pairs into one row for the ring, which runs at "
-                "cp_size > 1 only (TRL's DPOTrainer has no padding-free path); set cp_size > 1 or padding_free=False."
+        if self._fused_pack and self.cp_size == 1:  # TRL's DPOTrainer, as it runs padding_free=True: padded
+            warnings.warn(
+                "RingDPOConfig: padding_free=True packs each batch's pairs into one row for the ring at cp_size > 1; "
+                "at cp_size=1 this is TRL's DPOTrainer, which pads (set padding_free=False to silence this).",
+                stacklevel=2,
             )
 
     def _precompute_ref_logps(self, dataset: Any, name: str, batch_size: int) -> Any:

@@ -82,15 +82,27 @@ def adopt_parallelism_config(args: Any, cp_size: int | None) -> int | None:
     return cp
 
 
-def check_layout(sizes: dict[str, int] | None, world_size: int, fsdp: bool) -> None:
+def check_layout(
+    sizes: dict[str, int] | None, world_size: int, fsdp: bool, fsdp_asked: bool = False, distributed_type: str = ""
+) -> None:
     """After the trainer is built: the adopted ``sizes`` (``parallelism_sizes``) against the launched
-    ``world_size`` and whether FSDP is on (``fsdp``). ``dp_shard_size > 1`` needs FSDP and
-    ``dp_shard_size x cp_size`` processes; ``dp_replicate_size > 1`` (DDP replicas) needs FSDP off and
-    ``dp_replicate_size x cp_size`` processes. Raises ``ValueError`` naming the field."""
+    ``world_size`` and whether FSDP is on (``fsdp``; ``fsdp_asked``: the arguments or the launcher asked for it;
+    ``distributed_type``: accelerate's). ``dp_shard_size > 1`` needs FSDP and ``dp_shard_size x cp_size``
+    processes; ``dp_replicate_size > 1`` (DDP replicas) needs FSDP off and ``dp_replicate_size x cp_size``
+    processes. Raises ``ValueError`` naming the field."""
     if sizes is None:
         return
     cp, shard, rep = sizes["cp_size"], sizes["dp_shard_size"], sizes["dp_replicate_size"]
     where = "parallelism_config"
+    if shard > 1 and not fsdp and fsdp_asked:
+        # accelerate's AcceleratorState turns FSDP on for GPU-type distributed types only (MULTI_GPU, MULTI_XPU,
+        # MULTI_NPU, ...; accelerate/state.py), never for MULTI_CPU (gloo)
+        raise ValueError(
+            f"hf_ring: {where}.dp_shard_size={shard} shards the model with FSDP2, and FSDP was asked for, but "
+            f"accelerate did not turn it on: it enables FSDP only on GPU-type backends, and this run is "
+            f"{distributed_type or 'not on one'} (on CPU processes, gloo). Run on GPUs, or set dp_shard_size to 1 "
+            "(DDP over the CP groups)."
+        )
     if shard > 1 and not fsdp:
         raise ValueError(
             f"hf_ring: {where}.dp_shard_size={shard} shards the model with FSDP2, which this run does not enable: "

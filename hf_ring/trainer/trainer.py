@@ -182,7 +182,9 @@ class RingTrainer(CheckpointMixin, ReplicaMixin, Trainer):
                 f"{self.args.world_size} (accelerate state {self.accelerator.distributed_type}): on a machine without "
                 "a GPU, pass use_cpu=True (--use_cpu true) so that Trainer uses the launched processes over gloo."
             )
-        check_layout(self._parallelism, self.args.world_size, bool(self.is_fsdp_enabled))
+        asked = bool(self.args.fsdp) or os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+        check_layout(self._parallelism, self.args.world_size, bool(self.is_fsdp_enabled), asked,
+                     str(self.accelerator.distributed_type))  # fmt: skip
         pc = getattr(self.accelerator, "parallelism_config", None)
         if pc is not None and cp_size > 1:
             raise ValueError(

@@ -20,7 +20,7 @@ batch and mask). A config field the mask ignores is ignored, as SDPA ignores it.
 
 from __future__ import annotations
 
-import functools
+import sys
 from typing import Any
 
 import torch
@@ -28,11 +28,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..errors import RingMaskUsed, RingNotSupported
-from ..ops.layout import sequence_layout
 from ..ops.ring import ring_attention
 from ..ops.ulysses import ulysses_ring_attention
 from ..ops.windows import MaskPlan, mask_plan, masked_attention
-from ..parallel import attention_backend, context_parallel_state, default_group
+from ..parallel import attention_backend
 from .carry import ACTIVE
 from .context import RingContext
 from .support import check_layer
@@ -50,17 +49,44 @@ class RingMask:
     """What the ring mask function hands the model instead of an ``[N, N]`` mask: "causal over
     global positions, no padding", with the model's sliding ``window`` (keys ``i - W < j <= i``) or
     attention ``chunk`` when its mask applies one (``unknown``: why a local mask of ``local_size``
-    tokens could not be read). The attention function accepts nothing else; any other use of it
-    (as a tensor, sliced, its ``.dtype``) raises ``RingNotSupported``."""
+    tokens could not be read). It also keeps the arguments transformers gave the mask function
+    (``mask_arguments``), from which ``dense`` builds the mask SDPA or eager attention would get: the
+    one-process path of a call without the batch's ``ring_context``. The attention function accepts
+    nothing else; any other use of it (as a tensor, sliced, its ``.dtype``) raises ``RingNotSupported``."""
 
     def __init__(
-        self, window: int | None = None, chunk: int | None = None, local_size: int = 0, unknown: str | None = None
+        self,
+        window: int | None = None,
+        chunk: int | None = None,
+        local_size: int = 0,
+        unknown: str | None = None,
+        mask_arguments: dict[str, Any] | None = None,
     ) -> None:
         self.window, self.chunk, self.local_size, self.unknown = window, chunk, local_size, unknown
+        self.mask_arguments = mask_arguments or {}
+        self.built: dict[str, Tensor | None] = {}  # "sdpa" / "eager" -> the dense mask, built once per forward
+        self.padding: bool | None = None  # the 2D attention_mask given has padding (read once, under a context)
 
     def __repr__(self) -> str:
         extra = f", window={self.window}" if self.window else f", chunk={self.chunk}" if self.chunk else ""
         return f"RingMask(causal over global positions{extra})"
+
+    def dense(self, kind: str) -> Tensor | None:
+        """The mask transformers' ``kind`` ("sdpa" or "eager") mask function makes from the same
+        arguments (``None``: SDPA's plain causal case, or no mask)."""
+        if kind not in self.built:
+            from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+            self.built[kind] = ALL_MASK_ATTENTION_FUNCTIONS[kind](**self.mask_arguments)
+        return self.built[kind]
+
+    def has_padding(self) -> bool:
+        """The 2D ``attention_mask`` the model gave its mask function masks a token (one host read per
+        forward and mask)."""
+        if self.padding is None:
+            given = self.mask_arguments.get("attention_mask")
+            self.padding = given is not None and not bool(given.all())
+        return self.padding
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -86,44 +112,38 @@ def ring_mask(
     local_size: int | None = None,
     config: Any = None,
     use_vmap: bool = False,
-    **_: Any,
+    **kwargs: Any,
 ) -> RingMask:
-    """Mask function registered for "ring": never builds an ``O(N^2)`` mask.
+    """Mask function registered for "ring": never builds an ``O(N^2)`` mask itself.
 
-    Raises on a padding mask: a 2D mask must reach the model through ``hf_ring.shard_batch``, which
-    handles right padding exactly (and passes no mask). ``mask_function`` is ignored on purpose:
-    transformers reads zigzag ``position_ids`` as packed documents. ``local_size`` (passed by
-    transformers' sliding-window and chunked mask builders) names the window or chunk, told apart
-    by the config field it equals; a local mask with the model's own extra mask functions
-    (``use_vmap``), or one that equals both fields or neither, is marked unknown (refused by the
-    attention function when it is shorter than the sequence), and so is a causal mask with them
-    (refused always: the ring does not see what they add).
+    Returns a ``RingMask`` that names what the mask applies and keeps the arguments it was given, so
+    that a call without the batch's ``ring_context`` computes what one process computes (``RingMask.dense``:
+    the mask SDPA would get, padding, packed ``position_ids`` and the model's own mask functions included).
+    Under a ``ring_context`` the ring computes the mask from the batch's layout: ``mask_function`` is
+    ignored on purpose there (transformers reads zigzag ``position_ids`` as packed documents), and a padding
+    mask is refused by the attention function (``shard_batch`` handles right padding and passes no mask).
+    ``local_size`` (passed by transformers' sliding-window and chunked mask builders) names the window or
+    chunk, told apart by the config field it equals; a local mask with the model's own extra mask functions
+    (``use_vmap``), or one that equals both fields or neither, is marked unknown (refused under a
+    ``ring_context`` when it is shorter than the sequence), and so is a causal mask with them (refused
+    always under a ``ring_context``: the ring does not see what they add).
     """
-    if attention_mask is not None and not bool(attention_mask.all()):
-        raise RingNotSupported(
-            'attn_implementation="ring" got an attention_mask with padding. Pass the full batch '
-            "through hf_ring.shard_batch, which handles right padding exactly and drops the mask; "
-            "left padding is not supported."
-        )
+    given = {**kwargs, "attention_mask": attention_mask, "local_size": local_size, "config": config,
+             "use_vmap": use_vmap}  # fmt: skip
     if local_size is None:
         if use_vmap:  # a causal mask the model adds functions of its own to (a bidirectional prefix, image blocks)
-            return _local_mask(None, None, 0, "the model adds mask functions of its own to its causal mask")
-        return RING_MASK
+            return RingMask(None, None, 0, "the model adds mask functions of its own to its causal mask", given)
+        return RingMask(mask_arguments=given)
     window, chunk = getattr(config, "sliding_window", None), getattr(config, "attention_chunk_size", None)
     if use_vmap:
-        return _local_mask(None, None, local_size, "the model adds mask functions of its own to it")
+        return RingMask(None, None, local_size, "the model adds mask functions of its own to it", given)
     if local_size == window and local_size != chunk:
-        return _local_mask(local_size, None, local_size)
+        return RingMask(local_size, None, local_size, mask_arguments=given)
     if local_size == chunk and local_size != window:
-        return _local_mask(None, local_size, local_size)
-    return _local_mask(
-        None, None, local_size, "it is neither config.sliding_window nor config.attention_chunk_size (or both)"
+        return RingMask(None, local_size, local_size, mask_arguments=given)
+    return RingMask(
+        None, None, local_size, "it is neither config.sliding_window nor config.attention_chunk_size (or both)", given
     )
-
-
-@functools.cache
-def _local_mask(window: int | None, chunk: int | None, local_size: int, unknown: str | None = None) -> RingMask:
-    return RingMask(window, chunk, local_size, unknown)
 
 
 _UNSUPPORTED = {
@@ -150,8 +170,12 @@ def ring_attention_forward(
 
     ``query: [B, Hq, S_local, Dqk]``, ``key: [B, Hkv, S_local, Dqk]``, ``value: [B, Hkv, S_local, Dv]``,
     this rank's zigzag shard (see ``hf_ring.shard_batch``). Returns ``([B, S_local, Hq, Dv], None)``.
-    The CP group is the batch's (``ring_context``, or the one ``carry.ACTIVE`` holds for a decoder layer
-    that drops it: ``install.ATTENTION_CALLERS``); without one (a shard made by hand), the default CP group.
+    The CP group and the shard's layout are the batch's (``ring_context``, or the one ``carry.ACTIVE`` holds
+    for a decoder layer that drops it: ``install.ATTENTION_CALLERS``). Without one -- a model called without
+    ``shard_batch``, as TRL's evaluation or a user's own forward does -- every rank holds the whole batch,
+    and the call computes what one process computes on it: transformers' SDPA attention with the mask SDPA
+    would get (padding, packed ``position_ids`` and the model's own mask functions included), or the model's
+    eager attention where it soft-caps scores or has attention sinks (``one_process_attention``).
     With Ulysses (``setup_context_parallel(..., ulysses_size=U)``) the shard is in the
     hybrid layout and the call runs ``ulysses_ring_attention``, which needs ``U`` to divide ``Hq``
     (``ValueError`` otherwise). Under autocast, q/k/v are cast to the autocast dtype, as SDPA's are. A value head dim
@@ -160,11 +184,15 @@ def ring_attention_forward(
     attention sinks (``s_aux [Hq]`` of GPT-OSS, MiMo-V2-Flash, Granite SWA; per-token ``sinks
     [B, Hq, S_local, 1]``) join each row's softmax after the ring's merge (``ring_attention``).
     """
+    if ring_context is None:  # a decoder layer that calls its attention without the batch's keyword arguments
+        ring_context = ACTIVE.get()
+    if ring_context is None:
+        return one_process_attention(
+            module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, is_causal=is_causal, **kwargs
+        )
     for name, what in _UNSUPPORTED.items():
         if kwargs.get(name) is not None:
             raise RingNotSupported(f'attn_implementation="ring" does not support {what} (got {name}=...).')
-    if ring_context is None:  # a decoder layer that calls its attention without the batch's keyword arguments
-        ring_context = ACTIVE.get()
     if dropout:
         raise RingNotSupported(
             f'attn_implementation="ring" does not support attention dropout (dropout={dropout} while '
@@ -176,28 +204,24 @@ def ring_attention_forward(
             "it applies the causal mask over global positions itself. Pass the batch through "
             "hf_ring.shard_batch (right padding is handled there) instead of a custom mask."
         )
+    if isinstance(attention_mask, RingMask) and attention_mask.has_padding():
+        raise RingNotSupported(
+            'attn_implementation="ring" got an attention_mask with padding next to the batch\'s ring_context. '
+            "Pass the padded batch, attention_mask included, to hf_ring.shard_batch, which handles right "
+            "padding exactly, and give the model only what it returns; left padding is not supported."
+        )
     if query.shape[2] != key.shape[2]:
         raise RingNotSupported(
             f'attn_implementation="ring" needs as many keys as queries (got {query.shape[2]} queries, '
             f"{key.shape[2]} keys): decoding with a KV cache is not supported. Pass use_cache=False "
             "(shard_batch does) and generate with another attn_implementation."
         )
-    if ring_context is not None:
-        group, size, schedule = ring_context.group, ring_context.size, ring_context.schedule
-        ulysses = (ring_context.ulysses_group, ring_context.ring_group) if ring_context.ulysses_size > 1 else None
-    else:
-        group, schedule = default_group(), None
-        size = torch.distributed.get_world_size(group) if torch.distributed.is_initialized() else 1
-        _refuse_packed_positions(kwargs.get("position_ids"))
-        cp = context_parallel_state() if size > 1 else None
-        ulysses = (cp.ulysses_group, cp.ring_group) if cp is not None and cp.ulysses_size > 1 else None
-    labelled = ring_context.labelled if ring_context is not None else False
-    given = ring_context.positions_given if ring_context is not None else True
+    group, size, schedule = ring_context.group, ring_context.size, ring_context.schedule
+    ulysses = (ring_context.ulysses_group, ring_context.ring_group) if ring_context.ulysses_size > 1 else None
     n_global = query.shape[2] * size
     mask = attention_mask if isinstance(attention_mask, RingMask) else None
-    check_layer(module, kwargs, n_global, labelled, size, given, ring_context is not None, mask=mask)
-    if ring_context is not None:  # Llama 4's NoPE temperature from global positions
-        query = global_temperature(module, query, ring_context)
+    check_layer(module, kwargs, n_global, ring_context.labelled, size, ring_context.positions_given, mask=mask)
+    query = global_temperature(module, query, ring_context)  # Llama 4's NoPE temperature from global positions
     device = query.device.type
     if torch.is_autocast_enabled(device):  # as SDPA under autocast: all three in the autocast dtype
         dtype = torch.get_autocast_dtype(device)
@@ -209,10 +233,9 @@ def ring_attention_forward(
         d = max(d_qk, d_v)
         query, key, value = (F.pad(t, (0, d - t.shape[-1])) for t in (query, key, value))
     causal = module.is_causal if is_causal is None else is_causal
-    plan = _mask_plan(mask, n_global, causal, ring_context, query.shape[0], query.shape[2], size)
+    plan = _mask_plan(mask, n_global, causal, ring_context, query.shape[0])
     softcap, sinks = kwargs.get("softcap"), _sinks(kwargs, query.shape[1], query.shape[2])
-    if ring_context is not None:
-        ring_context.cross_rank_calls.attention_ran()  # forward calls only: a checkpoint recompute does not count
+    ring_context.cross_rank_calls.attention_ran()  # forward calls only: a checkpoint recompute does not count
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)  # (B, S, H, D)
     backend = attention_backend()  # "auto", or the kernel hf_ring.set_attention_backend pinned
     with torch.autocast(device, enabled=False):
@@ -232,9 +255,7 @@ def ring_attention_forward(
     return (out[..., :d_v] if d_v != d_qk else out), None
 
 
-def _mask_plan(
-    mask: RingMask | None, n_global: int, causal: bool, ctx: RingContext | None, batch: int, s_local: int, size: int
-) -> MaskPlan | None:
+def _mask_plan(mask: RingMask | None, n_global: int, causal: bool, ctx: RingContext, batch: int) -> MaskPlan | None:
     """The batch's plan for the window or chunk of ``mask`` (``None``: plain causal attention, also for
     windows and chunks no shorter than the sequence)."""
     window = mask.window if mask is not None and mask.window and mask.window < n_global else None
@@ -246,13 +267,6 @@ def _mask_plan(
             'attn_implementation="ring" computes sliding windows and chunks of causal attention only; this layer '
             "is bidirectional."
         )
-    if ctx is None:
-        if size > 1:  # without the layout the documents and the shard's positions are unknown
-            raise RingNotSupported(
-                f'attn_implementation="ring": this layer slides over {window or chunk} tokens; at CP > 1 the ring '
-                "computes that from the batch's layout. Pass the batch through hf_ring.shard_batch."
-            )
-        return mask_plan(sequence_layout(s_local, 1), batch, 0, window=window, chunk=chunk)
     ring_pos = ctx.rank // ctx.ulysses_size
     return ctx.cached(
         ("mask", window, chunk, batch),
@@ -278,12 +292,36 @@ def _sinks(kwargs: dict[str, Any], heads: int, rows: int) -> Tensor | None:
     )
 
 
-def _refuse_packed_positions(position_ids: Tensor | None) -> None:
-    """Without a ``RingContext`` the document boundaries are unknown: refuse positions that go back
-    (packed documents) rather than attend across documents. Zigzag shards only jump forward."""
-    if position_ids is not None and position_ids.shape[-1] > 1 and bool((position_ids.diff(dim=-1) <= 0).any()):
+def one_process_attention(
+    module: torch.nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Any,
+    **kwargs: Any,
+) -> tuple[Tensor, Any]:
+    """A "ring" attention call without the batch's ``ring_context``: what one process computes on the
+    batch it was given (``query [B, Hq, S, D]``, ``key``/``value [B, Hkv, S_kv, D]`` -> ``[B, S, Hq, D]``).
+
+    Every rank holds the whole batch then, so this is transformers' own attention on it: SDPA with the
+    mask SDPA would get (``RingMask.dense``: padding, packed ``position_ids``, windows, chunks, the
+    model's own mask functions), or, where the layer soft-caps its scores or has attention sinks, which
+    SDPA does not compute, the eager attention of the layer's modeling module with the eager mask. No
+    shard semantics are guessed from a shape: sharded batches carry their ``ring_context``."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    special = kwargs.get("softcap") is not None or any(kwargs.get(k) is not None for k in ("s_aux", "sinks"))
+    kind = "eager" if special else "sdpa"
+    mask = attention_mask.dense(kind) if isinstance(attention_mask, RingMask) else attention_mask
+    if not special:
+        return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, mask, **kwargs)
+    eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+    if eager is None:
         raise RingNotSupported(
-            'attn_implementation="ring" got position_ids that restart (packed documents) without the '
-            "document boundaries. Pass the full batch through hf_ring.shard_batch, which computes them "
-            "once per batch; it accepts position_ids that restart at 0 per document, or cu_seq_lens."
+            f'attn_implementation="ring": {type(module).__name__} soft-caps its scores or has attention sinks, '
+            "which SDPA does not compute, and its modeling module has no eager_attention_forward to compute this "
+            "call (made without hf_ring.shard_batch) as one process would. Pass the batch through "
+            'hf_ring.shard_batch, or load the model with attn_implementation="eager" for this use.'
         )
+    kwargs.pop("is_causal", None)  # eager attention takes causality from its mask
+    return eager(module, query, key, value, mask, **kwargs)

@@ -121,7 +121,7 @@ def _enter(module: nn.Module, args: Any, kwargs: dict) -> tuple[Any, dict] | Non
     entry = isinstance(ctx, RingContext) and ctx.entry is not None
     family = module._hf_ring_family
     name = FAMILIES[family]
-    if name == "Gemma 3" and not (entry and ctx.layout.spans):
+    if name == "Gemma 3" and isinstance(ctx, RingContext) and not ctx.layout.spans:  # without one: one process
         _refuse_unseen_blocks(module, kwargs.get("token_type_ids"))
     if not entry:
         return None

@@ -8,16 +8,18 @@ raises ``RingNotSupported`` -- naming the model, the reason and the alternative 
 - sequence mixers outside the attention registry (Mamba/SSM mixers, gated DeltaNet, lightning
   and other linear attention, short convolutions, RG-LRU, ...) that have no context-parallel form
   (``mixers.FAMILIES`` routes the rest): they would run on the local zigzag shard as if it were a
-  contiguous sequence; routed ones need the batch's ``ring_context``;
+  contiguous sequence;
 - restrictions that live only in the model, or in a mask the ring cannot read (a sliding window or
   chunked attention that the model's own mask does not state -- the ring computes the ones
-  transformers' mask functions apply, ``_check_mask`` --; Llama 4's NoPE temperature tuning on a
-  shard made by hand -- with the batch's ``ring_context`` it is computed from global positions,
-  ``temperature.py``);
+  transformers' mask functions apply, ``_check_mask`` --);
 - the MoE router's auxiliary loss with a nonzero coefficient in models whose loss ``router.py``
-  does not compute over the CP group, or on a shard made by hand (no ``ring_context``);
+  does not compute over the CP group;
 - dropout, additive bias, KV-cache decoding, dynamic RoPE; a window on a non-causal layer (logit
   soft-capping and attention sinks are computed exactly inside the ring, windowed layers included).
+
+A call without the batch's ``ring_context`` (a model called without ``shard_batch``) never reaches
+``check_layer``: every rank holds the whole batch then, and it computes what one process computes
+(``attention.one_process_attention``).
 
 ``check_layer`` also refuses, at CP > 1, causal LMs that compute their loss themselves (hf_ring sums
 the loss over the CP group through the model's ``loss_function``), and RoBERTa-style models that
@@ -159,8 +161,8 @@ def _check_mask(module: nn.Module, config: Any, name: str, kwargs: dict[str, Any
     as ``sliding_window`` that the mask ignores is ignored (moshi), and a window the mask applies is
     computed. Refused: a layer that passes ``sliding_window=`` to the attention function but whose
     mask applies another window (flash-attn would apply the keyword, SDPA the mask), a chunked layer
-    whose mask has no chunks, a local mask the ring cannot name, and -- without the mask (a shard
-    made by hand, a model that builds no mask) -- any window or chunk shorter than the sequence.
+    whose mask has no chunks, a local mask the ring cannot name, and -- without the mask (a model
+    that builds no mask through transformers' mask functions) -- any window or chunk shorter than the sequence.
     """
     kw = kwargs.get("sliding_window")
     chunk = getattr(config, "attention_chunk_size", None)
@@ -170,8 +172,8 @@ def _check_mask(module: nn.Module, config: Any, name: str, kwargs: dict[str, Any
         if window is not None and window < n_global:
             raise RingNotSupported(
                 f'attn_implementation="ring": this {name} layer has a sliding window of {window} tokens, shorter '
-                f"than the sequence ({n_global}), and the ring did not make its mask (a shard made by hand, or a "
-                "model that builds no mask through transformers' mask functions), so it cannot tell which "
+                f"than the sequence ({n_global}), and the ring did not make its mask (the model builds no mask "
+                "through transformers' mask functions), so it cannot tell which "
                 "window the model applies. Pass the batch through hf_ring.shard_batch, or set "
                 "config.sliding_window = None (Mistral) / config.use_sliding_window = False (Qwen2) to train "
                 "with full attention."
@@ -211,7 +213,7 @@ def _check_mask(module: nn.Module, config: Any, name: str, kwargs: dict[str, Any
         )
 
 
-def _check_mixers(name: str, modeling_module: str, mixers: tuple[str, ...], context: bool) -> None:
+def _check_mixers(name: str, modeling_module: str, mixers: tuple[str, ...]) -> None:
     """Mixers routed through their context-parallel form (``mixers.FAMILIES``) are exact on batches from
     ``shard_batch``; any other mixer class is refused."""
     routed_here = set(routed_classes(modeling_module))
@@ -223,17 +225,11 @@ def _check_mixers(name: str, modeling_module: str, mixers: tuple[str, ...], cont
             "context-parallel form of them. Train this model without context parallelism (cp_size=1) or with "
             "another attn_implementation."
         )
-    if not context:
-        raise RingNotSupported(
-            f'attn_implementation="ring": {name} mixes tokens outside attention ({", ".join(mixers)}), which '
-            "hf_ring computes across the CP group from the batch's layout; this call has no ring_context. Pass "
-            "the full batch through hf_ring.shard_batch (RingTrainer does)."
-        )
 
 
-def _check_router_loss(name: str, modeling_module: str, coef: float, context: bool) -> None:
+def _check_router_loss(name: str, modeling_module: str, coef: float) -> None:
     """The router load-balancing loss is exact over the CP group where ``router.routed`` says it has a
-    context-parallel form and the call carries the batch's ``ring_context``; refused otherwise."""
+    context-parallel form; refused otherwise."""
     if not routed(modeling_module):
         raise RingNotSupported(
             f'attn_implementation="ring": {name} adds the router load-balancing loss '
@@ -241,12 +237,6 @@ def _check_router_loss(name: str, modeling_module: str, coef: float, context: bo
             "router logits only, so each rank would train on a different loss, and hf_ring has no "
             "context-parallel form of this model's loss. Set config.output_router_logits = False "
             "(or router_aux_loss_coef = 0) for context-parallel training."
-        )
-    if not context:
-        raise RingNotSupported(
-            f'attn_implementation="ring": {name} adds the router load-balancing loss (coefficient {coef}), '
-            "which hf_ring sums over the CP group from the batch's layout; this call has no ring_context. "
-            "Pass the full batch through hf_ring.shard_batch (RingTrainer does)."
         )
 
 
@@ -257,7 +247,6 @@ def check_layer(
     labelled: bool,
     cp_size: int,
     positions_given: bool = True,
-    context: bool = True,
     mask: Any = None,
 ) -> None:
     """Raise ``RingNotSupported`` if this attention call cannot be computed exactly by the ring.
@@ -265,8 +254,7 @@ def check_layer(
     ``module``: the attention module transformers called us from; ``kwargs``: the keyword
     arguments it passed (``sliding_window``, ``softcap``, ``output_router_logits``, ...);
     ``n_global``: the whole sequence's length; ``labelled``: the batch computes a loss;
-    ``positions_given``: the batch came with its own ``position_ids`` (or from no ``shard_batch``);
-    ``context``: the call carries the batch's ``ring_context`` (hybrid mixers need its layout);
+    ``positions_given``: the batch came with its own ``position_ids``;
     ``mask``: what the model's own mask function applies, as the ring's mask function read it (an
     object with ``window``, ``chunk``, ``unknown``: ``attention.RingMask``), ``None`` when the model
     made no mask through it (windows and chunks shorter than the sequence are then refused), or
@@ -276,7 +264,7 @@ def check_layer(
     name = model_name(config)
     mixers = sequence_mixers(type(module).__module__)
     if mixers and cp_size > 1:
-        _check_mixers(name, type(module).__module__, mixers, context)
+        _check_mixers(name, type(module).__module__, mixers)
     own_loss = computes_own_loss(type(module).__module__)
     if own_loss and labelled and cp_size > 1:
         raise RingNotSupported(
@@ -292,24 +280,9 @@ def check_layer(
         )
     if mask != "static":
         _check_mask(module, config, name, kwargs, n_global, mask)
-    floor = getattr(config, "floor_scale", None)
-    if (
-        getattr(config, "attn_temperature_tuning", False)
-        and not getattr(module, "use_rope", True)  # transformers sets it from no_rope_layers[i]: 0 or 1
-        and isinstance(floor, (int, float))
-        and n_global > floor
-        and cp_size > 1
-        and not context
-    ):
-        raise RingNotSupported(
-            f'attn_implementation="ring": {name} scales the queries of its NoPE layers by a temperature '
-            f"of their positions, which beyond {int(floor)} tokens hf_ring takes from the batch's layout; "
-            "this call has no ring_context. Pass the full batch through hf_ring.shard_batch (RingTrainer "
-            "does), or set config.attn_temperature_tuning = False."
-        )
     coef = router_loss_coefficient(config)
-    if kwargs.get("output_router_logits") and coef and (labelled or not context) and cp_size > 1:
-        _check_router_loss(name, type(module).__module__, coef, context)
+    if kwargs.get("output_router_logits") and coef and labelled and cp_size > 1:
+        _check_router_loss(name, type(module).__module__, coef)
     rope = getattr(config, "rope_parameters", None) or {}
     if isinstance(rope, dict) and rope.get("rope_type") in ("dynamic", "longrope"):
         raise RingNotSupported(
