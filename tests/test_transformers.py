@@ -186,6 +186,7 @@ def test_softcapping_and_sinks_reach_the_ring() -> None:
     GPT-OSS (scores capped, a sink logit joined to each row's softmax and dropped); a sink of the wrong
     shape is refused."""
     module = tiny_model("llama", "ring").model.layers[0].self_attn
+    ctx = hf_ring.shard_batch({"input_ids": torch.zeros(1, 8, dtype=torch.long)})["ring_context"]  # one process
     g = torch.Generator().manual_seed(0)
     q, k, v = torch.randn(1, 4, 8, 16, generator=g) * 4, torch.randn(1, 2, 8, 16, generator=g), torch.randn(1, 2, 8, 16)
     sink = torch.randn(4, generator=g)
@@ -193,23 +194,35 @@ def test_softcapping_and_sinks_reach_the_ring() -> None:
     s = (torch.tanh(s / 5.0) * 5.0).masked_fill(torch.ones(8, 8, dtype=torch.bool).triu(1), float("-inf"))
     p = torch.cat((s, sink.view(1, 4, 1, 1).expand(1, 4, 8, 1)), -1).softmax(-1)[..., :-1]
     want = (p @ v.repeat_interleave(2, 1)).transpose(1, 2)
-    out, _ = ring_attention_forward(module, q, k, v, None, scaling=0.25, softcap=5.0, s_aux=sink)
+    out, _ = ring_attention_forward(module, q, k, v, None, scaling=0.25, softcap=5.0, s_aux=sink, ring_context=ctx)
     torch.testing.assert_close(out, want)
     per_token = sink.view(1, 4, 1, 1).expand(1, 4, 8, 1)
-    out, _ = ring_attention_forward(module, q, k, v, None, scaling=0.25, softcap=5.0, sinks=per_token)
+    out, _ = ring_attention_forward(module, q, k, v, None, scaling=0.25, softcap=5.0, sinks=per_token,
+                                    ring_context=ctx)  # fmt: skip
     torch.testing.assert_close(out, want)
     with pytest.raises(ValueError, match="attention sinks of one logit per head"):
-        ring_attention_forward(module, q, k, k, None, scaling=0.25, s_aux=torch.zeros(3))
+        ring_attention_forward(module, q, k, k, None, scaling=0.25, s_aux=torch.zeros(3), ring_context=ctx)
+    with pytest.raises(hf_ring.RingNotSupported, match="passes sink, which SDPA does not compute"):
+        ring_attention_forward(module, q, k, k, None, scaling=0.25, s_aux=sink)  # Llama's eager has no sinks
 
 
 def test_mask_not_prepared_by_ring_raises() -> None:
-    model = tiny_model("llama", "ring")
+    """Next to the batch's ``ring_context`` a mask the ring did not make (4D, or a padding mask) is refused;
+    without one the model runs as one process, with the mask as SDPA takes it."""
+    model, sdpa = tiny_model("llama", "ring"), tiny_model("llama", "sdpa")
     ids = tiny_batch(1, 8)["input_ids"]
+    kwargs = hf_ring.shard_batch({"input_ids": ids})
+    four_d = torch.zeros(1, 1, 8, 8)
+    padding = torch.tensor([[1, 1, 1, 1, 1, 1, 0, 0]])
     with pytest.raises(ValueError, match="did not prepare"):
-        model(input_ids=ids, attention_mask=torch.zeros(1, 1, 8, 8), use_cache=False)
-    with pytest.raises(ValueError, match="attention_mask with padding"):
-        model(input_ids=ids, attention_mask=torch.tensor([[1, 1, 1, 1, 1, 1, 0, 0]]), use_cache=False)
-    model(input_ids=ids, attention_mask=torch.ones(1, 8, dtype=torch.long), use_cache=False)  # no padding: fine
+        model(**kwargs, attention_mask=four_d)
+    with pytest.raises(ValueError, match="attention_mask with padding next to the batch's ring_context"):
+        model(**kwargs, attention_mask=padding)
+    model(**kwargs, attention_mask=torch.ones(1, 8, dtype=torch.long))  # no padding: fine
+    for mask in (four_d, padding):
+        got = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        want = sdpa(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
 def test_left_padding_raises() -> None:
@@ -231,12 +244,18 @@ def test_position_offsets_and_padding_positions_are_one_document() -> None:
     assert out["ring_context"].schedule is None
 
 
-def test_kv_cache_decoding_raises() -> None:
-    model = tiny_model("llama", "ring").eval()
+def test_kv_cache_decoding_runs_as_one_process_and_is_refused_with_a_context() -> None:
+    """Without ``shard_batch``, ``generate`` (a KV cache) is one process's greedy decoding, token for token;
+    a query block shorter than its keys next to a ``ring_context`` is refused."""
+    model, sdpa = tiny_model("llama", "ring").eval(), tiny_model("llama", "sdpa").eval()
     ids = tiny_batch(1, 8)["input_ids"]
-    out = model(input_ids=ids, use_cache=True)
+    got = model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert got.equal(sdpa.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0))
+    module = model.model.layers[0].self_attn
+    ctx = hf_ring.shard_batch({"input_ids": ids})["ring_context"]
+    q, kv = torch.randn(1, 4, 1, 16), torch.randn(1, 2, 8, 16)
     with pytest.raises(ValueError, match="decoding with a KV cache"):
-        model(input_ids=ids[:, :1], cache=out.cache, use_cache=True)
+        ring_attention_forward(module, q, kv, kv, None, scaling=0.25, ring_context=ctx)
 
 
 def test_dynamic_rope_raises() -> None:

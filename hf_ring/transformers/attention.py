@@ -20,6 +20,8 @@ batch and mask). A config field the mask ignores is ignored, as SDPA ignores it.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import sys
 from typing import Any
 
@@ -213,8 +215,9 @@ def ring_attention_forward(
     if query.shape[2] != key.shape[2]:
         raise RingNotSupported(
             f'attn_implementation="ring" needs as many keys as queries (got {query.shape[2]} queries, '
-            f"{key.shape[2]} keys): decoding with a KV cache is not supported. Pass use_cache=False "
-            "(shard_batch does) and generate with another attn_implementation."
+            f"{key.shape[2]} keys): decoding with a KV cache is not supported on a batch from shard_batch. "
+            "Pass use_cache=False (shard_batch does); generate without shard_batch (every rank then runs the "
+            "whole sequence, as one process)."
         )
     group, size, schedule = ring_context.group, ring_context.size, ring_context.schedule
     ulysses = (ring_context.ulysses_group, ring_context.ring_group) if ring_context.ulysses_size > 1 else None
@@ -292,6 +295,19 @@ def _sinks(kwargs: dict[str, Any], heads: int, rows: int) -> Tensor | None:
     )
 
 
+# what a layer passes that SDPA does not compute -> the keyword arguments that carry it
+_SDPA_LACKS = {"softcap": ("softcap",), "sink": ("s_aux", "sinks")}
+
+
+@functools.cache
+def _reads(function: Any, what: str) -> bool:
+    """``function``'s source mentions ``what`` (an eager attention that applies a soft-cap or sinks does)."""
+    try:
+        return what in inspect.getsource(function)
+    except (OSError, TypeError):
+        return False
+
+
 def one_process_attention(
     module: torch.nn.Module,
     query: Tensor,
@@ -310,18 +326,18 @@ def one_process_attention(
     shard semantics are guessed from a shape: sharded batches carry their ``ring_context``."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    special = kwargs.get("softcap") is not None or any(kwargs.get(k) is not None for k in ("s_aux", "sinks"))
+    special = [w for w, names in _SDPA_LACKS.items() if any(kwargs.get(k) is not None for k in names)]
     kind = "eager" if special else "sdpa"
     mask = attention_mask.dense(kind) if isinstance(attention_mask, RingMask) else attention_mask
     if not special:
         return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, mask, **kwargs)
     eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
-    if eager is None:
+    if eager is None or not all(_reads(eager, what) for what in special):
         raise RingNotSupported(
-            f'attn_implementation="ring": {type(module).__name__} soft-caps its scores or has attention sinks, '
-            "which SDPA does not compute, and its modeling module has no eager_attention_forward to compute this "
-            "call (made without hf_ring.shard_batch) as one process would. Pass the batch through "
-            'hf_ring.shard_batch, or load the model with attn_implementation="eager" for this use.'
+            f'attn_implementation="ring": {type(module).__name__} passes {" and ".join(special)}, which SDPA does '
+            "not compute, and its modeling module has no eager attention that does, to compute this call (made "
+            "without hf_ring.shard_batch) as one process would. Pass the batch through hf_ring.shard_batch, or "
+            'load the model with attn_implementation="eager" for this use.'
         )
     kwargs.pop("is_causal", None)  # eager attention takes causality from its mask
     return eager(module, query, key, value, mask, **kwargs)
