@@ -6,19 +6,34 @@ pytorch/pytorch ``sdp_utils.cpp`` at 001f694, ``MHA.cpp`` at 02a4a0f and ``atten
 
 ``CudnnStandIn(capability, version, allow_fp32)``: a GPU of ``capability`` with cuDNN runtime ``version``
 (``91002`` is 9.10.2); ``allow_fp32`` is a test allowance (the real op takes fp16/bf16 only, [D2]), so the
-glue can be compared with float64 at 1e-5. ``calls`` records what each op received.
+glue can be compared with float64 at 1e-5. ``calls`` records what each op received. ``avoid_recompile``:
+``TORCH_CUDNN_SDPA_AVOID_RECOMPILE`` as torch read it (``None``: read it now) [D12]. The namespace also holds
+torch's flash ops (``aten``: an ``AtenCUDAStandIn`` of the same GPU), as ``torch.ops.aten`` does.
+
+Three rules of the cuDNN releases torch ships (their sources: ``docs/standins.md``):
+[D10] the sm_90 backward below cuDNN 9.26 turns dQ rows NaN whose LSE is below ``-ln(FLT_MAX)`` when
+``s_kv % 128 == 64`` (pytorch/pytorch#196678, NVIDIA/cudnn-frontend#628: the last 128-row KV tile's
+zero-filled half is scored 0, ``exp(0 - lse)`` overflows, ``inf * 0``); [D11] ``check_cudnn_sdpa_decode``:
+a query of one row raises on sm_10x/sm_11x with cuDNN 9.19-9.25.0 except 9.24.1 (MHA.cpp at
+cyyever/pytorch 0339585, a fork that follows pytorch main); [D12] the ragged dense path of
+``TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1`` (same file): stats allocated as ``[B, Sq, H, 1]`` memory, the backward's
+batch rows read at ``b * Sq * stats.stride(-2)``.
 """
 
 from __future__ import annotations
 
+import math
+import os
+
 import torch
 from torch import Tensor
 
-from testkit.aten_standin import _attn64, _check, _grads64, _scores64, _top_left
+from testkit.aten_standin import AtenCUDAStandIn, _attn64, _check, _grads64, _scores64, _top_left
 
 __all__ = ["CudnnStandIn"]
 
 _MAX_DIM = 65535  # check_cudnn_tensor_shapes (sdp_utils.cpp L632-644): batch and heads [D8]
+_EXP_OVERFLOW = math.log(torch.finfo(torch.float32).max)  # 88.72: exp(x) is inf in float32 above it [D10]
 
 
 class CudnnStandIn:
@@ -27,11 +42,41 @@ class CudnnStandIn:
     HALF = (torch.float16, torch.bfloat16)
 
     def __init__(
-        self, capability: tuple[int, int] = (9, 0), version: int = 91002, allow_fp32: bool = False, d256: bool = False
-    ) -> None:
+        self, capability: tuple[int, int] = (9, 0), version: int = 91002, allow_fp32: bool = False, d256: bool = False,
+        avoid_recompile: bool | None = None,
+    ) -> None:  # fmt: skip
         self.capability, self.version, self.d256 = capability, version, d256
         self.dtypes = self.HALF + ((torch.float32,) if allow_fp32 else ())
         self.calls: dict[str, list[dict]] = {}
+        # [D12] use_ragged_in_dense's `static bool flag = check_env(...) == true` (MHA.cpp L230-231): read once;
+        # c10/util/env.cpp L83-100 (pytorch/pytorch 1071fd2)
+        flag = os.environ.get("TORCH_CUDNN_SDPA_AVOID_RECOMPILE") == "1"  # c10::utils::check_env: "1" only
+        self.avoid_recompile = flag if avoid_recompile is None else avoid_recompile
+        self.aten = AtenCUDAStandIn(allow_fp32=allow_fp32, record=True, capability=capability)
+
+    # torch.ops.aten holds torch's flash ops too: the kernel's other route
+    def _scaled_dot_product_flash_attention(self, *args: object, **kwargs: object) -> tuple:
+        return self.aten._scaled_dot_product_flash_attention(*args, **kwargs)  # type: ignore[arg-type]
+
+    def _scaled_dot_product_flash_attention_backward(self, *args: object, **kwargs: object) -> tuple:
+        return self.aten._scaled_dot_product_flash_attention_backward(*args, **kwargs)  # type: ignore[arg-type]
+
+    def _ragged(self, *bhsd: Tensor) -> bool:
+        """[D12] use_ragged_in_dense (MHA.cpp L224-256 at cyyever/pytorch 0339585): the variable, no bias (never
+        here), and q, k, v, o all ``x.transpose(1, 2).is_contiguous()`` (``[B, S, H, D]`` memory)."""
+        return self.avoid_recompile and all(t.dim() == 4 and t.transpose(1, 2).is_contiguous() for t in bhsd)
+
+    def _decode(self, s_q: int) -> None:
+        """[D11] check_cudnn_sdpa_decode (MHA.cpp L214-220 at cyyever/pytorch 0339585), called first by
+        run_cudnn_SDP_fprop and run_cudnn_SDP_bprop (L1580, L1949): a query of one row on SM 10.x/11.x with
+        cuDNN 9.19 <= version <= 9.25.0, 9.24.1 spared (``sdp::is_cudnn_attention_decode_disabled``, as its
+        message and pytorch#194927 state it)."""
+        blackwell = self.capability[0] in (10, 11)
+        disabled = blackwell and 91900 <= self.version <= 92500 and self.version != 92401
+        _check(
+            s_q != 1 or not disabled,
+            "cuDNN SDPA decode is disabled for cuDNN versions 9.19-9.25.0 (except 9.24.1) on SM 10.x and 11.x.",
+        )
 
     # ------------------------------------------------------------------ the rules of can_use_cudnn_attention
 
@@ -100,6 +145,7 @@ class CudnnStandIn:
         self._check(query, key, value)
         _check(attn_bias is None and dropout_p == 0.0 and not return_debug_mask, "stand-in: no bias, dropout, mask")
         sq, sk, d = query.shape[2], key.shape[2], query.shape[3]
+        self._decode(sq)  # [D11]
         scale = scale if scale is not None else d**-0.5
         q, k, v = (self._bshd(t) for t in (query, key, value))
         keep = _top_left(sq, sk, 1 if is_causal else 0)  # [D7] MHA.cpp L475: set_causal_mask (top-left)
@@ -107,7 +153,14 @@ class CudnnStandIn:
         _check(value.shape[3] == d, "stand-in: equal head dims (alloc_with_matching_layout's simple case)")
         out_bhsd = torch.empty_like(query)  # alloc_with_matching_layout: the query's memory order [D6]
         out_bhsd.copy_(out.transpose(1, 2))
-        lse4 = lse.float().unsqueeze(-1).contiguous() if compute_log_sumexp else torch.empty(0)
+        lse4 = torch.empty(0)
+        if compute_log_sumexp:  # [D6] [B, H, Sq, 1]; [D12] on the ragged path [B, Sq, H, 1] memory, transposed
+            b, h = query.shape[:2]
+            ragged = self._ragged(query, key, value, out_bhsd)
+            # run_cudnn_SDP_fprop, MHA.cpp L1588-1597 at cyyever/pytorch 0339585
+            lse4 = torch.empty((b, sq, h, 1) if ragged else (b, h, sq, 1), dtype=torch.float32)
+            lse4 = lse4.transpose(1, 2) if ragged else lse4
+            lse4.copy_(lse.float().unsqueeze(-1))
         seed, offset = torch.empty((), dtype=torch.int64), torch.empty((), dtype=torch.int64)
         return out_bhsd, lse4, None, None, sq, sk, seed, offset, None
 
@@ -140,6 +193,7 @@ class CudnnStandIn:
         _check(dropout_p == 0.0, "stand-in: no dropout")
         b, h, sq, d = query.shape
         sk = key.shape[2]
+        self._decode(sq)  # [D11]
         _check((max_q, max_k) == (sq, sk), "max_q / max_k are the dense lengths")
         _check(logsumexp.dtype == torch.float32 and tuple(logsumexp.shape) == (b, h, sq, 1), "logsumexp [B, H, Sq, 1]")
         for name, t in (("out", out), ("grad_out", grad_out)):
@@ -150,7 +204,20 @@ class CudnnStandIn:
         scale = scale if scale is not None else d**-0.5
         q, k, v, o, do = (self._bshd(t) for t in (query, key, value, out, grad_out))
         s = _scores64(q, k, scale, _top_left(sq, sk, 1 if is_causal else 0))  # [D7] MHA.cpp L795
-        grads = _grads64(do, q, k, v, o, logsumexp[..., 0], s, scale)  # [D9] sdpa_backward(O, dO, Stats): L860-861
+        stats = logsumexp[..., 0]  # through its strides [D6]
+        if self._ragged(query, key, value, out):  # dO is laid out like O first on that path
+            # [D12] run_cudnn_SDP_bprop: batch row b starts at cum_seqlen_q[b] * stats.stride(-2) = b * Sq * that
+            # stride (MHA.cpp L1984-1999, L1998); within it the graph's Stats strides (build_graph_backward,
+            # L1219-1223, L1303-1306) read heads and rows
+            st = logsumexp.stride()
+            stats = logsumexp.as_strided((b, h, sq), (sq * st[2], st[1], st[2]), logsumexp.storage_offset())
+        grads = _grads64(do, q, k, v, o, stats, s, scale)  # [D9] sdpa_backward(O, dO, Stats): L860-861
+        if self.capability[0] == 9 and self.version < 92600 and sk % 128 == 64:
+            # [D10] pytorch/pytorch#196678, NVIDIA/cudnn-frontend#628: the KV tail's zero-filled half scored 0:
+            # exp(0 - lse) is inf for lse < -ln(FLT_MAX), times the zero-filled K gives NaN in that dQ row (dK, dV
+            # and the forward are right)
+            bad = (stats < -_EXP_OVERFLOW).transpose(1, 2)[..., None]  # [B, Sq, H, 1]
+            grads = (grads[0].masked_fill(bad, math.nan), *grads[1:])
         # empty_like keeps the inputs' layout [D5]: attention_backward.cu L245-247
         made = [torch.empty_like(x) for x in (query, key, value)]
         for m, g in zip(made, grads):

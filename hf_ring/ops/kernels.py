@@ -353,6 +353,9 @@ def _kernel(
             raise ValueError(f"backend={backend!r} but {why}; install {INSTALL[backend]} or use backend='auto'.")
         if isinstance(kernel, FlashAttn4Kernel):  # its head-dim limit depends on the GPU
             return FlashAttn4Kernel(module=kernel.fa, capability=capability)
+        if isinstance(kernel, CudnnKernel):  # which blocks it keeps off cuDNN depends on the GPU (D10, D11)
+            return CudnnKernel(ops=kernel.ops, version=kernel.version, capability=capability,
+                               avoid_recompile=kernel.ragged)  # fmt: skip
         return kernel
     if backend == "flash_attn":
         if not cuda or not half:
