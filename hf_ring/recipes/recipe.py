@@ -175,6 +175,10 @@ def parse_recipe(argv: list[str] | None = None, *, source: str | os.PathLike | N
         raise RecipeError(f"{where}: {e}") from None
     cls = arguments_class(trainer)
     names = {f.name for f in fields(cls) if f.init}
+    for new, old in (("activation_checkpointing", "gradient_checkpointing"),
+                     ("activation_checkpointing_kwargs", "gradient_checkpointing_kwargs")):  # fmt: skip
+        if new in raw and new not in names and old in names:  # transformers before 5.25 knows the old name only
+            raw[old] = raw.pop(new)
     unknown = unknown_keys(raw, names | set(SECTIONS) | {"trainer"}, ALIASES)
     if unknown:
         raise RecipeError(f"{where}: {unknown} are neither {cls.__name__} fields nor sections {SECTIONS} (trainer: "

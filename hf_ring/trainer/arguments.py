@@ -103,7 +103,7 @@ class RingTrainingArguments(TrainingArguments):
         sizes = parallelism_sizes(self)  # accelerate's ParallelismConfig(cp_size=P), here or from the launcher
         if sizes is not None and self.cp_size == 1:
             self.cp_size = sizes["cp_size"]  # what RingTrainer will adopt; configs sized by it see it now
-        if self.activation_offload and not self.activation_checkpointing:
+        if self.activation_offload and not checkpointing(self)[0]:
             raise UserError(
                 "RingTrainingArguments: activation_offload=True needs activation_checkpointing=True "
                 "(alias gradient_checkpointing): what is offloaded are the checkpointed layers' inputs."
@@ -121,6 +121,15 @@ class RingTrainingArguments(TrainingArguments):
                 f"RingTrainingArguments: ulysses_size={self.ulysses_size} does not divide cp_size={self.cp_size}; "
                 f"pick a divisor of {self.cp_size} (1 is plain ring attention)."
             )
+
+
+def checkpointing(args: Any) -> tuple[bool, dict | None]:
+    """``args``' activation checkpointing and its keyword arguments, under transformers' name for them:
+    ``activation_checkpointing`` from 5.25 on (``gradient_checkpointing`` its deprecated alias), only
+    ``gradient_checkpointing`` before."""
+    if hasattr(args, "activation_checkpointing"):
+        return bool(args.activation_checkpointing), args.activation_checkpointing_kwargs
+    return bool(getattr(args, "gradient_checkpointing", False)), getattr(args, "gradient_checkpointing_kwargs", None)
 
 
 def _resolve_checkpointing_alias(args: Any) -> None:
@@ -188,6 +197,6 @@ def apply_model_options(model: nn.Module, args: TrainingArguments) -> nn.Module:
     if getattr(args, "tiled_mlp", None):
         enable_tiled_mlp(model, args.tiled_mlp)
     if getattr(args, "activation_offload", False):
-        kwargs = dict(args.activation_checkpointing_kwargs or {})
+        kwargs = dict(checkpointing(args)[1] or {})
         enable_activation_checkpointing(model, offload=True, every_n_layers=kwargs.get("every_n_layers", 1))
     return model

@@ -208,9 +208,14 @@ def enable_activation_checkpointing(
     ``save_on_cpu`` for pinned memory, which raises on machines without an accelerator.
     """
     lm = causal_lm(model, "enable_activation_checkpointing")
-    lm.activation_checkpointing_enable(
-        activation_checkpointing_kwargs={"use_reentrant": False}, every_n_layers=every_n_layers
-    )
+    if hasattr(lm, "activation_checkpointing_enable"):  # transformers >= 5.25
+        lm.activation_checkpointing_enable(
+            activation_checkpointing_kwargs={"use_reentrant": False}, every_n_layers=every_n_layers
+        )
+    else:  # the name before (its deprecated alias from 5.25 on)
+        lm.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": False}, every_n_layers=every_n_layers
+        )
     old = lm.__dict__.pop("_hf_ring_offload", None)
     if old is not None:
         old.remove()
