@@ -30,6 +30,13 @@ ATTRIBUTE, ITEM, ENVIRONMENT, HOOK = "attribute", "mapping item", "environment v
 SCOPED = "scoped"
 
 
+class _Undo:
+    """A handle whose ``remove()`` undoes a change made by a call."""
+
+    def __init__(self, undo: Callable[[], Any]) -> None:
+        self.remove = undo
+
+
 class _Missing:
     def __repr__(self) -> str:
         return "MISSING"
@@ -44,6 +51,19 @@ def _ref(obj: Any) -> Callable[[], Any]:
         return weakref.ref(obj)
     except TypeError:
         return lambda: obj
+
+
+def _current(owner: Any, name: str) -> Any:
+    """What ``owner.name`` is now, as undo puts it back: its own entry; ``MISSING`` where the name is absent or
+    inherited from a class (undo deletes it); else the value another mechanism holds it in (a module's
+    submodules, parameters and buffers: torch's ``__getattr__``), put back with ``setattr``."""
+    own = getattr(owner, "__dict__", None)
+    if own is not None and name in own:
+        return own[name]
+    bases = owner.__mro__[1:] if isinstance(owner, type) else type(owner).__mro__
+    if any(name in vars(base) for base in bases):
+        return MISSING
+    return getattr(owner, name, MISSING)
 
 
 def _describe(owner: Any) -> str:
@@ -90,10 +110,10 @@ class Ledger:
 
     def set_attr(self, owner: Any, name: str, value: Any, *, why: str, scope: str = "process") -> Entry:
         """``owner.name = value``, recorded."""
-        own = getattr(owner, "__dict__", None)
-        current = own.get(name, MISSING) if own is not None else getattr(owner, name, MISSING)
+        current = _current(owner, name)
         setattr(owner, name, value)
-        entry = Entry(ATTRIBUTE, f"{_describe(owner)}.{name}", why, scope, name, current, _ref(owner), _ref(value))
+        entry = Entry(ATTRIBUTE, f"{_describe(owner)}.{name}", why, scope, name, current, _ref(owner),
+                      _ref(value))  # fmt: skip
         return self._record((id(owner), ATTRIBUTE, name), entry, owner)
 
     def set_item(self, mapping: MutableMapping, key: Any, value: Any, *, why: str, where: str,
@@ -117,6 +137,11 @@ class Ledger:
         ``handle.remove()``."""
         entry = Entry(HOOK, f"{_describe(owner)} hook", why, scope, handle, MISSING, _ref(owner), lambda: handle)
         return self._record((id(handle), HOOK, id(owner)), entry, owner)
+
+    def made(self, owner: Any, undo: Callable[[], Any], *, why: str, scope: str = "process") -> Entry:
+        """A change made by a call on ``owner`` (a logging filter added, say), recorded with the call that
+        undoes it."""
+        return self.hook(owner, _Undo(undo), why=why, scope=scope)
 
     def _record(self, key: tuple, entry: Entry, owner: Any) -> Entry:
         """Keep ``entry``: inside a scope in front of what was recorded there (its ``original`` the value

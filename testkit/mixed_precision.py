@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import hf_ring
+from hf_ring.transformers.loss import CHUNKED
 from testkit.models import tiny_model
 from testkit.oracle import rel_err
 
@@ -63,7 +64,7 @@ def step_gradients(
     if setup is not None:
         setup(m)
     m.train()
-    chunked = hasattr(m, "_hf_ring_chunked")
+    chunked = m in CHUNKED
     with torch.autocast("cpu", autocast or torch.bfloat16, enabled=autocast is not None):
         out = m(**hf_ring.shard_batch(batch, full_logits=not chunked))
     out.loss.backward()

@@ -13,6 +13,7 @@ import torch
 
 import hf_ring
 from hf_ring.transformers.context import KEY, RingContext
+from hf_ring.transformers.loss import CHUNKED
 from testkit.models import tiny_batch, tiny_model
 from testkit.spawn import run_ranks
 
@@ -73,7 +74,7 @@ def chunked_hidden_states_freed() -> list[bool]:
     hf_ring.enable_chunked_loss(model)
     kwargs = hf_ring.shard_batch(tiny_batch(2, 20))
     out = model(**kwargs)
-    return [out.logits.shape[1] == 0, len(model._hf_ring_chunked.kept) == 0, not hasattr(kwargs[KEY], "_chunked")]
+    return [out.logits.shape[1] == 0, len(CHUNKED[model].kept) == 0, not hasattr(kwargs[KEY], "_chunked")]
 
 
 def test_chunked_loss_takes_the_hidden_states_it_kept() -> None:

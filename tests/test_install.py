@@ -22,7 +22,9 @@ import pytest
 import torch
 
 import hf_ring
+from hf_ring.ledger import MISSING
 from hf_ring.transformers import install
+from hf_ring.transformers.guard import watched
 from hf_ring.transformers.loss import CausalLMLoss
 from testkit.families import causal_lm_class, tiny_config
 from testkit.models import tiny_batch, tiny_model
@@ -114,13 +116,13 @@ def test_build_then_uninstall_restores_transformers_exactly(pristine: dict) -> N
 
     assert install.installed() == [] and "ring" not in AttentionInterface._global_mapping
     hf_ring.register()
-    assert [a.change for a in install.installed()] == [install.ATTENTION, install.MASK, install.BUILD_HOOK]
+    assert [a.why for a in install.installed()] == [install.ATTENTION.why, install.MASK.why, install.BUILD_HOOK.why]
     models = {t: _build(t) for t in BUILT}
     sdpa = tiny_model("llama", "sdpa")
     applied = install.installed()
-    rows = set(install.changes())
-    assert all(a.change in rows for a in applied)
-    targets = {a.target for a in applied}
+    rows = {row.why for row in install.changes()}
+    assert all(a.why in rows for a in applied if a.scope in (install.PROCESS, install.MODULE)), applied
+    targets = {a.where for a in applied}
     jamba = "transformers.models.jamba.modeling_jamba"
     assert {f"{jamba}.causal_conv1d_fn", f"{jamba}.mamba_selective_scan", f"{jamba}.JambaModel.forward",
             f"{jamba}.load_balancing_loss_func", f"{jamba}.JambaForCausalLM.forward"} <= targets  # fmt: skip
@@ -128,11 +130,13 @@ def test_build_then_uninstall_restores_transformers_exactly(pristine: dict) -> N
     assert {f"{mixtral}.load_balancing_loss_func", f"{mixtral}.MixtralForCausalLM.forward"} <= targets
     assert not any(t.startswith("transformers.models.llama.") for t in targets)  # Llama: nothing in its module
     for a in applied:  # each keeps what it replaced, which is what transformers had
-        if a.change.scope == install.MODULE:
-            assert a.original is pristine[a.owner].get(a.name, getattr(a.owner, a.name, None)) or not a.existed
-            assert getattr(a.owner, a.name) is a.replacement and a.replacement.hf_ring_original is a.original
+        if a.scope == install.MODULE:
+            owner = a.owner()
+            assert a.original is pristine[owner].get(a.name, getattr(owner, a.name, None)) or a.original is MISSING
+            assert getattr(owner, a.name) is a.replacement()
+            assert a.replacement().hf_ring_original is getattr(owner, a.name).hf_ring_original
     for model in (*models.values(), sdpa):
-        assert isinstance(model.loss_function, CausalLMLoss) and "_hf_ring_guard" in model.__dict__
+        assert isinstance(model.loss_function, CausalLMLoss) and watched(model)
     for t, refused in (("falcon", "falcon computes attention itself"), ("xlm", "xlm computes attention and")):
         with pytest.raises(hf_ring.RingNotSupported, match=refused):
             _build(t)
@@ -143,9 +147,9 @@ def test_build_then_uninstall_restores_transformers_exactly(pristine: dict) -> N
     assert "ring" not in AttentionInterface._global_mapping and "ring" not in AttentionMaskInterface._global_mapping
     assert not hasattr(PreTrainedModel._check_and_adjust_attn_implementation, "hf_ring_original")
     for model in (*models.values(), sdpa):
-        assert "_loss_function" not in model.__dict__ and "_hf_ring_guard" not in model.__dict__
+        assert "_loss_function" not in model.__dict__ and not watched(model)
         assert not model._forward_hooks and not model._forward_pre_hooks
-        assert not any("_hf_ring_positions" in m.__dict__ for m in model.modules())
+        assert not any(m._forward_pre_hooks for m in model.modules())
 
     hf_ring.register()  # installs anew: the same ring loss as sdpa on one rank
     ring, sdpa = tiny_model("llama", "ring"), tiny_model("llama", "sdpa")

@@ -21,6 +21,7 @@ import hf_ring
 from hf_ring.ops.cross_entropy import chunked_causal_lm_loss
 from hf_ring.ops.tail import Recorder
 from hf_ring.transformers.logits import logits_transform
+from hf_ring.transformers.loss import CHUNKED
 from hf_ring.transformers.patches import decoder
 from hf_ring.transformers.support import RingNotSupported
 from testkit.families import causal_lm_class, tiny_config
@@ -177,7 +178,7 @@ def test_training_arguments_probe_the_model(tmp_path) -> None:
     apply_model_options(MixesPositions(llama_config("llama")), args)
     args.chunked_loss = True
     model = apply_model_options(causal_lm_class("gemma2")._from_config(tiny_config("gemma2")), args)
-    assert model._hf_ring_chunked.transform is not None
+    assert CHUNKED[model].transform is not None
 
 
 def test_eval_ppl_applies_the_model_transform() -> None:

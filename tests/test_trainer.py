@@ -177,8 +177,11 @@ def test_model_side_options_train_like_plain_trainer(tmp_path) -> None:
     ring = RingTrainer(model=tiny_model("llama", "ring"), args=RingTrainingArguments(str(tmp_path / "b"), **common,
                        **options), train_dataset=Samples(12, 1))  # fmt: skip
     lm = ring.model
-    assert hasattr(lm, "_hf_ring_chunked") and hasattr(lm, "_hf_ring_offload")
-    assert all(hasattr(layer.mlp, "_hf_ring_tiled") for layer in lm.model.layers)
+    from hf_ring.transformers.loss import CHUNKED
+    from hf_ring.transformers.patches import offloaded, tiled
+
+    assert lm in CHUNKED and offloaded(lm) is not None
+    assert all(tiled(layer.mlp) == 8 for layer in lm.model.layers)
     ring.train()
     assert lm.is_activation_checkpointing
     losses = [[h["loss"] for h in t.state.log_history if "loss" in h] for t in (ring, plain)]

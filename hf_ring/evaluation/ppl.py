@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ..errors import RingNotSupported
+from ..ledger import LEDGER
 from ..ops.cross_entropy import default_chunk_size
 from ..transformers.batch import shard_batch
 from ..transformers.context import KEY as CONTEXT_KEY
@@ -83,9 +84,8 @@ def check_head(model: nn.Module) -> Callable[[Tensor], Tensor] | None:
 class _HeadInput:
     """LM head forward pre-hook: keeps its input ``[B, S_local, H]`` and hands the head zero positions."""
 
-    def __init__(self, head: nn.Module) -> None:
+    def __init__(self) -> None:
         self.hidden: Tensor | None = None
-        self.handle = head.register_forward_pre_hook(self)
 
     def __call__(self, module: nn.Module, args: tuple) -> tuple:
         self.hidden = args[0]
@@ -121,12 +121,10 @@ def position_nll(
     pos = kwargs["position_ids"][0]  # global positions [S_local]; padding rows are >= N
     keep = (pos + 1 < n).nonzero().squeeze(1)
     target = ids.to(device)[pos[keep] + 1]
-    hook = _HeadInput(head)
-    try:
-        with torch.no_grad():
-            model(**kwargs)
-    finally:
-        hook.handle.remove()
+    hook = _HeadInput()
+    with torch.no_grad(), LEDGER.scoped():  # the head's hook for this call only
+        LEDGER.hook(head, head.register_forward_pre_hook(hook), why="hf-ring eval ppl: the LM head's input")
+        model(**kwargs)
     if ctx.cross_rank_calls.total == 0 or hook.hidden is None:
         raise EvalError(
             "the model never ran ring attention or a context-parallel token mixer (it computes attention "

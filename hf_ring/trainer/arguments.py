@@ -96,9 +96,25 @@ class RingTrainingArguments(TrainingArguments):
         },
     )
 
+    def _resolve_checkpointing_alias(self) -> None:
+        """TRL's configs (``DPOConfig``, ``GRPOConfig``, ``SFTConfig``) default ``gradient_checkpointing`` to
+        ``True``, which transformers >= 5.25 calls a deprecated alias of ``activation_checkpointing`` and resolves
+        with a ``FutureWarning`` on every run. Where transformers has the new field and the old one holds its class
+        default, move that value to the new field first: the same resolution, without the warning. A value a user
+        set differently still reaches transformers (and its warning)."""
+        fields = {f.name: f for f in dataclasses.fields(self)}
+        for old, new in (("gradient_checkpointing", "activation_checkpointing"),
+                         ("gradient_checkpointing_kwargs", "activation_checkpointing_kwargs")):  # fmt: skip
+            if new not in fields or old not in fields or getattr(self, new) is not None:
+                continue
+            value, default = getattr(self, old), fields[old].default
+            if value is not None and value == default:
+                setattr(self, new, value)
+                setattr(self, old, None)
+
     def __post_init__(self) -> None:
         check_numbers(self)
-        _resolve_checkpointing_alias(self)
+        self._resolve_checkpointing_alias()
         super().__post_init__()
         sizes = parallelism_sizes(self)  # accelerate's ParallelismConfig(cp_size=P), here or from the launcher
         if sizes is not None and self.cp_size == 1:
@@ -130,23 +146,6 @@ def checkpointing(args: Any) -> tuple[bool, dict | None]:
     if hasattr(args, "activation_checkpointing"):
         return bool(args.activation_checkpointing), args.activation_checkpointing_kwargs
     return bool(getattr(args, "gradient_checkpointing", False)), getattr(args, "gradient_checkpointing_kwargs", None)
-
-
-def _resolve_checkpointing_alias(args: Any) -> None:
-    """TRL's configs (``DPOConfig``, ``GRPOConfig``, ``SFTConfig``) default ``gradient_checkpointing`` to ``True``,
-    which transformers >= 5.25 calls a deprecated alias of ``activation_checkpointing`` and resolves with a
-    ``FutureWarning`` on every run. Where transformers has the new field and the old one holds its class default,
-    move that value to the new field first: the same resolution, without the warning. A value a user set
-    differently still reaches transformers (and its warning)."""
-    fields = {f.name: f for f in dataclasses.fields(args)}
-    for old, new in (("gradient_checkpointing", "activation_checkpointing"),
-                     ("gradient_checkpointing_kwargs", "activation_checkpointing_kwargs")):  # fmt: skip
-        if new not in fields or old not in fields or getattr(args, new) is not None:
-            continue
-        value, default = getattr(args, old), fields[old].default
-        if value is not None and value == default:
-            setattr(args, new, value)
-            setattr(args, old, None)
 
 
 # field -> (the least value, whether it may equal it, whole numbers only, what it counts; None is

@@ -33,6 +33,7 @@ positions (``hf_ring.trainer.rows.pack_image_rows``). tests/test_dpo_vlm.py.
 
 from __future__ import annotations
 
+import logging
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -41,6 +42,7 @@ import torch
 from torch import Tensor
 from trl import DPOConfig, DPOTrainer
 
+from ..ledger import LEDGER
 from .arguments import RingTrainingArguments
 from .fused_head import RingTrainerForTRL
 
@@ -64,6 +66,17 @@ def ld_alpha_tail(label_mask: Tensor) -> Tensor:
     return label_mask.long().cumsum(1) > shared[:, None]
 
 
+class _Without(logging.Filter):
+    """A logging filter that drops the records starting with ``start``."""
+
+    def __init__(self, start: str) -> None:
+        super().__init__()
+        self.start = start
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(self.start)
+
+
 class RingDPOTrainer(RingTrainerForTRL, DPOTrainer):
     """``trl.DPOTrainer`` with context parallelism: see the module docstring. Takes ``DPOTrainer``'s
     arguments (by keyword after ``model``), plus ``cp_size`` and ``ulysses_size`` (or in ``args``)."""
@@ -77,13 +90,13 @@ class RingDPOTrainer(RingTrainerForTRL, DPOTrainer):
         self._fused_row_sums = True
         if getattr(args, "ld_alpha", None) is not None:
             self._fused_split = ld_alpha_tail
-        if self._fused_pack:
-            args.padding_free = False  # TRL's DPOTrainer would warn that it falls back to padding
-        try:
+        with LEDGER.scoped():
+            if self._fused_pack:  # TRL's DPOTrainer warns that it falls back to padding; under CP the ring packs
+                log = logging.getLogger("trl.trainer.dpo_trainer")
+                quiet = _Without("`padding_free=True` is temporarily unavailable")
+                log.addFilter(quiet)
+                LEDGER.made(log, lambda: log.removeFilter(quiet), why="RingDPOTrainer: TRL's padding_free warning")
             self._ring_init(model, args, stats, ref_model=ref_model, **kwargs)
-        finally:
-            if self._fused_pack:
-                args.padding_free = True
         if self._fused_pack and self.cp_size == 1:  # TRL's DPOTrainer, as it runs padding_free=True: padded
             warnings.warn(
                 "RingDPOConfig: padding_free=True packs each batch's pairs into one row for the ring at cp_size > 1; "
@@ -94,13 +107,10 @@ class RingDPOTrainer(RingTrainerForTRL, DPOTrainer):
     def _precompute_ref_logps(self, dataset: Any, name: str, batch_size: int) -> Any:
         """TRL's, with the batches split over the DP replicas only (the ranks of a CP group share
         theirs) and the results gathered over the DP replicas."""
-        self._install_fused_heads()  # DPOTrainer.__init__ runs this after patching its models' heads
         if self._cp is None or self._cp.cp_size == 1:
             return super()._precompute_ref_logps(dataset, name, batch_size)
         acc = self.accelerator
-        with self._split_over_dp_replicas():
-            acc.gather_for_metrics = self._gather_over_dp  # instance attribute: shadows the method
-            try:
-                return super()._precompute_ref_logps(dataset, name, batch_size)
-            finally:
-                del acc.gather_for_metrics
+        with self._split_over_dp_replicas(), self.model_calls(), LEDGER.scoped():
+            why = "RingDPOTrainer: reference log-probabilities gathered over the DP replicas"
+            LEDGER.set_attr(acc, "gather_for_metrics", self._gather_over_dp, why=why)
+            return super()._precompute_ref_logps(dataset, name, batch_size)

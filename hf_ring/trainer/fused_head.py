@@ -4,7 +4,8 @@ TRL's preference and policy trainers compute every loss and metric from one call
 ``model(input_ids=..., attention_mask=..., labels=..., fused_lm_head=True)``, whose output holds
 per-token tensors ``[B, N - 1]`` (``log_probs``, and ``entropy``, ``mean_logits``, ``is_top1``,
 ``log_sum_sq_probs`` as asked), computed by ``trl.trainer.utils.add_fused_lm_head`` from the last
-hidden states in chunks. ``ring_fused_head(lm, cp, ...)`` wraps that forward: with a CP group of
+hidden states in chunks. ``fused_forward(lm, state, ...)`` is that forward, during the trainer's own model
+calls (``RingTrainerForTRL.model_calls``, scoped ledger entries): with a CP group of
 ``P > 1`` each rank shards the full batch (``shard_batch``: zigzag, right padding, packed documents;
 left padding, as GRPO's prompts have, is moved to the right first: the rows' RoPE positions shift
 by a constant, which changes no attention score; image inputs enter whole, per-token ``mm_token_type_ids``
@@ -20,15 +21,17 @@ average gradients over the ``P`` ranks that hold one sequence's shards).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from ..ledger import LEDGER
 from ..ops.cross_entropy import IGNORE_INDEX
 from ..parallel import ContextParallel, context_parallel_state, setup_context_parallel
 from ..transformers.batch import MULTIMODAL_KEYS, shard_batch
@@ -38,7 +41,7 @@ from .mesh import adopt_parallelism_config, parallelism_sizes
 from .rows import pack_image_rows, pack_rows, plant_row_sums
 from .trainer import RingTrainer, resolve_ulysses_size
 
-__all__ = ["HeadOptions", "RingTrainerForTRL", "refuse_unshiftable_images", "ring_fused_head"]
+__all__ = ["HeadOptions", "RingTrainerForTRL", "fused_forward", "refuse_unshiftable_images"]
 
 _PASSED = ("input_ids", "attention_mask", "position_ids", "labels")
 _PER_TOKEN = ("input_ids", "attention_mask", "labels", "mm_token_type_ids", "token_type_ids")  # [B, N]
@@ -97,23 +100,19 @@ class HeadOptions:
             raise ValueError("HeadOptions: pack=True needs row_sums=True (packed rows give per-document sums)")
 
 
-def ring_fused_head(lm: nn.Module, cp: Any, options: HeadOptions) -> None:
-    """Wrap ``lm.forward`` (already patched by TRL's ``add_fused_lm_head``) so that its
-    ``fused_lm_head=True`` calls run over the CP group ``cp()`` (a callable returning the
-    ``ContextParallel`` state, or ``None``: TRL's own path), as ``options`` say."""
+def fused_forward(lm: nn.Module, state: ContextParallel, options: HeadOptions) -> Callable:
+    """``lm.forward`` (TRL's, from ``add_fused_lm_head``) with its ``fused_lm_head=True`` calls run over the CP
+    group of ``state``, as ``options`` say; every other call is TRL's. Bound to ``lm``, for the trainer to put
+    in place for the duration of its model calls (``RingTrainerForTRL.model_calls``)."""
     inner = lm.forward
-    if getattr(inner, "hf_ring_fused", False):
-        return
 
     @functools.wraps(inner)
     def forward(self: nn.Module, *args: Any, fused_lm_head: bool = False, **kwargs: Any) -> Any:
-        state: ContextParallel | None = cp()
-        if not fused_lm_head or state is None or state.cp_size == 1:
-            return inner(*args, fused_lm_head=fused_lm_head, **kwargs) if fused_lm_head else inner(*args, **kwargs)
+        if not fused_lm_head:
+            return inner(*args, **kwargs)
         return _ring_forward(self, inner, state, args, kwargs, options)
 
-    forward.hf_ring_fused = True  # type: ignore[attr-defined]
-    lm.forward = types.MethodType(forward, lm)
+    return types.MethodType(forward, lm)
 
 
 def _ring_forward(
@@ -216,8 +215,9 @@ def _sums(
 class RingTrainerForTRL(RingTrainer):
     """What TRL's trainers on the fused LM head share under CP (``RingDPOTrainer``, ``RingGRPOTrainer``):
     the CP group set up before TRL's ``__init__`` (which may already run the model: precomputed
-    reference log-probabilities), TRL's fused heads wrapped by ``ring_fused_head``, TRL's
-    ``compute_loss`` and ``prediction_step`` (not ``RingTrainer``'s causal-LM loss)."""
+    reference log-probabilities); the trainer's own model calls (``model_calls``: its training and
+    prediction steps) run TRL's fused heads over the CP group; TRL's ``compute_loss`` and
+    ``prediction_step`` (not ``RingTrainer``'s causal-LM loss)."""
 
     _cp: ContextParallel | None
     _fused_pack = False  # RingDPOTrainer with padding_free=True
@@ -244,20 +244,39 @@ class RingTrainerForTRL(RingTrainer):
         self.__dict__.pop("loss_is_scaled_for_ga", None)
         # the CP ranks of a group report the same tokens: TRL divides gathered token counts by this
         self._tp_size = getattr(self, "_tp_size", 1) * self.cp_size
-        self._install_fused_heads()
 
-    def _install_fused_heads(self) -> None:
+    @contextlib.contextmanager
+    def model_calls(self) -> Iterator[None]:
+        """For the duration of the block, the fused LM heads of the policy and the reference (TRL's
+        ``add_fused_lm_head``) run over the CP group (``fused_forward``): scoped ledger entries, undone
+        when the block ends, so that outside the trainer's steps the models are TRL's."""
         from accelerate.utils import is_peft_model
 
-        for m in (getattr(self, "model", None), getattr(self, "ref_model", None)):
-            if m is not None:
-                lm = m.get_base_model() if is_peft_model(m) else m
-                opts = HeadOptions(self._fused_stats, self._fused_temperature, pack=self._fused_pack,
-                                   row_sums=self._fused_row_sums, split=self._fused_split)  # fmt: skip
-                ring_fused_head(lm, lambda: self._cp, opts)
+        cp = self._cp
+        if cp is None or cp.cp_size == 1:
+            yield
+            return
+        options = HeadOptions(self._fused_stats, self._fused_temperature, pack=self._fused_pack,
+                              row_sums=self._fused_row_sums, split=self._fused_split)  # fmt: skip
+        with LEDGER.scoped():
+            for m in (getattr(self, "model", None), getattr(self, "ref_model", None)):
+                if m is not None:
+                    lm = self.accelerator.unwrap_model(m) if hasattr(self, "accelerator") else m
+                    lm = lm.get_base_model() if is_peft_model(lm) else lm
+                    LEDGER.set_attr(lm, "forward", fused_forward(lm, cp, options), why=WHY)
+            yield
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.model_calls():
+            return super().training_step(*args, **kwargs)
 
     def compute_loss(self, model: Any, inputs: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
         return super(RingTrainer, self).compute_loss(model, inputs, *args, **kwargs)
 
     def prediction_step(self, *args: Any, **kwargs: Any) -> Any:
-        return super(RingTrainer, self).prediction_step(*args, **kwargs)
+        with self.model_calls():
+            return super(RingTrainer, self).prediction_step(*args, **kwargs)
+
+
+WHY = ("`RingTrainerForTRL.model_calls`: during the trainer's steps, TRL's fused LM head runs over the CP group "
+       "(`fused_forward`); TRL's own forward again after each")  # fmt: skip

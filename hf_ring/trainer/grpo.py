@@ -2,7 +2,8 @@
 
 ``RingGRPOTrainer`` is ``RingTrainer`` mixed into ``trl.GRPOTrainer``. Completions are generated as
 TRL generates them with transformers (``model.generate``, one generation per DP replica: the ranks
-of a CP group generate with sdpa attention on the whole prompt, and the group's first rank's
+of a CP group generate on the whole prompt -- a ring model called without ``shard_batch`` computes as one
+process, transformers' SDPA --, and the group's first rank's
 completions are broadcast to the others, so that they train on the same ones); rewards and
 advantages are TRL's; then the policy's (and, with ``beta > 0``, the reference's) per-token
 log-probabilities over prompt + completion are computed under CP (``hf_ring.trainer.fused_head``:
@@ -37,7 +38,6 @@ then differs slightly from one device's (the loss and the advantages do not depe
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 from trl import GRPOConfig, GRPOTrainer
 
+from ..ledger import LEDGER
 from .arguments import RingTrainingArguments
 from .fused_head import RingTrainerForTRL
 from .mesh import parallelism_sizes
@@ -200,9 +201,9 @@ def one_request_per_cp_group(client: Any, world: int, cp_size: int) -> None:
     585-650, TRL 1.16). The ranks of a CP group hold the same prompts and must train on the same completions:
     here the server processes and samples each group's prompts once (not ``cp_size`` times), and every rank's
     slice is its group's."""
-    ask, features_of = client.generate, getattr(client, "image_features", None)
-    if getattr(ask, "hf_ring_cp", False):
+    if LEDGER.find(client, "generate") is not None:
         return
+    ask, features_of = client.generate, getattr(client, "image_features", None)
 
     def generate(prompts: list, features: list | None = None, n: int = 1, **kwargs: Any) -> dict:
         asked, m = _group_slices(prompts, world, cp_size, "prompts")
@@ -214,10 +215,10 @@ def one_request_per_cp_group(client: Any, world: int, cp_size: int) -> None:
         asked, m = _group_slices(images, world, cp_size, "images")
         return _spread(features_of(asked, *args, **kwargs), m, world, cp_size)  # type: ignore[misc, return-value]
 
-    generate.hf_ring_cp = True  # type: ignore[attr-defined]
-    client.generate = generate
+    why = "RingGRPOTrainer: the vLLM server asked once per CP group, each rank given its group's slice"
+    LEDGER.set_attr(client, "generate", generate, why=why, scope="model")
     if features_of is not None:
-        client.image_features = image_features
+        LEDGER.set_attr(client, "image_features", image_features, why=why, scope="model")
 
 
 class RingGRPOTrainer(RingTrainerForTRL, GRPOTrainer):
@@ -236,26 +237,10 @@ class RingGRPOTrainer(RingTrainerForTRL, GRPOTrainer):
         if client is not None and self.cp_size > 1:
             one_request_per_cp_group(client, self.accelerator.num_processes, self.cp_size)
 
-    @contextmanager
-    def _generation_attention(self) -> Any:
-        """The policy with sdpa attention while it generates (every rank holds the whole prompt)."""
-        from accelerate.utils import is_peft_model
-
-        lm = self.accelerator.unwrap_model(self.model)
-        lm = lm.get_base_model() if is_peft_model(lm) else lm
-        before = getattr(lm.config, "_attn_implementation", None)
-        if self._cp is None or self._cp.cp_size == 1 or before != "ring":
-            yield
-            return
-        lm.set_attn_implementation("sdpa")
-        try:
-            yield
-        finally:
-            lm.set_attn_implementation(before)
-
     def _generate_single_turn(self, *args: Any, **kwargs: Any) -> Any:
-        with self._generation_attention():
-            out = super()._generate_single_turn(*args, **kwargs)
+        """TRL's, every rank of a CP group generating on the whole prompts (a ring model called without
+        ``shard_batch`` computes as one process), then training on its group's first rank's completions."""
+        out = super()._generate_single_turn(*args, **kwargs)
         cp = self._cp
         if cp is None or cp.cp_size == 1:
             return out

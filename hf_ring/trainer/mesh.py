@@ -20,6 +20,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from ..ledger import LEDGER
+
 __all__ = ["adopt_parallelism_config", "check_layout", "parallelism_sizes"]
 
 _ENV = "ACCELERATE_USE_PARALLELISM_CONFIG"
@@ -74,11 +76,13 @@ def adopt_parallelism_config(args: Any, cp_size: int | None) -> int | None:
         raise ValueError(f"hf_ring: {where}.cp_backend={pc.cp_backend!r}; leave it at 'torch' (hf_ring replaces it).")
     if cp_size not in (None, 1, cp):
         raise ValueError(f"hf_ring: cp_size={cp_size} but {where} has cp_size={cp}; set one of them (or both alike).")
+    why = "hf_ring adopts accelerate's ParallelismConfig(cp_size=...) as its own CP (accelerate must not shard again)"
     if pc is not None:
-        args.parallelism_config = None
-    os.environ[_ENV] = "false"  # accelerate's Accelerator would build the config from the environment again
+        LEDGER.set_attr(args, "parallelism_config", None, why=why, scope="model")
+    # accelerate's Accelerator would build the config from the environment again
+    LEDGER.set_env(_ENV, "false", why=why)
     if hasattr(args, "cp_size"):
-        args.cp_size = cp
+        args.cp_size = cp  # hf_ring's own field of RingTrainingArguments
     return cp
 
 

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ..data.loader import prepare_dataloader
+from ..ledger import LEDGER
 from ..parallel import ContextParallel
 
 __all__ = ["ReplicaMixin", "Throughput"]
@@ -90,11 +91,10 @@ class ReplicaMixin:
             acc._dataloaders.append(prepared)
             return prepared
 
-        acc.prepare_data_loader = prepare  # instance attribute: shadows Accelerator.prepare_data_loader
-        try:
+        with LEDGER.scoped():  # accelerate's own method again when the block ends
+            LEDGER.set_attr(acc, "prepare_data_loader", prepare,
+                            why="RingTrainer: data loaders split over the DP replicas only")  # fmt: skip
             yield
-        finally:
-            del acc.prepare_data_loader
 
     def get_train_dataloader(self) -> Any:
         with self._split_over_dp_replicas():

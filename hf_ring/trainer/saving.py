@@ -16,6 +16,7 @@ from typing import Any
 
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
+from ..ledger import LEDGER
 from . import checkpoints
 from .checkpoints import Scope
 
@@ -41,11 +42,10 @@ class CheckpointMixin:
         folder = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
         scope = self._scope()
         checkpoints.begin(folder, scope)
-        limit, self.args.save_total_limit = self.args.save_total_limit, None  # rotated after the seal
-        try:
+        limit = self.args.save_total_limit
+        with LEDGER.scoped():  # Trainer rotates by a module function it calls with this; rotated after the seal
+            LEDGER.set_attr(self.args, "save_total_limit", None, why="RingTrainer: checkpoints rotated once sealed")
             super()._save_checkpoint(model, trial)
-        finally:
-            self.args.save_total_limit = limit
         checkpoints.seal(
             folder,
             scope,

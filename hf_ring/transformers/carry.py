@@ -18,7 +18,10 @@ from collections.abc import Callable
 from contextvars import ContextVar
 from typing import Any
 
+from ..ledger import LEDGER
 from .context import RingContext
+
+WHY = "`carry_context`: a checkpointed module's checkpoint function runs its function under the batch's context"
 
 __all__ = ["ACTIVE", "carry_context", "context_of", "needs_cp"]
 
@@ -64,18 +67,16 @@ def carry_context(forward: Callable) -> Callable:
     def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
         ctx = context_of(kwargs)  # its own, else the one an enclosing forward carries
         token = ACTIVE.set(ctx)
-        saved = []
-        if needs_cp(ctx):
-            for module in self.modules():
-                checkpoint = module.__dict__.get("_gradient_checkpointing_func")
-                if checkpoint is not None:
-                    saved.append((module, checkpoint))
-                    module._gradient_checkpointing_func = _checkpointing_in_context(checkpoint, ctx)
         try:
-            return forward(self, *args, **kwargs)
+            with LEDGER.scoped():  # the checkpoint functions are transformers' own again when the forward returns
+                if needs_cp(ctx):
+                    for module in self.modules():
+                        checkpoint = module.__dict__.get("_gradient_checkpointing_func")
+                        if checkpoint is not None:
+                            LEDGER.set_attr(module, "_gradient_checkpointing_func",
+                                            _checkpointing_in_context(checkpoint, ctx), why=WHY)  # fmt: skip
+                return forward(self, *args, **kwargs)
         finally:
-            for module, checkpoint in saved:
-                module._gradient_checkpointing_func = checkpoint
             ACTIVE.reset(token)
 
     return wrapped

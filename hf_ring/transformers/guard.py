@@ -38,19 +38,24 @@ from __future__ import annotations
 import functools
 import inspect
 import sys
+import weakref
 from typing import Any
 
 from torch import Tensor, nn
 
 from ..errors import RingNeverRan, RingNotSupported
+from ..ledger import LEDGER
 from .carry import context_of
 from .context import RingContext
-from .install import original
 from .mixers import family_of
-from .multimodal import check_entry
+from .multimodal import check_entry, is_encoder
 from .support import model_name
 
-__all__ = ["check_hub_kernels", "check_ran", "unwatch", "watch"]
+__all__ = ["check_hub_kernels", "check_ran", "forget", "watch"]
+
+WHY = "`guard.watch`: the rule after every forward with a ring_context (the install table's model row)"
+_GUARDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its _Guard
+_CLAIMED: weakref.WeakSet = weakref.WeakSet()  # submodules whose positions a guard checks
 
 # kernels of one decoding step (they run only with a cache, which hf_ring refuses under CP)
 DECODE_STEP = frozenset({"causal_conv1d_update", "fused_recurrent_gated_delta_rule", "fused_recurrent_kda",
@@ -79,7 +84,7 @@ def _routed_layer_names(modeling_module: str) -> frozenset[str]:
     family, module = family_of(modeling_module), sys.modules.get(modeling_module)
     if family is None or module is None:
         return DECODE_STEP
-    names = (getattr(original(module, name), "kernel_layer_name", None) for name in family.functions)
+    names = (getattr(LEDGER.original(module, name), "kernel_layer_name", None) for name in family.functions)
     return frozenset(n for n in names if isinstance(n, str)) | frozenset(family.functions) | DECODE_STEP
 
 
@@ -126,11 +131,8 @@ class _Guard:
         self.what = f"{type(module).__name__} ({model_name(getattr(module, 'config', None))})"
         self.start: tuple[RingContext, int] | None = None  # the forward running now: its context, count at start
         self.given: Tensor | None = None  # the position_ids of the forward running now, at CP > 1
-        self.handles = [
-            module.register_forward_pre_hook(self.before, with_kwargs=True),
-            module.register_forward_hook(self.after, with_kwargs=True),
-        ]
-        self.claimed: list[nn.Module] = []  # submodules whose positions this guard checks
+        LEDGER.hook(module, module.register_forward_pre_hook(self.before, with_kwargs=True), why=WHY)
+        LEDGER.hook(module, module.register_forward_hook(self.after, with_kwargs=True), why=WHY)
         self.scanned = False
 
     def _claim_positions(self, module: nn.Module) -> None:
@@ -139,20 +141,19 @@ class _Guard:
         if getattr(getattr(module, "config", None), "_attn_implementation", None) != "ring":
             return
         for sub in module.modules():
-            if sub is not module and _signature(type(sub)) is not None and "_hf_ring_positions" not in sub.__dict__:
-                sub._hf_ring_positions = True
-                self.claimed.append(sub)
-                self.handles.append(sub.register_forward_pre_hook(self.positions, with_kwargs=True))
+            if sub is not module and _signature(type(sub)) is not None and sub not in _CLAIMED:
+                _CLAIMED.add(sub)
+                LEDGER.hook(sub, sub.register_forward_pre_hook(self.positions, with_kwargs=True), why=WHY)
 
     def before(self, module: nn.Module, args: Any, kwargs: dict) -> None:
         ctx = context_of(kwargs)  # its own, or the one its causal LM carries (Mamba)
-        if "_hf_ring_encoder" in module.__dict__:  # a vision encoder runs whole images on every rank
+        if is_encoder(module):  # a vision encoder runs whole images on every rank
             ctx = None
         given = kwargs.get("position_ids")
         self.given = given if isinstance(ctx, RingContext) and ctx.size > 1 and isinstance(given, Tensor) else None
         if self.given is not None and not self.scanned:
             for inner in reversed(list(module.modules())):  # the innermost guarded model checks a submodule
-                guard = inner.__dict__.get("_hf_ring_guard")
+                guard = _GUARDS.get(inner)
                 if guard is not None and not guard.scanned:
                     guard._claim_positions(inner)
         if isinstance(ctx, RingContext) and ctx.entry is not None:
@@ -163,15 +164,9 @@ class _Guard:
 
     def after(self, module: nn.Module, args: Any, kwargs: dict, output: Any) -> None:
         self.given, start, self.start = None, self.start, None
-        ctx = None if "_hf_ring_encoder" in module.__dict__ else context_of(kwargs)
+        ctx = None if is_encoder(module) else context_of(kwargs)
         if start is not None and start[0] is ctx:
             check_ran(ctx, ctx.cross_rank_calls.total - start[1], self.what)
-
-    def remove(self) -> None:
-        for handle in self.handles:
-            handle.remove()
-        for sub in self.claimed:
-            sub.__dict__.pop("_hf_ring_positions", None)
 
     def positions(self, module: nn.Module, args: Any, kwargs: dict) -> None:
         """A submodule that takes ``position_ids`` gets the model's own (or a view of them)."""
@@ -200,13 +195,17 @@ class _Guard:
 
 
 def watch(model: nn.Module) -> None:
-    """Apply the rule after every forward of ``model`` that carries a ``ring_context`` (idempotent)."""
-    if "_hf_ring_guard" not in model.__dict__:
-        model._hf_ring_guard = _Guard(model)
+    """Apply the rule after every forward of ``model`` that carries a ``ring_context`` (idempotent); the
+    hooks are ledger entries of the model."""
+    if model not in _GUARDS:
+        _GUARDS[model] = _Guard(model)
 
 
-def unwatch(model: nn.Module) -> None:
-    """Undo ``watch``."""
-    guard = model.__dict__.pop("_hf_ring_guard", None)
-    if guard is not None:
-        guard.remove()
+def watched(model: nn.Module) -> bool:
+    return model in _GUARDS
+
+
+def forget() -> None:
+    """Forget every model's guard (``uninstall``, after the ledger removed their hooks)."""
+    _GUARDS.clear()
+    _CLAIMED.clear()

@@ -1,5 +1,5 @@
 """Every change hf_ring makes to transformers: one table (``changes()``), installed where it is
-needed and undone by ``uninstall()``.
+needed through the ledger (``hf_ring.ledger.LEDGER``) and undone by ``uninstall()``.
 
 At ``import transformers`` (or at ``import hf_ring`` when transformers is loaded already)
 ``register()`` makes the only process-wide changes: the ``"ring"`` entries of transformers'
@@ -20,10 +20,10 @@ built (``PreTrainedModel.__init__``) and when its attention implementation is sw
 Every model, whatever its attention, gets the model and module rows: they change nothing without a
 ``ring_context``, and with one they are what makes a sharded batch exact or refused (a model built
 with ``"sdpa"`` and given a batch of ``shard_batch`` at CP > 1 is refused by its guard; packed
-documents at CP = 1 restart the mixers' states). ``installed()`` lists what is in effect, each
-with the object it replaced; ``uninstall()`` puts every original back by identity, removes the
-registry entries, the build hook and what models got (their chunked loss too, which needs the
-loss), and forgets the modules, so that ``register()`` installs anew. docs/architecture.md shows
+documents at CP = 1 restart the mixers' states). ``installed()`` lists what is in effect (the ledger's
+entries, each with the object it replaced); ``uninstall()`` undoes every ledger entry -- every original
+back by identity, the registry entries, the build hook and what models got (their chunked loss,
+tiled MLPs, offload, hooks) -- and forgets the modules, so that ``register()`` installs anew. docs/architecture.md shows
 ``markdown()`` (checked by tests/test_install.py; ``python -m hf_ring.transformers.install``).
 """
 
@@ -31,13 +31,14 @@ from __future__ import annotations
 
 import functools
 import sys
-import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
-__all__ = ["Applied", "Change", "changes", "give_loss", "install_for", "install_module", "installed", "markdown",
+from ..ledger import LEDGER, Entry
+
+__all__ = ["Change", "changes", "give_loss", "install_for", "install_module", "installed", "markdown",
            "original", "register", "uninstall"]  # fmt: skip
 
 NAME = "ring"
@@ -57,21 +58,6 @@ class Change:
     kind: str
     scope: str
     why: str
-
-
-@dataclass(frozen=True)
-class Applied:
-    """A change in effect: its row, where (``target``: the dotted name; ``owner`` and ``name``), what
-    was there before (``original``; ``existed=False`` when nothing was, or it was inherited) and
-    what is there now (``replacement``)."""
-
-    change: Change
-    target: str
-    owner: Any
-    name: str
-    original: Any
-    replacement: Any
-    existed: bool = True
 
 
 ATTENTION = Change("transformers.AttentionInterface['ring']", REGISTRY, PROCESS,
@@ -165,52 +151,36 @@ def _mixer_rows() -> dict[tuple[str, str], Change]:
 
 # --- what is in effect -------------------------------------------------------------------------
 
-_APPLIED: dict[tuple[int, str], Applied] = {}  # (id(owner), name) -> the change there
 _MODULES: set[str] = set()  # modeling modules whose rows are applied
-_MODELS_WITH: weakref.WeakSet = weakref.WeakSet()  # models given their loss and guard
 
 
 def _replace(change: Change, owner: Any, name: str, make: Callable[[Any], Any]) -> None:
     """``owner.name = make(current)`` (a module's or a class's; a class's may be inherited), once,
-    keeping the original. A name that is absent, or ``None``, or routed by someone else is left alone."""
-    key = (id(owner), name)
-    if key in _APPLIED:
+    through the ledger. A name that is absent, or ``None``, or routed by someone else is left alone."""
+    if LEDGER.find(owner, name) is not None:
         return
     current = getattr(owner, name, None)
     if current is None or hasattr(current, "hf_ring_original"):
         return
     new = make(current)
-    new.hf_ring_original = current
-    where = owner.__name__ if isinstance(owner, ModuleType) else f"{owner.__module__}.{owner.__qualname__}"
-    _APPLIED[key] = Applied(change, f"{where}.{name}", owner, name, current, new, existed=name in vars(owner))
-    setattr(owner, name, new)
+    new.hf_ring_original = current  # on hf_ring's own wrapper: the object it routes to
+    LEDGER.set_attr(owner, name, new, why=change.why, scope=change.scope)
 
 
 def _register_entry(change: Change, interface: Any, value: Any) -> None:
-    mapping = interface._global_mapping
-    key = (id(mapping), NAME)
-    if key not in _APPLIED:
-        where = f"{interface.__module__}.{interface.__name__}[{NAME!r}]"
-        _APPLIED[key] = Applied(change, where, mapping, NAME, mapping.get(NAME), value, existed=NAME in mapping)
-    interface.register(NAME, value)
+    where = f"{interface.__module__}.{interface.__name__}[{NAME!r}]"
+    LEDGER.set_item(interface._global_mapping, NAME, value, why=change.why, where=where, scope=change.scope)
 
 
 def original(owner: Any, name: str) -> Any:
     """What transformers has under ``owner.name`` without hf_ring (``None`` when it has nothing)."""
-    applied = _APPLIED.get((id(owner), name))
-    return applied.original if applied is not None else getattr(owner, name, None)
+    return LEDGER.original(owner, name)
 
 
-def installed() -> list[Applied]:
-    """The changes in effect now: the process and module rows applied, then the model rows of every
-    live model that has them (``original`` ``None``: the model had none)."""
-    out = list(_APPLIED.values())
-    for model in list(_MODELS_WITH):
-        what = f"{type(model).__name__} at {id(model):#x}"
-        for row, name in ((LOSS, "_loss_function"), (GUARD, "_hf_ring_guard")):
-            if name in model.__dict__:
-                out.append(Applied(row, f"{what}.{name}", model, name, None, model.__dict__[name], existed=False))
-    return out
+def installed() -> list[Entry]:
+    """The changes in effect now: the ledger's entries (process, module and model rows, and what else
+    hf_ring changed: models' options, trainers' changes to TRL and accelerate)."""
+    return LEDGER.entries()
 
 
 # --- installing ----------------------------------------------------------------------------------
@@ -328,47 +298,27 @@ def give_loss(model: Any) -> None:
 
     current = model.__dict__.get("_loss_function")
     if current is None:
-        model._loss_function = CausalLMLoss(model)
+        LEDGER.set_attr(model, "_loss_function", CausalLMLoss(model), why=LOSS.why, scope=MODEL)
     elif not isinstance(current, CausalLMLoss):
         raise RingNotSupported(
             f"{type(model).__name__} has a loss_function of its own ({current!r}); hf_ring computes the loss of a "
             "sharded batch with transformers' causal-LM loss. Remove it (del model._loss_function)."
         )
-    _MODELS_WITH.add(model)
 
 
 # --- undoing ---------------------------------------------------------------------------------------
 
 
 def uninstall() -> None:
-    """Undo everything: every rebound name is its original object again (an inherited one is deleted),
-    the registries hold what they held before (no ``"ring"``), models lose their loss, guard and
-    chunked loss; ``register()`` installs anew."""
-    from .guard import unwatch
-    from .loss import CausalLMLoss
-    from .multimodal import detach
+    """Undo everything: every ledger entry (every rebound name is its original object again, an inherited
+    one is deleted; the registries hold what they held before, no ``"ring"``; models lose their loss,
+    hooks, chunked loss, tiled MLPs and offload; TRL's and accelerate's objects are theirs again), and
+    forget the modules, so that ``register()`` installs anew."""
+    from . import guard, multimodal, patches
 
-    detach()
-    for model in list(_MODELS_WITH):
-        if isinstance(model.__dict__.get("_loss_function"), CausalLMLoss):
-            del model.__dict__["_loss_function"]
-        unwatch(model)
-        chunked = model.__dict__.pop("_hf_ring_chunked", None)
-        if chunked is not None:
-            chunked.remove()
-    _MODELS_WITH.clear()
-    for applied in reversed(list(_APPLIED.values())):
-        owner, name = applied.owner, applied.name
-        if applied.change.kind == REGISTRY:
-            if applied.existed:
-                owner[name] = applied.original
-            else:
-                owner.pop(name, None)
-        elif applied.existed:
-            setattr(owner, name, applied.original)
-        else:
-            delattr(owner, name)
-    _APPLIED.clear()
+    LEDGER.undo_all()
+    for forget in (guard.forget, multimodal.forget, patches.forget_models):  # what hf_ring kept about models
+        forget()
     _MODULES.clear()
 
 

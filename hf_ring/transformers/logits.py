@@ -33,6 +33,7 @@ from transformers import PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from ..errors import RingNotSupported
+from ..ledger import LEDGER
 from ..ops.tail import Recorder, Replay
 from .support import model_name
 
@@ -88,14 +89,10 @@ def _path(lm: nn.Module, target: nn.Module) -> tuple[nn.Module, str] | None:
 
 @contextmanager
 def _swapped(lm: nn.Module, swaps: list[tuple[nn.Module, str, nn.Module]]) -> Iterator[None]:
-    saved = [(parent, attr, getattr(parent, attr)) for parent, attr, _ in swaps]
-    try:
+    with LEDGER.scoped():
         for parent, attr, new in swaps:
-            setattr(parent, attr, new)
+            LEDGER.set_attr(parent, attr, new, why="`logits_transform`'s probe: the decoder and head stood in for")
         yield
-    finally:
-        for parent, attr, old in saved:
-            setattr(parent, attr, old)
 
 
 def _sizes(lm: PreTrainedModel, head: nn.Module) -> tuple[int, int]:
@@ -202,13 +199,11 @@ def logits_transform(lm: PreTrainedModel, decoder: nn.Module, caller: str) -> Re
     head = lm.get_output_embeddings()
     if not isinstance(head, nn.Module):
         raise _refuse(lm, caller, "has no output embedding (get_output_embeddings() is not a module)")
-    modes = {m: m.training for m in lm.modules()}
-    try:
+    with LEDGER.scoped():  # the probe runs the model in both modes; each module's mode is its own again after it
+        for m in lm.modules():
+            LEDGER.set_attr(m, "training", m.training, why="`logits_transform`'s probe: the modules' modes")
         train = _probe(lm, decoder, head, caller, training=True)
         evaluation = _probe(lm, decoder, head, caller, training=False)
-    finally:
-        for m, mode in modes.items():
-            m.training = mode
     if repr(train) != repr(evaluation):
         raise _refuse(lm, caller, f"transforms its logits one way in training ({train}) and another in evaluation "
                       f"({evaluation})")  # fmt: skip

@@ -26,7 +26,10 @@ from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
 from ..ops.cross_entropy import IGNORE_INDEX, chunked_causal_lm_loss
 from .context import RingContext
 
-__all__ = ["CausalLMLoss", "ChunkedLossInput"]
+__all__ = ["CHUNKED", "CausalLMLoss", "ChunkedLossInput"]
+
+# causal LM -> its chunked loss (``patches.ChunkedLoss``): hf_ring's own record, never an attribute of the model
+CHUNKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 @dataclass(eq=False)
@@ -86,7 +89,7 @@ class CausalLMLoss:
                 kwargs["ring_context"] = ring_context
             return original(*args, **kwargs)
         model = self.model()
-        chunked = model.__dict__.get("_hf_ring_chunked") if model is not None else None
+        chunked = CHUNKED.get(model) if model is not None else None
         taken = chunked.take(ring_context) if chunked is not None else None
         local = original(*args, **kwargs) if taken is None else _chunked_loss(taken, **kwargs)
         if not ring_context.labelled:

@@ -36,12 +36,13 @@ import torch
 from torch import Tensor, nn
 
 from ..errors import RingNotSupported
+from ..ledger import LEDGER
 from ..ops.gather import gather_rows
 from .attention import ring_mask
 from .carry import ACTIVE, carry_context
 from .context import KEY, RingContext
 
-__all__ = ["FAMILIES", "VISION_TOWERS", "attach", "check_entry", "detach", "vision_attention"]
+__all__ = ["FAMILIES", "VISION_TOWERS", "attach", "check_entry", "forget", "is_encoder", "vision_attention"]
 
 # the model (class name) that merges the encoder's features and calls its text decoder ``language_model``
 FAMILIES = {
@@ -59,8 +60,12 @@ TILES = frozenset({"Gemma3Model", "Llama4ForConditionalGeneration"})
 _ENCODERS = ("visual", "vision_model", "vision_tower")
 _CUT = frozenset({"inputs_embeds", "position_ids", "attention_mask", "visual_pos_masks", "deepstack_visual_embeds",
                   "labels", "shift_labels"})  # the last two: this rank's already
-_ATTACHED: weakref.WeakSet = weakref.WeakSet()
-_HOLDS: weakref.WeakSet = weakref.WeakSet()  # models that ``check_entry`` found holding one of ``_ATTACHED``
+WHY = "`multimodal.attach`: the decoder-entry cut of an image batch (the install table's model row)"
+# hf_ring's own records of the models it attached to (never attributes of the models)
+_FAMILY: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its FAMILIES key (FSDP2 renames classes)
+_DECODERS: weakref.WeakSet = weakref.WeakSet()  # decoders (and the models inside them) whose entry is cut
+_ENCODER: weakref.WeakSet = weakref.WeakSet()  # vision encoders that run without the ring_context
+_HOLDS: weakref.WeakSet = weakref.WeakSet()  # models that ``check_entry`` found holding one of ``_FAMILY``
 
 
 def vision_attention(model: nn.Module, implementation: Any) -> Any:
@@ -73,40 +78,34 @@ def vision_attention(model: nn.Module, implementation: Any) -> Any:
 
 def attach(model: nn.Module) -> None:
     """Hooks of a model of ``FAMILIES`` (idempotent): its checks before each forward, and, on its first
-    forward, the decoder-entry cut on ``model.language_model`` and the encoders' context removal."""
+    forward, the decoder-entry cut on ``model.language_model`` and the encoders' context removal (ledger
+    entries of the model)."""
     name = type(model).__name__
-    if name in FAMILIES and "_hf_ring_mm" not in model.__dict__:  # its class's name, kept (FSDP2 renames it)
-        model._hf_ring_family = name
-        model._hf_ring_mm = [model.register_forward_pre_hook(_enter, with_kwargs=True, prepend=True)]
+    if name in FAMILIES and model not in _FAMILY:
+        _FAMILY[model] = name
+        LEDGER.hook(model, model.register_forward_pre_hook(_enter, with_kwargs=True, prepend=True), why=WHY)
         if name in TILES:
-            model.forward = types.MethodType(carry_context(type(model).forward), model)
-        _ATTACHED.add(model)
+            forward = types.MethodType(carry_context(type(model).forward), model)
+            LEDGER.set_attr(model, "forward", forward, why=WHY, scope="model")
 
 
-def detach() -> None:
-    """Undo ``attach`` on every model."""
-    for model in list(_ATTACHED):
-        model.__dict__.pop("_hf_ring_family", None)
-        for handle in model.__dict__.pop("_hf_ring_mm", []):
-            handle.remove()
-        model.__dict__.pop("get_image_features", None)
-        model.__dict__.pop("forward", None)
-        for sub in model.modules():
-            sub.__dict__.pop("_hf_ring_entry", None)
-            sub.__dict__.pop("_hf_ring_encoder", None)
-    _ATTACHED.clear()
-    for model in list(_HOLDS):
-        model.__dict__.pop("_hf_ring_holds", None)
-    _HOLDS.clear()
+def is_encoder(module: nn.Module) -> bool:
+    """``module`` is a vision encoder that runs whole images without the ``ring_context``."""
+    return module in _ENCODER
+
+
+def forget() -> None:
+    """Forget every model attached (``uninstall``, after the ledger undid their hooks and methods)."""
+    for records in (_FAMILY, _DECODERS, _ENCODER, _HOLDS):
+        records.clear()
 
 
 def check_entry(model: nn.Module, ctx: RingContext) -> None:
     """Refuse a multimodal batch (``ctx.entry``) given to ``model`` unless it holds a model of ``FAMILIES``."""
-    if ctx.entry is None or "_hf_ring_entry" in model.__dict__ or "_hf_ring_holds" in model.__dict__:
+    if ctx.entry is None or model in _DECODERS or model in _HOLDS:
         return
-    if any("_hf_ring_family" in m.__dict__ for m in model.modules()):
-        model._hf_ring_holds = True  # walked once per model, not per forward
-        _HOLDS.add(model)
+    if any(m in _FAMILY for m in model.modules()):
+        _HOLDS.add(model)  # walked once per model, not per forward
         return
     raise RingNotSupported(
         f"{type(model).__name__} got a multimodal batch from hf_ring.shard_batch (image or video inputs), which "
@@ -119,7 +118,7 @@ def check_entry(model: nn.Module, ctx: RingContext) -> None:
 def _enter(module: nn.Module, args: Any, kwargs: dict) -> tuple[Any, dict] | None:
     ctx = kwargs.get(KEY)
     entry = isinstance(ctx, RingContext) and ctx.entry is not None
-    family = module._hf_ring_family
+    family = _FAMILY[module]
     name = FAMILIES[family]
     if name == "Gemma 3" and isinstance(ctx, RingContext) and not ctx.layout.spans:  # without one: one process
         _refuse_unseen_blocks(module, kwargs.get("token_type_ids"))
@@ -136,21 +135,19 @@ def _enter(module: nn.Module, args: Any, kwargs: dict) -> tuple[Any, dict] | Non
     decoder = getattr(module, "language_model", None)
     if not isinstance(decoder, nn.Module):
         raise RingNotSupported(f"{name}: hf_ring cuts a multimodal batch at its language_model, which it lacks")
-    if "_hf_ring_entry" not in decoder.__dict__:
-        decoder._hf_ring_entry = decoder.register_forward_pre_hook(_cut_entry, with_kwargs=True, prepend=True)
-        module._hf_ring_mm.append(decoder._hf_ring_entry)
-        if family in SPREAD:
-            module.get_image_features = types.MethodType(_spread(type(module).get_image_features), module)
-        elif family in TILES:
-            module.get_image_features = types.MethodType(_spread_tiles(type(module).get_image_features), module)
-        for sub in decoder.modules():  # the models inside it (Llama 4's causal LM -> its text model) are cut too
-            sub.__dict__.setdefault("_hf_ring_entry", decoder._hf_ring_entry)
+    if decoder not in _DECODERS:
+        LEDGER.hook(decoder, decoder.register_forward_pre_hook(_cut_entry, with_kwargs=True, prepend=True), why=WHY)
+        spread = _spread if family in SPREAD else _spread_tiles if family in TILES else None
+        if spread is not None:
+            features = types.MethodType(spread(type(module).get_image_features), module)
+            LEDGER.set_attr(module, "get_image_features", features, why=WHY, scope="model")
+        _DECODERS.update(decoder.modules())  # the models inside it (Llama 4's causal LM -> its text model) are cut too
         for attr in _ENCODERS:
             encoder = getattr(module, attr, None)
             if isinstance(encoder, nn.Module):
-                encoder._hf_ring_encoder = encoder.register_forward_pre_hook(_drop_context, with_kwargs=True,
-                                                                             prepend=True)  # fmt: skip
-                module._hf_ring_mm.append(encoder._hf_ring_encoder)
+                _ENCODER.add(encoder)
+                LEDGER.hook(encoder, encoder.register_forward_pre_hook(_drop_context, with_kwargs=True, prepend=True),
+                            why=WHY)  # fmt: skip
     if ctx.layout.spans and kwargs.get("attention_mask") is None:
         return args, {**kwargs, "attention_mask": _gemma3_masks(module)}
     return None

@@ -1,19 +1,24 @@
 """Opt-in changes to a transformers causal LM for long sequences: chunked loss, tiled MLP,
 activation checkpointing with offload. Each works on plain, PEFT-, DDP- and FSDP-wrapped models,
-is idempotent, and has an undo where one makes sense. The computations are the ops in
-``hf_ring.ops``; this module only finds the modules and wires the ops in.
+is idempotent, and has an undo. The computations are the ops in ``hf_ring.ops``; this module only
+finds the modules and wires the ops in. Every change to a model (hooks, a module's ``forward``) is a
+ledger entry of that model (``hf_ring.ledger``); what hf_ring keeps about a model (its chunked loss,
+its MLPs' tiles, its offload) lives in hf_ring's own weak maps, never on the model.
 """
 
 from __future__ import annotations
 
+import contextlib
 import types
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 from torch import Tensor, nn
 from transformers import PreTrainedModel
 
 from ..errors import RingNotSupported
+from ..ledger import LEDGER
 from ..ops.cross_entropy import Transform
 from ..ops.offload import OffloadActivations
 from ..ops.tiled_mlp import tiled_forward
@@ -21,9 +26,10 @@ from .carry import context_of
 from .context import RingContext
 from .install import give_loss
 from .logits import logits_transform
-from .loss import ChunkedLossInput
+from .loss import CHUNKED, ChunkedLossInput
 
 __all__ = [
+    "chunked_loss",
     "enable_chunked_loss",
     "disable_chunked_loss",
     "enable_tiled_mlp",
@@ -72,16 +78,18 @@ class ChunkedLoss:
         self.pending: RingContext | None = None  # the call whose head call comes next
         self.kept: weakref.WeakKeyDictionary[RingContext, ChunkedLossInput] = weakref.WeakKeyDictionary()
         self.head: nn.Module | None = None
-        self.head_handle: Any = None
-        self.handle = decoder(lm, "enable_chunked_loss").register_forward_hook(self.after_decoder, with_kwargs=True)
+        self.head_entry: Any = None
+        dec = decoder(lm, "enable_chunked_loss")
+        self.entries = [LEDGER.hook(dec, dec.register_forward_hook(self.after_decoder, with_kwargs=True), why=WHY)]
         self._hook_head(lm)
 
     def _hook_head(self, lm: PreTrainedModel) -> None:
         head = lm.get_output_embeddings()
         if head is not self.head:
-            if self.head_handle is not None:
-                self.head_handle.remove()
-            self.head, self.head_handle = head, head.register_forward_pre_hook(self.before_head)
+            if self.head_entry is not None:
+                LEDGER.undo(self.head_entry)
+            self.head = head
+            self.head_entry = LEDGER.hook(head, head.register_forward_pre_hook(self.before_head), why=WHY)
 
     def after_decoder(self, module: nn.Module, args: Any, kwargs: dict, output: Any) -> None:
         ctx = context_of(kwargs)  # its own, or the one its causal LM carries (Mamba)
@@ -104,10 +112,21 @@ class ChunkedLoss:
         return self.kept.pop(ctx, None)
 
     def remove(self) -> None:
-        self.handle.remove()
-        if self.head_handle is not None:
-            self.head_handle.remove()
+        for entry in (*self.entries, self.head_entry):
+            if entry is not None:
+                LEDGER.undo(entry)
         self.kept.clear()
+
+
+WHY = ("`enable_chunked_loss`: the decoder's forward hook and the LM head's pre-hook keep the head's input of a "
+       "labelled call for its loss (`CausalLMLoss`), the head computes zero positions")  # fmt: skip
+_TRANSFORMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # lm -> its logits transform (probed once)
+
+
+def _transform(lm: PreTrainedModel, caller: str) -> Transform | None:
+    if lm not in _TRANSFORMS:
+        _TRANSFORMS[lm] = logits_transform(lm, decoder(lm, caller), caller)
+    return _TRANSFORMS[lm]
 
 
 def enable_chunked_loss(model: nn.Module, chunk_size: int | None = None) -> nn.Module:
@@ -129,8 +148,9 @@ def enable_chunked_loss(model: nn.Module, chunk_size: int | None = None) -> nn.M
     ``RingTrainingArguments(chunked_loss=False)``). Call it again after changing such a setting.
     """
     lm = causal_lm(model, "enable_chunked_loss")
+    _TRANSFORMS.pop(lm, None)  # probed again: a setting may have changed
     try:
-        transform = logits_transform(lm, decoder(lm, "enable_chunked_loss"), "enable_chunked_loss")
+        transform = _transform(lm, "enable_chunked_loss")
     except RingNotSupported as e:
         raise RingNotSupported(
             f"{e} Train it with the full logits: RingTrainingArguments(chunked_loss=False) (a recipe's "
@@ -138,17 +158,35 @@ def enable_chunked_loss(model: nn.Module, chunk_size: int | None = None) -> nn.M
         ) from None
     disable_chunked_loss(model)
     give_loss(lm)
-    lm._hf_ring_chunked = ChunkedLoss(lm, chunk_size, transform)
+    CHUNKED[lm] = ChunkedLoss(lm, chunk_size, transform)
     return model
 
 
 def disable_chunked_loss(model: nn.Module) -> nn.Module:
     """Undo ``enable_chunked_loss``: the model computes full logits for every call again."""
     lm = causal_lm(model, "disable_chunked_loss")
-    hook = lm.__dict__.pop("_hf_ring_chunked", None)
-    if hook is not None:
-        hook.remove()
+    chunked = CHUNKED.pop(lm, None)
+    if chunked is not None:
+        chunked.remove()
     return model
+
+
+@contextlib.contextmanager
+def chunked_loss(model: nn.Module, caller: str) -> Iterator[ChunkedLoss]:
+    """The chunked loss of ``model``'s causal LM for the duration of the block: its own, or one made for the
+    block and removed after it (``sequence_logprobs``: no lasting change to the model)."""
+    lm = causal_lm(model, caller)
+    own = CHUNKED.get(lm)
+    if own is not None:
+        yield own
+        return
+    made = ChunkedLoss(lm, None, _transform(lm, caller))
+    CHUNKED[lm] = made
+    try:
+        yield made
+    finally:
+        CHUNKED.pop(lm, None)
+        made.remove()
 
 
 # --- tiled MLP -----------------------------------------------------------------------------------
@@ -163,9 +201,13 @@ def _mlps(model: nn.Module) -> list[nn.Module]:
     ]
 
 
+_TILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # MLP -> (its own forward function, tile tokens)
+TILED_WHY = "`enable_tiled_mlp`: the MLP's `forward` runs over tiles of tokens (`ops.tiled_mlp`), saving only its input"
+
+
 def _tiled(self: nn.Module, x: Tensor) -> Tensor:
-    forward, tile = self._hf_ring_tiled
-    return tiled_forward(self, forward, x, tile)
+    function, tile = _TILED[self]
+    return tiled_forward(self, types.MethodType(function, self), x, tile)
 
 
 def enable_tiled_mlp(model: nn.Module, tile_tokens: int = 8192) -> nn.Module:
@@ -179,18 +221,31 @@ def enable_tiled_mlp(model: nn.Module, tile_tokens: int = 8192) -> nn.Module:
     if not mlps:
         raise TypeError(f"enable_tiled_mlp: no gated MLP (gate_proj, up_proj, down_proj) in {type(model).__name__}")
     for m in mlps:
-        forward = m._hf_ring_tiled[0] if hasattr(m, "_hf_ring_tiled") else m.forward
-        m._hf_ring_tiled = (forward, int(tile_tokens))
-        m.forward = types.MethodType(_tiled, m)
+        if m not in _TILED:
+            function = getattr(m.forward, "__func__", None)
+            if function is None:
+                raise TypeError(f"enable_tiled_mlp: {type(m).__name__}.forward is not a method of the module")
+            LEDGER.set_attr(m, "forward", types.MethodType(_tiled, m), why=TILED_WHY, scope="model")
+            _TILED[m] = (function, int(tile_tokens))
+        else:
+            _TILED[m] = (_TILED[m][0], int(tile_tokens))
     return model
 
 
 def disable_tiled_mlp(model: nn.Module) -> nn.Module:
     """Undo ``enable_tiled_mlp``."""
     for m in _mlps(model):
-        if hasattr(m, "_hf_ring_tiled"):
-            del m.forward, m._hf_ring_tiled
+        if _TILED.pop(m, None) is not None:
+            entry = LEDGER.find(m, "forward")
+            if entry is not None:
+                LEDGER.undo(entry)
     return model
+
+
+def tiled(module: nn.Module) -> int | None:
+    """The tile size of ``module`` (an MLP) under ``enable_tiled_mlp``, or ``None``."""
+    found = _TILED.get(module)
+    return found[1] if found is not None else None
 
 
 # --- activation checkpointing --------------------------------------------------------------------
@@ -208,18 +263,51 @@ def enable_activation_checkpointing(
     ``save_on_cpu`` for pinned memory, which raises on machines without an accelerator.
     """
     lm = causal_lm(model, "enable_activation_checkpointing")
+    hooked = bool(getattr(lm, "_require_grads_hooks", None)) or hasattr(lm, "_require_grads_hook")
     if hasattr(lm, "activation_checkpointing_enable"):  # transformers >= 5.25
         lm.activation_checkpointing_enable(
             activation_checkpointing_kwargs={"use_reentrant": False}, every_n_layers=every_n_layers
         )
+        disable = lm.activation_checkpointing_disable
     else:  # the name before (its deprecated alias from 5.25 on)
         lm.gradient_checkpointing_enable(
             gradient_checkpointing_kwargs={"use_reentrant": False}, every_n_layers=every_n_layers
         )
-    old = lm.__dict__.pop("_hf_ring_offload", None)
+        disable = lm.gradient_checkpointing_disable
+    if lm not in _CHECKPOINTED:  # transformers' own switch (its layers' flags, the embeddings' hook), undone by it
+        _CHECKPOINTED.add(lm)
+
+        def undo() -> None:
+            disable()
+            if not hooked:  # the embeddings' hook transformers added with it
+                lm.disable_input_require_grads()
+
+        LEDGER.made(lm, undo, why="`enable_activation_checkpointing`: transformers' activation checkpointing on",
+                    scope="model")  # fmt: skip
+    old = _OFFLOAD.pop(lm, None)
     if old is not None:
-        old.remove()
+        for entry in old[1]:
+            LEDGER.undo(entry)
     if offload:
         cls = offload if isinstance(offload, type) else OffloadActivations
-        lm._hf_ring_offload = cls(decoder(lm, "enable_activation_checkpointing"))
+        dec = decoder(lm, "enable_activation_checkpointing")
+        made = cls(dec)
+        _OFFLOAD[lm] = (made, [LEDGER.hook(dec, h, why=OFFLOAD_WHY) for h in made.handles])
     return model
+
+
+_OFFLOAD: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # lm -> (its OffloadActivations, ledger entries)
+_CHECKPOINTED: weakref.WeakSet = weakref.WeakSet()  # causal LMs whose checkpointing hf_ring switched on
+OFFLOAD_WHY = "`enable_activation_checkpointing(offload=True)`: decoder hooks keep its saved tensors in host memory"
+
+
+def offloaded(model: nn.Module) -> OffloadActivations | None:
+    """The activation offload of ``model``'s causal LM, or ``None``."""
+    found = _OFFLOAD.get(causal_lm(model, "offloaded"))
+    return found[0] if found is not None else None
+
+
+def forget_models() -> None:
+    """Forget what hf_ring kept about every model (``uninstall``, after the ledger undid the changes)."""
+    for kept in (CHUNKED, _TRANSFORMS, _TILED, _OFFLOAD, _CHECKPOINTED):
+        kept.clear()

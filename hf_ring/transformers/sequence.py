@@ -151,9 +151,9 @@ def sequence_logprobs(
 
     Args:
         model: a causal LM loaded with ``attn_implementation="ring"`` (possibly wrapped by PEFT,
-            DDP or FSDP). Its chunked loss is enabled here if it is not already
-            (``hf_ring.enable_chunked_loss``: what the model does between its head and its logits,
-            soft-caps and scales, is applied to every chunk).
+            DDP or FSDP). Its chunked loss keeps the LM head's input (``hf_ring.enable_chunked_loss``;
+            a model without one gets one for this call only, removed after it): what the model does
+            between its head and its logits, soft-caps and scales, is applied to every chunk.
         kwargs: ``shard_batch(...)`` of a batch with ``labels`` (``-100`` where a token has no
             target: the prompt, padding).
         stats: per-token statistics to return as well, without gradient (``entropy``,
@@ -168,18 +168,16 @@ def sequence_logprobs(
         target; ``log_probs`` differentiable. ``sequence_sums(kwargs["ring_context"], ...)`` turns
         them into per-sequence (or per-document) sums.
     """
-    from .patches import causal_lm, enable_chunked_loss
+    from .patches import chunked_loss
 
     ctx = _ring_context(kwargs)
     targets = kwargs.get("shift_labels")
     if targets is None or not ctx.labelled:
         raise ValueError("sequence_logprobs: the shard_batch batch needs labels (-100 where there is no target)")
-    lm = causal_lm(model, "sequence_logprobs")
-    if "_hf_ring_chunked" not in lm.__dict__:
-        enable_chunked_loss(model)
     call = {k: v for k, v in kwargs.items() if k not in ("labels", "shift_labels", "num_items_in_batch")}
-    (forward or model)(**call)  # the decoder runs; the chunked loss keeps the LM head's input for this context
-    kept = lm.__dict__["_hf_ring_chunked"].take(ctx)
+    with chunked_loss(model, "sequence_logprobs") as chunked:  # the model's own, or one for this call only
+        (forward or model)(**call)  # the decoder runs; the chunked loss keeps the LM head's input for this context
+        kept = chunked.take(ctx)
     if kept is None:
         raise RuntimeError("sequence_logprobs: the model's LM head did not run on this batch (full_logits batch?)")
     transform = kept.transform if temperature == 1.0 else _divided(kept.transform, temperature)
