@@ -4,7 +4,7 @@ the CP group (ring, Ulysses, Ulysses x ring) priced per layer with the recommend
 ``hf-ring train RECIPE [--field value ...]``: train a recipe on this process (``hf_ring.recipes.run``),
 alone or under a launcher (``accelerate launch ... -m hf_ring.cli train RECIPE``, ``torchrun ... -m
 hf_ring.cli train RECIPE``); ``hf-ring train --list`` shows the packaged recipes and launch configs.
-``hf-ring eval needle|ppl MODEL ...``: long-context evaluation (``hf_ring.evaluation.cli``).
+``hf-ring eval needle|ppl MODEL ...``: long-context evaluation (``hf_ring.evaluation.commands``).
 
 The options of ``hf-ring plan`` are the fields of ``hf_ring.planner.PlanSettings`` (their metadata
 gives flag, help and parsing); an option given on the command line overrides a recipe's setting.
@@ -291,7 +291,7 @@ def _main(argv: list[str]) -> int:
     p.add_argument("--json", action="store_true")
     p.add_argument("--write", action="store_true", help="write the figures into the recipe's memory_gb line")
     p.set_defaults(func=cmd_plan)
-    from .evaluation.cli import add_eval_parser
+    from .evaluation.commands import add_eval_parser
 
     add_eval_parser(sub)
     if not argv:

@@ -341,7 +341,7 @@ def routed_kernels(modeling_module: ModuleType, kernels: str) -> Iterator[None]:
     from hf_ring.transformers import install, mixers
 
     install.install_module(modeling_module)  # what is restored on the way out: hf_ring's dispatchers
-    family = mixers.FAMILIES[modeling_module.__name__.removeprefix("transformers.models.")]
+    family = mixers.MIXER_FAMILIES[modeling_module.__name__.removeprefix("transformers.models.")]
     saved = []
     for name, route in family.functions.items():
         if install.original(modeling_module, name) is None or name not in TRANSFORMERS_KERNELS:
@@ -349,7 +349,7 @@ def routed_kernels(modeling_module: ModuleType, kernels: str) -> Iterator[None]:
             # tests/test_attention_free.py covers its route)
         torch_fn = torch_function(install.original(modeling_module, name))  # transformers' torch fallback
         kernel = torch_fn if kernels == "torch" else kernel_like_transformers(torch_fn, *TRANSFORMERS_KERNELS[name])
-        dispatcher = mixers.ROUTES[route](kernel)
+        dispatcher = mixers.MIXER_ROUTES[route](kernel)
         dispatcher.hf_ring_original = kernel  # type: ignore[attr-defined]
         saved.append((name, getattr(modeling_module, name)))
         setattr(modeling_module, name, dispatcher)

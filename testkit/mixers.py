@@ -283,7 +283,7 @@ def float64_kernels() -> Iterator[None]:
     from hf_ring.transformers import install, mixers
 
     saved = []
-    for short, family in mixers.FAMILIES.items():
+    for short, family in mixers.MIXER_FAMILIES.items():
         try:
             module = importlib.import_module("transformers.models." + short)
         except ImportError:
@@ -292,7 +292,7 @@ def float64_kernels() -> Iterator[None]:
         for name, route in family.functions.items():
             if name in FLOAT64_KERNELS and hasattr(module, name):
                 saved.append((module, name, getattr(module, name)))
-                stand_in = mixers.ROUTES[route](FLOAT64_KERNELS[name])
+                stand_in = mixers.MIXER_ROUTES[route](FLOAT64_KERNELS[name])
                 stand_in.hf_ring_original = FLOAT64_KERNELS[name]  # type: ignore[attr-defined]
                 setattr(module, name, stand_in)
     try:
@@ -331,12 +331,12 @@ def widened_casts() -> Iterator[None]:
 def judged_in_float64(model_type: str) -> bool:
     """The family's routed mixers include a gated delta rule (``testkit.sweep`` judges it in float64,
     casts widened: ``widened_casts``)."""
-    from hf_ring.transformers.mixers import FAMILIES
+    from hf_ring.transformers.mixers import MIXER_FAMILIES
 
     from .families import causal_lm_class
 
     cls = causal_lm_class(model_type)
-    family = FAMILIES.get(cls.__module__.removeprefix("transformers.models.")) if cls is not None else None
+    family = MIXER_FAMILIES.get(cls.__module__.removeprefix("transformers.models.")) if cls is not None else None
     return family is not None and "delta" in family.functions.values()
 
 

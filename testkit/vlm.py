@@ -156,10 +156,10 @@ def step(model, batch: dict, *, cp: bool, group=None) -> tuple[torch.Tensor, dic
 
 
 def packed_batch(rows: list[list[tuple[str, int]]], model=None, seed: int = 1) -> dict[str, torch.Tensor]:
-    """The rows of ``qwen_batch`` packed into one row as documents (``hf_ring.data.multimodal``):
+    """The rows of ``qwen_batch`` packed into one row as documents (``hf_ring.data.images``):
     ``position_ids [1, N]`` restarting at 0, or with ``model`` (a Qwen VL model) ``[4, 1, N]``: the
     text row, then each document's own M-RoPE rows."""
-    from hf_ring.data.multimodal import pack_multimodal
+    from hf_ring.data.images import pack_multimodal
 
     return pack_multimodal(documents(rows, text_positions=False, seed=seed), rope_model=model)
 

@@ -164,7 +164,7 @@ def test_fused_mamba_kernels_step_aside_under_the_context() -> None:
     its route returns ``None`` and the mixer takes the routed convolution and scan."""
     from hf_ring.transformers import carry, mixers
 
-    fused = mixers.ROUTES["unfused"](lambda *args, **kwargs: "fused")
+    fused = mixers.MIXER_ROUTES["unfused"](lambda *args, **kwargs: "fused")
     packed = {"input_ids": torch.zeros(1, 6, dtype=torch.long), "position_ids": torch.tensor([[0, 1, 2, 0, 1, 2]])}
     ctx = hf_ring.shard_batch(packed)["ring_context"]  # one rank, packed documents: the CP form runs
     assert fused(1) == "fused" and fused(1, ring_context=ctx) is None

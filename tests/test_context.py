@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import hf_ring
-from hf_ring.transformers.context import KEY, RingContext
+from hf_ring.transformers.context import CONTEXT_KEY, RingContext
 from hf_ring.transformers.loss import CHUNKED
 from testkit.models import tiny_batch, tiny_model
 from testkit.spawn import run_ranks
@@ -23,10 +23,10 @@ NEVER_RAN = "never ran ring attention"
 def test_shard_batch_makes_one_context_per_batch() -> None:
     batch = tiny_batch(2, 12)
     a, b = hf_ring.shard_batch(batch), hf_ring.shard_batch({"input_ids": batch["input_ids"]})
-    assert isinstance(a[KEY], RingContext) and a[KEY] is not b[KEY]
-    assert a[KEY].labelled and not b[KEY].labelled
-    assert (a[KEY].size, a[KEY].rank, a[KEY].grad_scale) == (1, 0, 1.0)
-    assert hf_ring.shard_batch(batch, dp_size=3)[KEY].grad_scale == 3.0
+    assert isinstance(a[CONTEXT_KEY], RingContext) and a[CONTEXT_KEY] is not b[CONTEXT_KEY]
+    assert a[CONTEXT_KEY].labelled and not b[CONTEXT_KEY].labelled
+    assert (a[CONTEXT_KEY].size, a[CONTEXT_KEY].rank, a[CONTEXT_KEY].grad_scale) == (1, 0, 1.0)
+    assert hf_ring.shard_batch(batch, dp_size=3)[CONTEXT_KEY].grad_scale == 3.0
 
 
 def _loss_or_error(model: torch.nn.Module, kwargs: dict) -> str:
@@ -51,7 +51,7 @@ def guard_cases() -> dict[str, str]:
     ckpt.train()
     kwargs = hf_ring.shard_batch(batch)
     out["checkpointed ring"] = _loss_or_error(ckpt, kwargs)
-    out["calls after backward"] = str(kwargs[KEY].cross_rank_calls.attention)
+    out["calls after backward"] = str(kwargs[CONTEXT_KEY].cross_rank_calls.attention)
     out["after recompute"] = _loss_or_error(sdpa, hf_ring.shard_batch(batch))
     # a context that already saw ring attention does not vouch for another model
     reused = hf_ring.shard_batch(batch)
@@ -74,7 +74,7 @@ def chunked_hidden_states_freed() -> list[bool]:
     hf_ring.enable_chunked_loss(model)
     kwargs = hf_ring.shard_batch(tiny_batch(2, 20))
     out = model(**kwargs)
-    return [out.logits.shape[1] == 0, len(CHUNKED[model].kept) == 0, not hasattr(kwargs[KEY], "_chunked")]
+    return [out.logits.shape[1] == 0, len(CHUNKED[model].kept) == 0, not hasattr(kwargs[CONTEXT_KEY], "_chunked")]
 
 
 def test_chunked_loss_takes_the_hidden_states_it_kept() -> None:
@@ -88,14 +88,14 @@ def test_context_is_only_read_from_kwargs() -> None:
     ids = {"input_ids": tiny_batch(1, 9)["input_ids"]}  # no labels: no loss takes the count
     a, b = hf_ring.shard_batch(ids), hf_ring.shard_batch(ids)
     model(**a)
-    assert a[KEY].cross_rank_calls.attention == 2 and b[KEY].cross_rank_calls.total == 0
+    assert a[CONTEXT_KEY].cross_rank_calls.attention == 2 and b[CONTEXT_KEY].cross_rank_calls.total == 0
 
 
 @pytest.mark.parametrize("labelled", [True, False])
 def test_model_without_context_still_runs(labelled: bool) -> None:
     """A model called without its ring_context runs as one process on what it is given."""
     batch = tiny_batch(1, 10)
-    kwargs = {k: v for k, v in hf_ring.shard_batch(batch).items() if k != KEY}
+    kwargs = {k: v for k, v in hf_ring.shard_batch(batch).items() if k != CONTEXT_KEY}
     if not labelled:
         kwargs = {"input_ids": kwargs["input_ids"], "position_ids": kwargs["position_ids"]}
     out = tiny_model("llama", "ring")(**kwargs)

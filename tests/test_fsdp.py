@@ -185,7 +185,7 @@ def test_fsdp2_merged_model_loads_without_peft(fsdp_whole) -> None:
 def different_dirs(root: str) -> str:
     import torch.distributed as dist
 
-    from hf_ring.trainer.checks import check_shared_output_dir
+    from hf_ring.trainer.startup import check_shared_output_dir
 
     rank = dist.get_rank()
     check_shared_output_dir(Path(root) / "same")  # a shared path passes

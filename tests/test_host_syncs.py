@@ -33,7 +33,7 @@ FAMILIES = {  # model type -> the hybrid layer it has (Gated DeltaNet, Mamba2 / 
 
 def mixer_layers(model: torch.nn.Module, model_type: str) -> int:
     module = sys.modules[causal_lm_class(model_type).__module__]
-    cls = mixers.FAMILIES[module.__name__.removeprefix("transformers.models.")].classes[0]
+    cls = mixers.MIXER_FAMILIES[module.__name__.removeprefix("transformers.models.")].classes[0]
     return sum(type(m).__name__ == cls for m in model.modules())
 
 

@@ -102,7 +102,6 @@ FLOORS: dict[str, int] = {
     "evaluation": 4,
     "recipes": 5,
     "cli": 6,
-    "training": 6,  # the old import paths: aliases of modules of trainer and recipes
     "__init__": 6,  # the package's face: re-exports (RingTrainer on first use)
     "errors": 0,  # the user errors and their report: the standard library only
     "ledger": 0,  # every change to an object hf_ring does not own: the standard library only
@@ -150,31 +149,3 @@ def test_the_rule_catches_a_violation(tmp_path: Path) -> None:
     bad.parent.mkdir(parents=True)
     bad.write_text("def f():\n    from ..transformers import patches\n    import transformers\n")
     assert absolute_imports(bad, tmp_path) == {"hf_ring.transformers", "transformers"}
-
-
-def test_old_import_paths_are_the_moved_modules() -> None:
-    """``hf_ring.training.<name>`` (before the trainer and the recipes got one package each) is the
-    module it moved to, the very same object, with a DeprecationWarning; the moved modules keep their
-    own names."""
-    import importlib
-    import sys
-
-    from hf_ring.training import MOVED
-
-    for old, new in MOVED.items():
-        if old == "trl" and importlib.util.find_spec("trl") is None:
-            continue
-        sys.modules.pop(f"hf_ring.training.{old}", None)  # imported by an earlier test: import it afresh
-        with pytest.warns(DeprecationWarning, match=f"hf_ring.training.{old} moved to {new}"):
-            alias = importlib.import_module(f"hf_ring.training.{old}")
-        module = importlib.import_module(new)
-        assert alias is module and module.__spec__.name == module.__name__ == new
-    from hf_ring.training.export import save_final
-    from hf_ring.training.trl import RingSFTTrainer
-
-    from hf_ring.trainer.export import save_final as new_save_final
-    from hf_ring.trainer.trl import RingSFTTrainer as new_trainer
-
-    assert save_final is new_save_final and RingSFTTrainer is new_trainer
-    with pytest.raises(ModuleNotFoundError):
-        importlib.import_module("hf_ring.training.nothing")

@@ -150,7 +150,6 @@ OWN = {
     ("hf_ring/ops/offload.py", "t"): "the op's own record of a transfer (_Transfer)",
     ("hf_ring/__init__.py", "spec.loader"): "the loader of hf_ring's own lazily loaded module",
     ("hf_ring/__init__.py", "m.__loader__"): "hf_ring's own lazily loaded module",
-    ("hf_ring/training.py", "module.__spec__"): "hf_ring's own alias module",
     ("hf_ring/cli.py", "read.__name__"): "hf_ring's own function",
     ("hf_ring/recipes/recipe.py", "parser.error"): "the argument parser the recipe reader made",
     ("hf_ring/recipes/run.py", "args.train_sampling_strategy"): "the arguments the recipe parser made",

@@ -344,7 +344,7 @@ def test_gather_rows_values_and_gradients() -> None:
 
 
 def test_pack_multimodal_refuses_what_it_cannot_pack() -> None:
-    from hf_ring.data.multimodal import pack_multimodal
+    from hf_ring.data.images import pack_multimodal
     from testkit.vlm import documents
 
     docs = documents(ROWS, text_positions=False)
@@ -437,7 +437,7 @@ def test_decoder_entry_cut_takes_rows_without_a_host_sync() -> None:
     """The cut at the decoder's entry: local rows in the order of ``entry``, padding rows (``entry >= N``)
     zero for embeddings and counting on for positions (2-D and M-RoPE ``[3, B, N]``), with no host sync."""
     from hf_ring.ops.layout import sequence_layout
-    from hf_ring.transformers.context import KEY, RingContext
+    from hf_ring.transformers.context import CONTEXT_KEY, RingContext
     from hf_ring.transformers.multimodal import _cut_entry
     from testkit.host_syncs import HostSyncs
 
@@ -447,8 +447,8 @@ def test_decoder_entry_cut_takes_rows_without_a_host_sync() -> None:
     embeds = torch.randn(2, n, h, dtype=torch.float64, requires_grad=True)
     rope = torch.arange(3 * n).view(3, 1, n).expand(3, 2, n) + 100
     with HostSyncs() as syncs:
-        _, out = _cut_entry(torch.nn.Identity(), (), {"inputs_embeds": embeds, "position_ids": rope, KEY: ctx})
-        _, flat = _cut_entry(torch.nn.Identity(), (), {"inputs_embeds": embeds, KEY: ctx})
+        _, out = _cut_entry(torch.nn.Identity(), (), {"inputs_embeds": embeds, "position_ids": rope, CONTEXT_KEY: ctx})
+        _, flat = _cut_entry(torch.nn.Identity(), (), {"inputs_embeds": embeds, CONTEXT_KEY: ctx})
     assert not syncs.count("hf_ring/"), syncs.count("hf_ring/")
     rows = entry.clamp(max=n - 1)
     want = embeds.detach()[torch.arange(2)[:, None], rows] * (entry < n)[..., None]

@@ -88,9 +88,9 @@ def refusal(model_type: str, n: int = 29, unroute: bool = False, **overrides) ->
     mixers hf_ring has no context-parallel form of)."""
     from hf_ring.transformers import mixers
 
-    saved = dict(mixers.FAMILIES)
+    saved = dict(mixers.MIXER_FAMILIES)
     if unroute:
-        mixers.FAMILIES.pop(f"{model_type}.modeling_{model_type}")
+        mixers.MIXER_FAMILIES.pop(f"{model_type}.modeling_{model_type}")
     try:
         model = build(model_type, "ring", **overrides)
         model(**hf_ring.shard_batch(tiny_batch(2, n)))
@@ -99,7 +99,7 @@ def refusal(model_type: str, n: int = 29, unroute: bool = False, **overrides) ->
     except Exception as e:  # noqa: BLE001 - any other error is a failure of the test
         return f"{type(e).__name__}: {e}"
     finally:
-        mixers.FAMILIES.update(saved)
+        mixers.MIXER_FAMILIES.update(saved)
     return "no error"
 
 

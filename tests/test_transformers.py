@@ -25,7 +25,7 @@ def test_register_is_idempotent_and_leaves_other_losses_alone() -> None:
     hf_ring.register()
     hf_ring.register()
     entry = AttentionInterface._global_mapping["ring"]
-    assert entry is install.ring_attention and not hasattr(entry, "hf_ring_original")
+    assert entry is install.attention_entry and not hasattr(entry, "hf_ring_original")
     hook = PreTrainedModel._check_and_adjust_attn_implementation
     assert not hasattr(hook.hf_ring_original, "hf_ring_original")  # wrapped once
     assert LOSS_MAPPING["ForCausalLM"] is ForCausalLMLoss  # the registry of losses is not touched

@@ -1,6 +1,6 @@
 """Synthetic passkey retrieval: find a five-digit key hidden in a long haystack.
 
-A sequence is ``[hay ... KEY d1 d2 d3 d4 d5 hay ... ASK d1 d2 d3 d4 d5]``; digit ``j`` is drawn
+A sequence is ``[hay ... NEEDLE d1 d2 d3 d4 d5 hay ... ASK d1 d2 d3 d4 d5]``; digit ``j`` is drawn
 from its own group of ten tokens, so the answer's ``j``-th token must be copied from the key. Only
 the answer tokens carry labels. A sample is retrieved when all five are predicted (teacher forcing,
 which equals greedy decoding when every digit is right).
@@ -17,7 +17,7 @@ from ..ops.cross_entropy import IGNORE_INDEX
 
 DIGITS = 5
 HAY = 32  # haystack tokens 0..31
-KEY, ASK = HAY, HAY + 1
+NEEDLE, ASK = HAY, HAY + 1
 VOCAB = HAY + 2 + 10 * DIGITS
 
 
@@ -40,7 +40,7 @@ class PasskeyDataset(Dataset):
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + i)
         ids = torch.randint(0, HAY, (self.seq_len,), generator=g)
         digits = torch.randint(0, 10, (DIGITS,), generator=g)
-        key = torch.tensor([KEY] + [digit_token(j, int(d)) for j, d in enumerate(digits)])
+        key = torch.tensor([NEEDLE] + [digit_token(j, int(d)) for j, d in enumerate(digits)])
         answer = torch.tensor([ASK] + [digit_token(j, int(d)) for j, d in enumerate(digits)])
         room = self.seq_len - 2 * (DIGITS + 1)
         if room < 0:

@@ -27,9 +27,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ..data.passkey import ASK, DIGITS, HAY, KEY, VOCAB, digit_token
+from ..data.passkey import ASK, DIGITS, HAY, NEEDLE, VOCAB, digit_token
 from ..transformers.batch import shard_batch
-from ..transformers.context import KEY as CONTEXT_KEY
+from ..transformers.context import CONTEXT_KEY
 from .prompts import DEFAULT_ANSWER, DEFAULT_NEEDLE, DEFAULT_QUESTION
 from .runtime import EvalError, Runtime, check_ring, progress
 
@@ -62,7 +62,7 @@ def _place(room: int, depth: float) -> int:
 
 class PasskeySource:
     """The built-in passkey task of ``hf_ring.data.passkey`` (token ids; the demo's vocabulary):
-    ``[hay .. KEY d1..d5 .. hay ASK d1..d5]``, hay tokens drawn at random (the generated filler)."""
+    ``[hay .. NEEDLE d1..d5 .. hay ASK d1..d5]``, hay tokens drawn at random (the generated filler)."""
 
     mode = "passkey"
     min_length = 2 * (DIGITS + 1)
@@ -95,7 +95,7 @@ class PasskeySource:
         answer = torch.tensor([digit_token(j, d) for j, d in enumerate(digits)])
         room = length - self.min_length
         at = _place(room, depth)
-        ids = torch.cat((hay[:at], torch.tensor([KEY]), answer, hay[at:room], torch.tensor([ASK]), answer))
+        ids = torch.cat((hay[:at], torch.tensor([NEEDLE]), answer, hay[at:room], torch.tensor([ASK]), answer))
         return Case(ids, length - DIGITS, at, "".join(map(str, digits)))
 
 

@@ -22,7 +22,7 @@ from ..errors import RingNotSupported
 from ..ledger import LEDGER
 from ..ops.cross_entropy import default_chunk_size
 from ..transformers.batch import shard_batch
-from ..transformers.context import KEY as CONTEXT_KEY
+from ..transformers.context import CONTEXT_KEY
 from ..transformers.logits import logits_transform
 from ..transformers.patches import causal_lm, decoder
 from .runtime import EvalError, Runtime, check_ring, progress, read_jsonl

@@ -44,9 +44,9 @@ from .placement import Placement, chunk_placement
 from .ring import block_attention, ring_attention
 from .schedule import Block, Schedule, band_blocks, band_schedule, placement_schedule, trim_steps
 
-__all__ = ["ROUTES", "MaskPlan", "mask_plan", "masked_attention", "ring_level"]
+__all__ = ["WINDOW_ROUTES", "MaskPlan", "mask_plan", "masked_attention", "ring_level"]
 
-ROUTES = ("auto", "border", "ring")
+WINDOW_ROUTES = ("auto", "border", "ring")
 
 
 @dataclass(frozen=True, eq=False)
@@ -145,8 +145,8 @@ def mask_plan(
     else ``"ring"``. Computed once per batch and mask (``RingContext.cached``); every rank derives the
     same route.
     """
-    if route not in ROUTES:
-        raise ValueError(f"mask_plan: unknown route {route!r}; choose one of {ROUTES}")
+    if route not in WINDOW_ROUTES:
+        raise ValueError(f"mask_plan: unknown route {route!r}; choose one of {WINDOW_ROUTES}")
     for name, w in (("window", window), ("chunk", chunk)):
         if w is not None and (not isinstance(w, int) or w < 1):
             raise ValueError(f"mask_plan: {name} must be a positive int or None, got {w!r}")

@@ -32,7 +32,7 @@ from ..data.passkey import VOCAB as PASSKEY_VOCAB
 from ..errors import RecipeError, reports
 from ..plots import plot_loss
 from ..trainer import RingTrainer
-from ..trainer.checks import earlier_run
+from ..trainer.startup import earlier_run
 from .data import StagedDataset, collate, load_documents, pack, passkey_stage, stages_of, tokenize
 from .evaluate import passkey_accuracy
 from .recipe import Recipe, auto_class, build_model, check_local, check_ring_model, model_config, parse_recipe
@@ -58,7 +58,7 @@ def build_train_dataset(recipe: Recipe, dp_size: int, tokenizer: Any = None, voc
     """The training data of a recipe, stages laid out along the optimizer steps (built once:
     tokenised and packed into datasets' cache by the main process of each node first). Token ids
     outside ``[0, vocab_size)`` (the model config's) are refused while the data is built. With a
-    ``processor`` (``data.processor``): image / video examples packed by ``vlm_data.multimodal_dataset``,
+    ``processor`` (``data.processor``): image / video examples packed by ``vlm_data.images_dataset``,
     Qwen's M-RoPE positions from ``config``'s model built on the meta device."""
     args, data = recipe.args, recipe.data
     stages = stages_of(data)

@@ -15,7 +15,7 @@ file, a video, is handed to the processor as its path) relative to the data file
 placeholders (``<|vision_start|><|image_pad|><|vision_end|>``, ``...<|video_pad|>...``) one per image or
 video, in order. Labels are the input ids with every visual token (``mm_token_type_ids`` != 0) and the
 vision start / end tokens set to -100. Examples are packed greedily, in order, into rows of ``seq_len``
-tokens (``hf_ring.data.multimodal.pack_multimodal``: positions restart at every document; Qwen's
+tokens (``hf_ring.data.images.pack_multimodal``: positions restart at every document; Qwen's
 M-RoPE rows from the model's ``get_rope_index``), the rest of a row a padding document with labels
 -100. An example longer than ``seq_len`` is refused.
 """
@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from ..data.multimodal import PER_ITEM, pack_multimodal
+from ..data.images import PER_ITEM, pack_multimodal
 from ..errors import RecipeError
 
 __all__ = ["TINY_PROCESSOR", "TinyQwenVLProcessor", "build_processor", "collate_multimodal", "encode",

@@ -35,7 +35,7 @@ from ..ledger import LEDGER
 from ..ops.cross_entropy import IGNORE_INDEX
 from ..parallel import ContextParallel, context_parallel_state, setup_context_parallel
 from ..transformers.batch import MULTIMODAL_KEYS, shard_batch
-from ..transformers.context import KEY
+from ..transformers.context import CONTEXT_KEY
 from ..transformers.sequence import gather_tokens, sequence_logprobs, sequence_sums
 from .mesh import adopt_parallelism_config, parallelism_sizes
 from .rows import pack_image_rows, pack_rows, plant_row_sums
@@ -179,7 +179,7 @@ def _token_values(
     """Per-token values ``[B, N_layout]`` of the full ``batch``, gathered over the CP group (the
     backward: this rank's tokens' gradient, times ``P``)."""
     sharded, local = _local(lm, inner, state, batch, opt)
-    ctx = sharded[KEY]
+    ctx = sharded[CONTEXT_KEY]
     return {k: gather_tokens(ctx, v, grad_scale=float(ctx.size)) for k, v in local.items()}
 
 
@@ -196,7 +196,7 @@ def _sums(
     over the CP group (the backward: this rank's tokens' gradient, times ``P``). ``tail``: ``[B, N]``
     of ``batch``, the positions whose log-probabilities are summed apart (``log_probs_tail``)."""
     sharded, local = _local(lm, inner, state, batch, opt)
-    ctx = sharded[KEY]
+    ctx = sharded[CONTEXT_KEY]
     labelled = sharded["shift_labels"] != IGNORE_INDEX
     names = ["log_probs", *opt.stats]
     weights = {k: labelled.float() for k in names}

@@ -128,10 +128,10 @@ def _refuse(args: Any) -> None:
 def _refuse_images(model: Any) -> None:
     """Image prompts at ``cp_size > 1`` run for Qwen-style vision-language models (``image_grid_thw``,
     ``mm_token_type_ids``, M-RoPE) and Gemma 3 (``token_type_ids``: its image blocks); refuse the rest by name."""
-    from ..transformers.multimodal import FAMILIES
+    from ..transformers.multimodal import VLM_FAMILIES
 
     modules = model.modules() if isinstance(model, torch.nn.Module) else ()
-    families = {FAMILIES[type(m).__name__] for m in modules if type(m).__name__ in FAMILIES}
+    families = {VLM_FAMILIES[type(m).__name__] for m in modules if type(m).__name__ in VLM_FAMILIES}
     other = sorted(f for f in families if not f.startswith("Qwen") and f != "Gemma 3")
     if other:
         why = {

@@ -52,11 +52,11 @@ def pack_image_rows(batch: dict[str, Tensor], rope_model: Any) -> tuple[dict[str
     """``pack_rows`` for rows with Qwen-style images (``pixel_values [patches, C]``, ``image_grid_thw``,
     ``mm_token_type_ids``; videos alike): each right-padded row becomes one document with its own
     images (given in row order, as TRL's vision collator and the model's merge take them), packed by
-    ``hf_ring.data.multimodal.pack_multimodal`` with ``[4, 1, T]`` positions (the text row, then each
+    ``hf_ring.data.images.pack_multimodal`` with ``[4, 1, T]`` positions (the text row, then each
     document's M-RoPE rows from ``rope_model``'s ``get_rope_index``: the padded row's own). Returns the
     packed batch and ``keep [R, N]``. Raises ``NotImplementedError`` for images without grids (Gemma 3,
     Llama 4), given ``position_ids``, or padding that is not on the right."""
-    from ..data.multimodal import pack_multimodal
+    from ..data.images import pack_multimodal
 
     text, keep = pack_rows(batch)  # the checks (right padding, no position_ids, no empty row)
     del text

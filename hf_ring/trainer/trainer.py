@@ -34,7 +34,7 @@ from ..data.loader import count_targets
 from ..parallel import ContextParallel, context_parallel_state, set_attention_backend, setup_context_parallel
 from ..planner.grids import choose_ulysses_size
 from ..transformers.batch import next_token_targets, shard_batch
-from ..transformers.context import KEY
+from ..transformers.context import CONTEXT_KEY
 from ..transformers.support import check_model
 from .arguments import RingTrainingArguments, apply_model_options
 from .mesh import adopt_parallelism_config, check_layout, parallelism_sizes
@@ -271,7 +271,7 @@ class RingTrainer(CheckpointMixin, ReplicaMixin, Trainer):
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs[0]
         if return_outputs and self._unshard_logits and "logits" in outputs:
             # the batch's context knows its layout (zigzag, or per document for packed batches)
-            outputs["logits"] = kwargs[KEY].unshard(outputs["logits"])[:, : inputs["labels"].shape[1]]
+            outputs["logits"] = kwargs[CONTEXT_KEY].unshard(outputs["logits"])[:, : inputs["labels"].shape[1]]
         return (loss, outputs) if return_outputs else loss
 
     # --- evaluation ---------------------------------------------------------------------------
@@ -291,7 +291,7 @@ class RingTrainer(CheckpointMixin, ReplicaMixin, Trainer):
             with torch.no_grad():
                 kwargs = shard_batch(dict(inputs), group=self._cp)
                 out = model(**kwargs)
-            logits = kwargs[KEY].unshard(out["logits"])[:, : inputs[key].shape[1]]
+            logits = kwargs[CONTEXT_KEY].unshard(out["logits"])[:, : inputs[key].shape[1]]
             return (None, logits, None)
         self._unshard_logits = not prediction_loss_only
         try:

@@ -20,7 +20,7 @@ from ..ops.layout import ShardLayout, sequence_layout, with_spans
 from ..ops.placement import balanced_placement
 from ..ops.zigzag import hybrid, hybrid_multiple
 from ..parallel import ContextParallel, context_parallel_state
-from .context import KEY, RingContext
+from .context import CONTEXT_KEY, RingContext
 
 __all__ = ["check_same_batch", "next_token_targets", "shard_batch"]
 _SEQ_KEYS = ("input_ids", "inputs_embeds", "labels", "shift_labels", "attention_mask", "position_ids")
@@ -289,7 +289,7 @@ def shard_batch(
             out["num_items_in_batch"] = (targets != IGNORE_INDEX).sum()
         # ``labels`` only switches the model's loss on; ``shift_labels`` are the targets it uses.
         out["labels"] = out["shift_labels"] = take(targets, IGNORE_INDEX)
-    out[KEY] = RingContext(
+    out[CONTEXT_KEY] = RingContext(
         group, size, rank, layout, dp_size=dp_size, labelled=targets is not None, full_logits=full_logits,
         positions_given=positions_given, real=take(real, False), schedule=schedule, ulysses_size=ulysses_size,
         ulysses_group=None if cp is None else cp.ulysses_group, ring_group=None if cp is None else cp.ring_group,

@@ -44,9 +44,9 @@ from ..ops.layout import ShardLayout
 from ..ops.reduce import sum_over_group
 from ..ops.schedule import Schedule
 
-__all__ = ["CrossRankCalls", "RingContext", "KEY"]
+__all__ = ["CrossRankCalls", "RingContext", "CONTEXT_KEY"]
 
-KEY = "ring_context"  # the model keyword argument that carries it
+CONTEXT_KEY = "ring_context"  # the model keyword argument that carries it
 
 
 @dataclass(eq=False)

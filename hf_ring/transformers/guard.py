@@ -2,7 +2,7 @@
 
 Under context parallelism each rank holds a shard of every sequence, and a model computes the whole
 sequence's answer only where its tokens meet across the CP group: in ring attention, or in a token
-mixer's context-parallel form (``mixers.FAMILIES``). A model whose tokens meet elsewhere -- in
+mixer's context-parallel form (``mixers.MIXER_FAMILIES``). A model whose tokens meet elsewhere -- in
 attention code of its own, outside transformers' attention registry, or in a recurrent or
 state-space mixer that hf_ring has no context-parallel form of (RWKV, xLSTM, ...) -- computes every
 token from its own rank's shard alone and returns a wrong loss, or wrong logits, without an error.
@@ -60,7 +60,7 @@ _CLAIMED: weakref.WeakSet = weakref.WeakSet()  # submodules whose positions a gu
 # kernels of one decoding step (they run only with a cache, which hf_ring refuses under CP)
 DECODE_STEP = frozenset({"causal_conv1d_update", "fused_recurrent_gated_delta_rule", "fused_recurrent_kda",
                          "selective_state_update"})  # fmt: skip
-ROUTED = "Gated DeltaNet, KDA, Mamba, Mamba2, short convolutions, lightning attention, RG-LRU"
+CP_MIXERS = "Gated DeltaNet, KDA, Mamba, Mamba2, short convolutions, lightning attention, RG-LRU"
 
 
 def check_ran(ctx: RingContext, calls: int, what: str) -> None:
@@ -72,7 +72,7 @@ def check_ran(ctx: RingContext, calls: int, what: str) -> None:
             "Its tokens meet elsewhere: in attention the model computes itself (outside transformers' attention "
             'registry; load it with attn_implementation="ring", and its layers must pass the batch\'s keyword '
             "arguments, ring_context among them, on to attention), or in a recurrent or state-space mixer that "
-            f"hf_ring has no context-parallel form of (it has: {ROUTED}). Run this model without context "
+            f"hf_ring has no context-parallel form of (it has: {CP_MIXERS}). Run this model without context "
             "parallelism (cp_size=1)."
         )
 

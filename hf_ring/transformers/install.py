@@ -11,7 +11,7 @@ built (``PreTrainedModel.__init__``) and when its attention implementation is sw
 - refuses at once, when it asks for ``"ring"``, a model that cannot run the ring
   (``support.REFUSED_AT_BUILD``);
 - applies, once per modeling module (of the model's classes: ``type(model).__mro__``), that
-  module's rows: its token-mixer kernels and adapters (``mixers.FAMILIES``) and, where its
+  module's rows: its token-mixer kernels and adapters (``mixers.MIXER_FAMILIES``) and, where its
   ``load_balancing_loss_func`` computes the Switch loss, the router loss (``router``). Only
   modules already imported are touched; no file is read and no other modeling module imported;
 - gives the model itself its causal-LM loss (``loss.CausalLMLoss`` as its ``loss_function``) and
@@ -38,7 +38,7 @@ from typing import Any
 
 from ..ledger import LEDGER, Entry
 
-__all__ = ["Change", "changes", "give_loss", "install_for", "install_module", "installed", "markdown",
+__all__ = ["Change", "changes", "install_for", "install_module", "installed", "markdown",
            "original", "register", "uninstall"]  # fmt: skip
 
 NAME = "ring"
@@ -61,11 +61,11 @@ class Change:
 
 
 ATTENTION = Change("transformers.AttentionInterface['ring']", REGISTRY, PROCESS,
-                   "the ring attention function (`install.ring_attention`: `attention.ring_attention_forward`, "
+                   "the ring attention function (`install.attention_entry`: `attention.ring_attention_forward`, "
                    "imported on first call); a new name")  # fmt: skip
 MASK = Change("transformers.masking_utils.AttentionMaskInterface['ring']", REGISTRY, PROCESS,
-              "the ring's mask function (`install.ring_mask`: `attention.ring_mask`): no `[N, N]` mask, padding "
-              "refused, the model's window or chunk read; a new name")  # fmt: skip
+              "the ring's mask function (`install.mask_entry`: `attention.ring_mask`): no `[N, N]` mask; the model's "
+              "window or chunk read, its arguments kept for a call without a `ring_context`; a new name")  # fmt: skip
 BUILD_HOOK = Change(
     "transformers.PreTrainedModel._check_and_adjust_attn_implementation", METHOD, PROCESS,
     "the build hook: the original, then `install_for(model)`, which applies the rows below; raises "
@@ -106,7 +106,7 @@ GUARD = Change(
 )  # fmt: skip
 ENTRY = Change(
     "<multimodal model>.language_model, its vision encoder: forward pre-hooks", HOOKS, MODEL,
-    "`multimodal.attach` (Qwen3-VL, Qwen3.5, Llama 4, Gemma 3: `multimodal.FAMILIES`): a batch with images enters "
+    "`multimodal.attach` (Qwen3-VL, Qwen3.5, Llama 4, Gemma 3: `multimodal.VLM_FAMILIES`): a batch with images enters "
     "whole; the text decoder's entry cuts the merged embeddings and the model's positions to this rank's rows, the "
     "encoder runs without the `ring_context` on this rank's share of the images (its instance's "
     "`get_image_features`; Gemma 3's and Llama 4's `forward` carries the context to it, `carry.carry_context`); "
@@ -118,7 +118,7 @@ VISION = Change(
     "(it attends within each image, whole on every rank)",
 )  # fmt: skip
 MIXERS_WHY = (
-    "dispatchers and adapters (`mixers.FAMILIES`): a call with a `ring_context` (its own, or the one the "
+    "dispatchers and adapters (`mixers.MIXER_FAMILIES`): a call with a `ring_context` (its own, or the one the "
     "enclosing forward carries, also into activation-checkpoint recomputes) runs the mixer's context-parallel "
     "form (`ops.mixers`); every other call runs the original"
 )
@@ -126,7 +126,7 @@ MIXERS_WHY = (
 
 @functools.cache
 def changes() -> tuple[Change, ...]:
-    """The table: the process rows, one row per routed function and adapter of ``mixers.FAMILIES``,
+    """The table: the process rows, one row per routed function and adapter of ``mixers.MIXER_FAMILIES``,
     the router-loss rows (by kind: they apply to any modeling module whose loss qualifies) and the
     model rows."""
     return (ATTENTION, MASK, BUILD_HOOK, VISION, *_mixer_rows().values(), ROUTER_LOSS, ROUTER_CALLER,
@@ -135,11 +135,11 @@ def changes() -> tuple[Change, ...]:
 
 @functools.cache
 def _mixer_rows() -> dict[tuple[str, str], Change]:
-    """(modeling module, function name or ``Class.method``) -> its row, from ``mixers.FAMILIES``."""
-    from .mixers import FAMILIES
+    """(modeling module, function name or ``Class.method``) -> its row, from ``mixers.MIXER_FAMILIES``."""
+    from .mixers import MIXER_FAMILIES
 
     rows = {}
-    for short, family in FAMILIES.items():
+    for short, family in MIXER_FAMILIES.items():
         module = _MODELS + short
         for name, route in family.functions.items():
             rows[(module, name)] = Change(f"{module}.{name}", FUNCTION, MODULE, f"{route} route")
@@ -192,8 +192,8 @@ def register() -> None:
     from transformers import AttentionInterface, PreTrainedModel
     from transformers.masking_utils import AttentionMaskInterface
 
-    _register_entry(ATTENTION, AttentionInterface, ring_attention)
-    _register_entry(MASK, AttentionMaskInterface, ring_mask)
+    _register_entry(ATTENTION, AttentionInterface, attention_entry)
+    _register_entry(MASK, AttentionMaskInterface, mask_entry)
     _replace(BUILD_HOOK, PreTrainedModel, "_check_and_adjust_attn_implementation", _build_hook)
 
 
@@ -201,14 +201,14 @@ def register() -> None:
 # that registering costs nothing at ``import hf_ring``.
 
 
-def ring_attention(*args: Any, **kwargs: Any) -> Any:
+def attention_entry(*args: Any, **kwargs: Any) -> Any:
     """The ``"ring"`` entry of ``AttentionInterface``: ``attention.ring_attention_forward``."""
     from .attention import ring_attention_forward
 
     return ring_attention_forward(*args, **kwargs)
 
 
-def ring_mask(*args: Any, **kwargs: Any) -> Any:
+def mask_entry(*args: Any, **kwargs: Any) -> Any:
     """The ``"ring"`` entry of ``AttentionMaskInterface``: ``attention.ring_mask``."""
     from .attention import ring_mask as mask
 
@@ -258,14 +258,14 @@ def install_module(module: ModuleType) -> None:
         return
     from . import router
     from .carry import carry_context
-    from .mixers import ROUTES, family_of
+    from .mixers import MIXER_ROUTES, family_of
 
     _MODULES.add(module.__name__)
     family = family_of(module.__name__)
     if family is not None:
         rows = _mixer_rows()
         for name, route in family.functions.items():
-            _replace(rows[(module.__name__, name)], module, name, ROUTES[route])
+            _replace(rows[(module.__name__, name)], module, name, MIXER_ROUTES[route])
         for target, adapter in family.adapters.items():
             cls_name, _, method = target.partition(".")
             method = method or "forward"
@@ -284,26 +284,12 @@ def install_module(module: ModuleType) -> None:
 
 def _give(model: Any) -> None:
     from .guard import watch
+    from .loss import give_loss
     from .multimodal import attach
 
-    give_loss(model)
+    give_loss(model, LOSS.why)
     watch(model)
     attach(model)
-
-
-def give_loss(model: Any) -> None:
-    """Give ``model`` its ``CausalLMLoss`` (idempotent); ``RingNotSupported`` if it has a loss of its own."""
-    from ..errors import RingNotSupported
-    from .loss import CausalLMLoss
-
-    current = model.__dict__.get("_loss_function")
-    if current is None:
-        LEDGER.set_attr(model, "_loss_function", CausalLMLoss(model), why=LOSS.why, scope=MODEL)
-    elif not isinstance(current, CausalLMLoss):
-        raise RingNotSupported(
-            f"{type(model).__name__} has a loss_function of its own ({current!r}); hf_ring computes the loss of a "
-            "sharded batch with transformers' causal-LM loss. Remove it (del model._loss_function)."
-        )
 
 
 # --- undoing ---------------------------------------------------------------------------------------

@@ -23,10 +23,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
 
+from ..errors import RingNotSupported
+from ..ledger import LEDGER
 from ..ops.cross_entropy import IGNORE_INDEX, chunked_causal_lm_loss
 from .context import RingContext
 
-__all__ = ["CHUNKED", "CausalLMLoss", "ChunkedLossInput"]
+__all__ = ["CHUNKED", "CausalLMLoss", "ChunkedLossInput", "give_loss"]
 
 # causal LM -> its chunked loss (``patches.ChunkedLoss``): hf_ring's own record, never an attribute of the model
 CHUNKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -95,3 +97,16 @@ class CausalLMLoss:
         if not ring_context.labelled:
             return local
         return ring_context.reduce_loss(local)
+
+
+def give_loss(model: nn.Module, why: str = "the model's `CausalLMLoss` (the install table's model row)") -> None:
+    """Give ``model`` its ``CausalLMLoss`` as its ``_loss_function`` (idempotent; a ledger entry of the model);
+    ``RingNotSupported`` if it has a loss of its own."""
+    current = model.__dict__.get("_loss_function")
+    if current is None:
+        LEDGER.set_attr(model, "_loss_function", CausalLMLoss(model), why=why, scope="model")
+    elif not isinstance(current, CausalLMLoss):
+        raise RingNotSupported(
+            f"{type(model).__name__} has a loss_function of its own ({current!r}); hf_ring computes the loss of a "
+            "sharded batch with transformers' causal-LM loss. Remove it (del model._loss_function)."
+        )

@@ -3,7 +3,7 @@
 In transformers 5 the hybrid mixers (Gated DeltaNet, KDA, Mamba, Mamba2, short convolutions, ...)
 call module-level kernel functions of their modeling module (``causal_conv1d_fn``,
 ``torch_chunk_gated_delta_rule``, ...) and pass them their ``**kwargs``, which carry the batch's
-``ring_context`` from ``shard_batch``. ``FAMILIES`` names, module by module, the dispatchers those
+``ring_context`` from ``shard_batch``. ``MIXER_FAMILIES`` names, module by module, the dispatchers those
 names get (``hf_ring.transformers.install`` binds them, for the modeling module of a model being
 built):
 
@@ -14,7 +14,7 @@ built):
 - every other call goes to the original, unchanged.
 
 Adding a family is one entry: its modeling module, the function names with their route
-(``ROUTES``: ``"conv"``, ``"delta"``, ``"ssd"``, ``"selective"``, ``"unfused"``), the mixer classes
+(``MIXER_ROUTES``: ``"conv"``, ``"delta"``, ``"ssd"``, ``"selective"``, ``"unfused"``), the mixer classes
 the routes make exact (what ``support.check_layer`` stops refusing), and ``adapters`` for mixers
 that call a kernel without their ``**kwargs`` (``carry_context``) or compute inline
 (``lightning_forward``, ``recurrent_block_forward``, ``rnn_scan_method``). This module rebinds
@@ -46,7 +46,7 @@ from .carry import context_of as _context
 from .carry import needs_cp as _needs_cp
 from .context import RingContext
 
-__all__ = ["FAMILIES", "ROUTES", "Family", "family_of", "routed_classes"]
+__all__ = ["MIXER_FAMILIES", "MIXER_ROUTES", "Family", "family_of", "routed_classes"]
 
 Route = Callable[[Callable], Callable]  # the original function -> its dispatcher
 _MODELS = "transformers.models."
@@ -287,13 +287,13 @@ def rnn_scan_method(scan: Callable) -> Callable:
     return wrapped
 
 
-ROUTES: dict[str, Route] = {"conv": conv_route, "delta": delta_route, "ssd": ssd_route, "selective": selective_route,
-                             "unfused": unfused_route}  # fmt: skip
+MIXER_ROUTES: dict[str, Route] = {"conv": conv_route, "delta": delta_route, "ssd": ssd_route,
+                                  "selective": selective_route, "unfused": unfused_route}  # fmt: skip
 
 
 @dataclass(frozen=True)
 class Family:
-    """One modeling module's routes: ``functions`` (module-level name -> key of ``ROUTES``) and the
+    """One modeling module's routes: ``functions`` (module-level name -> key of ``MIXER_ROUTES``) and the
     mixer ``classes`` those routes make exact."""
 
     functions: dict[str, str]
@@ -316,7 +316,7 @@ def _carried(*classes: str) -> dict[str, Callable]:
 
 
 # modeling module (under transformers.models.) -> its routes
-FAMILIES: dict[str, Family] = {
+MIXER_FAMILIES: dict[str, Family] = {
     "qwen3_5.modeling_qwen3_5": Family(_GDN, ("Qwen3_5GatedDeltaNet",)),
     "qwen3_5_moe.modeling_qwen3_5_moe": Family(_GDN, ("Qwen3_5MoeGatedDeltaNet",)),
     "qwen3_next.modeling_qwen3_next": Family(_GDN, ("Qwen3NextGatedDeltaNet",)),
@@ -359,7 +359,7 @@ FAMILIES: dict[str, Family] = {
 
 def family_of(modeling_module: str) -> Family | None:
     """The routes of a modeling module (its full name, ``transformers.models.jamba.modeling_jamba``)."""
-    return FAMILIES.get(modeling_module.removeprefix(_MODELS))
+    return MIXER_FAMILIES.get(modeling_module.removeprefix(_MODELS))
 
 
 def routed_classes(modeling_module: str) -> tuple[str, ...]:

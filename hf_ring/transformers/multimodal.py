@@ -21,7 +21,7 @@ are cut into the batch's layout by ``shard_batch`` (``ShardLayout.spans``), so e
 them see each other; windowed layers keep their window (transformers' ``create_masks_for_vision_model``).
 
 Refused (``RingNotSupported``): a multimodal batch given to a model whose decoder entry is not in
-``FAMILIES``; a tensor entering the decoder along the sequence that this module does not know; a padding
+``VLM_FAMILIES``; a tensor entering the decoder along the sequence that this module does not know; a padding
 mask; ``token_type_ids`` with image tokens for a family other than Gemma 3, or that ``shard_batch`` did
 not see.
 """
@@ -40,12 +40,12 @@ from ..ledger import LEDGER
 from ..ops.gather import gather_rows
 from .attention import ring_mask
 from .carry import ACTIVE, carry_context
-from .context import KEY, RingContext
+from .context import CONTEXT_KEY, RingContext
 
-__all__ = ["FAMILIES", "VISION_TOWERS", "attach", "check_entry", "forget", "is_encoder", "vision_attention"]
+__all__ = ["VLM_FAMILIES", "VISION_TOWERS", "attach", "check_entry", "forget", "is_encoder", "vision_attention"]
 
 # the model (class name) that merges the encoder's features and calls its text decoder ``language_model``
-FAMILIES = {
+VLM_FAMILIES = {
     "Qwen3VLModel": "Qwen3-VL", "Qwen3VLMoeModel": "Qwen3-VL-MoE", "Qwen3_5Model": "Qwen3.5",
     "Qwen3_5MoeModel": "Qwen3.5-MoE", "Llama4ForConditionalGeneration": "Llama 4", "Gemma3Model": "Gemma 3",
 }  # fmt: skip
@@ -62,7 +62,7 @@ _CUT = frozenset({"inputs_embeds", "position_ids", "attention_mask", "visual_pos
                   "labels", "shift_labels"})  # the last two: this rank's already
 WHY = "`multimodal.attach`: the decoder-entry cut of an image batch (the install table's model row)"
 # hf_ring's own records of the models it attached to (never attributes of the models)
-_FAMILY: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its FAMILIES key (FSDP2 renames classes)
+_FAMILY: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its VLM_FAMILIES key (FSDP2 renames)
 _DECODERS: weakref.WeakSet = weakref.WeakSet()  # decoders (and the models inside them) whose entry is cut
 _ENCODER: weakref.WeakSet = weakref.WeakSet()  # vision encoders that run without the ring_context
 _HOLDS: weakref.WeakSet = weakref.WeakSet()  # models that ``check_entry`` found holding one of ``_FAMILY``
@@ -77,11 +77,11 @@ def vision_attention(model: nn.Module, implementation: Any) -> Any:
 
 
 def attach(model: nn.Module) -> None:
-    """Hooks of a model of ``FAMILIES`` (idempotent): its checks before each forward, and, on its first
+    """Hooks of a model of ``VLM_FAMILIES`` (idempotent): its checks before each forward, and, on its first
     forward, the decoder-entry cut on ``model.language_model`` and the encoders' context removal (ledger
     entries of the model)."""
     name = type(model).__name__
-    if name in FAMILIES and model not in _FAMILY:
+    if name in VLM_FAMILIES and model not in _FAMILY:
         _FAMILY[model] = name
         LEDGER.hook(model, model.register_forward_pre_hook(_enter, with_kwargs=True, prepend=True), why=WHY)
         if name in TILES:
@@ -101,7 +101,7 @@ def forget() -> None:
 
 
 def check_entry(model: nn.Module, ctx: RingContext) -> None:
-    """Refuse a multimodal batch (``ctx.entry``) given to ``model`` unless it holds a model of ``FAMILIES``."""
+    """Refuse a multimodal batch (``ctx.entry``) given to ``model`` unless it holds a model of ``VLM_FAMILIES``."""
     if ctx.entry is None or model in _DECODERS or model in _HOLDS:
         return
     if any(m in _FAMILY for m in model.modules()):
@@ -110,16 +110,16 @@ def check_entry(model: nn.Module, ctx: RingContext) -> None:
     raise RingNotSupported(
         f"{type(model).__name__} got a multimodal batch from hf_ring.shard_batch (image or video inputs), which "
         "enters the model whole and is cut at the entry of its text decoder; hf_ring knows that entry for "
-        f"{', '.join(sorted(set(FAMILIES.values())))} only. Run this model without context parallelism "
+        f"{', '.join(sorted(set(VLM_FAMILIES.values())))} only. Run this model without context parallelism "
         "(cp_size=1), or without its image inputs."
     )
 
 
 def _enter(module: nn.Module, args: Any, kwargs: dict) -> tuple[Any, dict] | None:
-    ctx = kwargs.get(KEY)
+    ctx = kwargs.get(CONTEXT_KEY)
     entry = isinstance(ctx, RingContext) and ctx.entry is not None
     family = _FAMILY[module]
-    name = FAMILIES[family]
+    name = VLM_FAMILIES[family]
     if name == "Gemma 3" and isinstance(ctx, RingContext) and not ctx.layout.spans:  # without one: one process
         _refuse_unseen_blocks(module, kwargs.get("token_type_ids"))
     if not entry:
@@ -211,7 +211,7 @@ def _spread(original: Any) -> Any:
     else every rank encodes every frame."""
 
     def get_image_features(self: Any, pixel_values: Tensor, image_grid_thw: Tensor | None = None, **kwargs: Any):
-        ctx = kwargs.pop(KEY, None)
+        ctx = kwargs.pop(CONTEXT_KEY, None)
         if not isinstance(ctx, RingContext) or ctx.size == 1 or image_grid_thw is None:
             return original(self, pixel_values, image_grid_thw, **kwargs)
         frames = _frames(image_grid_thw)
@@ -242,7 +242,7 @@ def _spread_tiles(original: Any) -> Any:
     as ``_spread`` does; else every rank encodes every image."""
 
     def get_image_features(self: Any, pixel_values: Tensor, *args: Any, **kwargs: Any):
-        ctx = kwargs.pop(KEY, None) or ACTIVE.get()
+        ctx = kwargs.pop(CONTEXT_KEY, None) or ACTIVE.get()
         if not isinstance(ctx, RingContext) or ctx.size == 1 or len(pixel_values) < ctx.size:
             return original(self, pixel_values, *args, **kwargs)
         bounds = _split([1] * len(pixel_values), ctx.size)
@@ -259,7 +259,7 @@ def _spread_tiles(original: Any) -> Any:
 
 def _drop_context(module: nn.Module, args: Any, kwargs: dict) -> tuple[Any, dict]:
     """The encoder runs on whole images: no ``ring_context`` (nor the loss's keyword arguments)."""
-    return args, {k: v for k, v in kwargs.items() if k not in (KEY, "shift_labels", "num_items_in_batch")}
+    return args, {k: v for k, v in kwargs.items() if k not in (CONTEXT_KEY, "shift_labels", "num_items_in_batch")}
 
 
 def _take(t: Tensor, entry: Tensor, counting: bool = False) -> Tensor:
@@ -280,7 +280,7 @@ def _take(t: Tensor, entry: Tensor, counting: bool = False) -> Tensor:
 
 def _cut_entry(module: nn.Module, args: Any, kwargs: dict) -> tuple[Any, dict] | None:
     """The text decoder's inputs over the full merged sequence -> this rank's rows."""
-    ctx = kwargs.get(KEY)
+    ctx = kwargs.get(CONTEXT_KEY)
     if not isinstance(ctx, RingContext) or ctx.entry is None:
         return None
     embeds = kwargs.get("inputs_embeds")

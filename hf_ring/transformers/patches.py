@@ -24,9 +24,8 @@ from ..ops.offload import OffloadActivations
 from ..ops.tiled_mlp import tiled_forward
 from .carry import context_of
 from .context import RingContext
-from .install import give_loss
 from .logits import logits_transform
-from .loss import CHUNKED, ChunkedLossInput
+from .loss import CHUNKED, ChunkedLossInput, give_loss
 
 __all__ = [
     "chunked_loss",

@@ -27,7 +27,7 @@ from torch import Tensor, nn
 
 from ..ops.cross_entropy import IGNORE_INDEX, chunked_token_logprobs
 from ..ops.reduce import sum_over_group
-from .context import KEY, RingContext
+from .context import CONTEXT_KEY, RingContext
 
 __all__ = ["document_ids", "gather_tokens", "sequence_logprobs", "sequence_sums"]
 
@@ -123,7 +123,7 @@ def gather_tokens(ctx: RingContext, values: Tensor, *, grad_scale: float = 1.0) 
 
 
 def _ring_context(kwargs: dict[str, Any]) -> RingContext:
-    ctx = kwargs.get(KEY)
+    ctx = kwargs.get(CONTEXT_KEY)
     if not isinstance(ctx, RingContext):
         raise ValueError("sequence_logprobs: kwargs must come from hf_ring.shard_batch (they carry ring_context)")
     return ctx

@@ -7,7 +7,7 @@ raises ``RingNotSupported`` -- naming the model, the reason and the alternative 
 
 - sequence mixers outside the attention registry (Mamba/SSM mixers, gated DeltaNet, lightning
   and other linear attention, short convolutions, RG-LRU, ...) that have no context-parallel form
-  (``mixers.FAMILIES`` routes the rest): they would run on the local zigzag shard as if it were a
+  (``mixers.MIXER_FAMILIES`` routes the rest): they would run on the local zigzag shard as if it were a
   contiguous sequence;
 - restrictions that live only in the model, or in a mask the ring cannot read (a sliding window or
   chunked attention that the model's own mask does not state -- the ring computes the ones
@@ -214,7 +214,7 @@ def _check_mask(module: nn.Module, config: Any, name: str, kwargs: dict[str, Any
 
 
 def _check_mixers(name: str, modeling_module: str, mixers: tuple[str, ...]) -> None:
-    """Mixers routed through their context-parallel form (``mixers.FAMILIES``) are exact on batches from
+    """Mixers routed through their context-parallel form (``mixers.MIXER_FAMILIES``) are exact on batches from
     ``shard_batch``; any other mixer class is refused."""
     routed_here = set(routed_classes(modeling_module))
     unrouted = [m for m in mixers if m not in routed_here]
