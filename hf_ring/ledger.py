@@ -8,8 +8,9 @@ what is there now, why, and its scope:
 
 - ``"process"``, ``"modeling module"``, ``"model"``: lasting changes, undone by ``undo_all()``
   (``hf_ring.uninstall()``), newest first; an entry of a model instance is dropped with the model;
-- changes made inside ``with LEDGER.scoped():`` are undone when the block ends, also on an exception
-  (a trainer step's view of accelerate, a recompute's checkpoint function, a probe's stand-ins).
+- changes made through ``with LEDGER.scoped() as scope: scope.set_attr(...)`` are undone when the block
+  ends, also on an exception (a trainer step's view of accelerate, a recompute's checkpoint function, a
+  probe's stand-ins); what other code changes through the ledger inside the block stays.
 
 Undoing puts the original object back by identity, deletes what was not there (an inherited or absent
 attribute, a new mapping key, an unset variable), and removes hooks. Standard library only.
@@ -24,7 +25,7 @@ from collections.abc import Callable, Iterator, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["ATTRIBUTE", "ENVIRONMENT", "HOOK", "ITEM", "LEDGER", "MISSING", "Entry", "Ledger"]
+__all__ = ["ATTRIBUTE", "ENVIRONMENT", "HOOK", "ITEM", "LEDGER", "MISSING", "Entry", "Ledger", "Scope"]
 
 ATTRIBUTE, ITEM, ENVIRONMENT, HOOK = "attribute", "mapping item", "environment variable", "hook"
 SCOPED = "scoped"
@@ -103,57 +104,58 @@ class Ledger:
 
     def __init__(self) -> None:
         self._entries: dict[tuple, Entry] = {}
-        self._scopes: list[list[Entry]] = []
         self._watched: set[tuple] = set()  # keys of instances whose death drops their entry
 
     # --- changing -------------------------------------------------------------------------------
 
-    def set_attr(self, owner: Any, name: str, value: Any, *, why: str, scope: str = "process") -> Entry:
+    def set_attr(self, owner: Any, name: str, value: Any, *, why: str, scope: str = "process",
+                 _in: Scope | None = None) -> Entry:  # fmt: skip
         """``owner.name = value``, recorded."""
         current = _current(owner, name)
         setattr(owner, name, value)
         entry = Entry(ATTRIBUTE, f"{_describe(owner)}.{name}", why, scope, name, current, _ref(owner),
                       _ref(value))  # fmt: skip
-        return self._record((id(owner), ATTRIBUTE, name), entry, owner)
+        return self._record((id(owner), ATTRIBUTE, name), entry, owner, _in)
 
     def set_item(self, mapping: MutableMapping, key: Any, value: Any, *, why: str, where: str,
-                 scope: str = "process") -> Entry:  # fmt: skip
+                 scope: str = "process", _in: Scope | None = None) -> Entry:  # fmt: skip
         """``mapping[key] = value``, recorded (a registry's entry)."""
         current = mapping.get(key, MISSING)
         mapping[key] = value
         entry = Entry(ITEM, where, why, scope, key, current, _ref(mapping), _ref(value))
-        return self._record((id(mapping), ITEM, key), entry, None)
+        return self._record((id(mapping), ITEM, key), entry, None, _in)
 
-    def set_env(self, name: str, value: str, *, why: str, scope: str = "process") -> Entry:
+    def set_env(self, name: str, value: str, *, why: str, scope: str = "process", _in: Scope | None = None) -> Entry:
         """``os.environ[name] = value``, recorded."""
         current = os.environ.get(name, MISSING)
         os.environ[name] = value
         entry = Entry(ENVIRONMENT, f"os.environ[{name!r}]", why, scope, name, current, lambda: os.environ,
                       lambda: value)  # fmt: skip
-        return self._record((0, ENVIRONMENT, name), entry, None)
+        return self._record((0, ENVIRONMENT, name), entry, None, _in)
 
-    def hook(self, owner: Any, handle: Any, *, why: str, scope: str = "model") -> Entry:
+    def hook(self, owner: Any, handle: Any, *, why: str, scope: str = "model", _in: Scope | None = None) -> Entry:
         """A hook already registered on ``owner`` (a torch ``RemovableHandle``), recorded: undone by
         ``handle.remove()``."""
         entry = Entry(HOOK, f"{_describe(owner)} hook", why, scope, handle, MISSING, _ref(owner), lambda: handle)
-        return self._record((id(handle), HOOK, id(owner)), entry, owner)
+        return self._record((id(handle), HOOK, id(owner)), entry, owner, _in)
 
-    def made(self, owner: Any, undo: Callable[[], Any], *, why: str, scope: str = "process") -> Entry:
+    def made(self, owner: Any, undo: Callable[[], Any], *, why: str, scope: str = "process",
+             _in: Scope | None = None) -> Entry:  # fmt: skip
         """A change made by a call on ``owner`` (a logging filter added, say), recorded with the call that
         undoes it."""
-        return self.hook(owner, _Undo(undo), why=why, scope=scope)
+        return self.hook(owner, _Undo(undo), why=why, scope=scope, _in=_in)
 
-    def _record(self, key: tuple, entry: Entry, owner: Any) -> Entry:
-        """Keep ``entry``: inside a scope in front of what was recorded there (its ``original`` the value
+    def _record(self, key: tuple, entry: Entry, owner: Any, scope: Scope | None) -> Entry:
+        """Keep ``entry``: made through a ``Scope``, in front of what was recorded there (its ``original`` the value
         the block found); else in place of it, keeping the first original (a change made again)."""
         entry.key = key
         known = self._entries.get(key)
-        if self._scopes:
+        if scope is not None:
             entry.scope, entry.previous = SCOPED, known
-            self._scopes[-1].append(entry)
+            scope.made.append(entry)
         elif known is not None and entry.kind != HOOK:
             entry.original, entry.previous = known.original, known.previous
-        lasting = not self._scopes and owner is not None and key not in self._watched
+        lasting = scope is None and owner is not None and key not in self._watched
         if lasting and not isinstance(owner, type) and type(owner).__name__ != "module":
             try:  # a model's entries go with the model
                 weakref.finalize(owner, self._forget, key)
@@ -230,16 +232,43 @@ class Ledger:
         self.undo_all(lambda e: e.owner() is owner)
 
     @contextlib.contextmanager
-    def scoped(self) -> Iterator[None]:
-        """The changes made inside the block are undone when it ends, newest first, also on an exception."""
-        made: list[Entry] = []
-        self._scopes.append(made)
+    def scoped(self) -> Iterator[Scope]:
+        """A ``Scope``: the changes made through it are undone when the block ends, newest first, also on an
+        exception. Changes made inside the block through the ledger itself stay (they are lasting)."""
+        scope = Scope(self)
         try:
-            yield
+            yield scope
         finally:
-            self._scopes.pop()
-            for entry in reversed(made):
-                self.undo(entry)
+            scope.undo()
+
+
+class Scope:
+    """Temporary changes (``Ledger.scoped``): the ledger's ``set_attr``, ``set_item``, ``set_env``, ``hook`` and
+    ``made``, undone together when the block that made the scope ends."""
+
+    def __init__(self, ledger: Ledger) -> None:
+        self.ledger = ledger
+        self.made: list[Entry] = []
+
+    def set_attr(self, owner: Any, name: str, value: Any, *, why: str) -> Entry:
+        return self.ledger.set_attr(owner, name, value, why=why, _in=self)
+
+    def set_item(self, mapping: MutableMapping, key: Any, value: Any, *, why: str, where: str) -> Entry:
+        return self.ledger.set_item(mapping, key, value, why=why, where=where, _in=self)
+
+    def set_env(self, name: str, value: str, *, why: str) -> Entry:
+        return self.ledger.set_env(name, value, why=why, _in=self)
+
+    def hook(self, owner: Any, handle: Any, *, why: str) -> Entry:
+        return self.ledger.hook(owner, handle, why=why, _in=self)
+
+    def change(self, owner: Any, undo: Callable[[], Any], *, why: str) -> Entry:
+        return self.ledger.made(owner, undo, why=why, _in=self)
+
+    def undo(self) -> None:
+        for entry in reversed(self.made):
+            self.ledger.undo(entry)
+        self.made.clear()
 
 
 LEDGER = Ledger()

@@ -69,13 +69,16 @@ def test_a_change_made_again_keeps_its_first_original_and_scopes_stand_in_front(
     ledger.set_attr(ns, "f", "second", why="t")
     ledger.set_attr(ns, "f", "third", why="t")
     assert ledger.original(ns, "f") == "first" and len(ledger.entries()) == 1
-    with pytest.raises(RuntimeError), ledger.scoped():
-        ledger.set_attr(ns, "f", "scoped", why="t")
+    other = SimpleNamespace(g=1)
+    with pytest.raises(RuntimeError), ledger.scoped() as scope:
+        scope.set_attr(ns, "f", "scoped", why="t")
+        ledger.set_attr(other, "g", 2, why="t")  # made through the ledger inside the block: lasting
         assert ns.f == "scoped" and ledger.original(ns, "f") == "first"
         raise RuntimeError("the block fails")
     assert ns.f == "third" and ledger.find(ns, "f").original == "first"  # the lasting entry is in force again
+    assert other.g == 2
     ledger.undo_all()
-    assert ns.f == "first"
+    assert ns.f == "first" and other.g == 1
 
 
 def test_a_models_entries_go_with_the_model() -> None:
@@ -170,8 +173,10 @@ def _root(node: ast.AST) -> str | None:
     return node.id if isinstance(node, ast.Name) else None
 
 
-def _is_ledger_call(node: ast.AST) -> bool:
-    return isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and _root(node.func) == "LEDGER"
+def _is_ledger_call(node: ast.AST, scopes: set[str]) -> bool:
+    """A call of the ledger's, or of a scope of it (``with LEDGER.scoped() as scope``)."""
+    is_method = isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+    return is_method and _root(node.func) in {"LEDGER", *scopes}
 
 
 def foreign_changes(path: Path, rel: str) -> list[str]:
@@ -180,6 +185,9 @@ def foreign_changes(path: Path, rel: str) -> list[str]:
     ``LEDGER.hook`` call receives, in one source file."""
     tree = ast.parse(path.read_text(), str(path))
     parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+    withs = [item for node in ast.walk(tree) if isinstance(node, ast.With) for item in node.items]
+    scopes = {w.optional_vars.id for w in withs
+              if isinstance(w.optional_vars, ast.Name) and "LEDGER.scoped" in ast.unparse(w.context_expr)}  # fmt: skip
 
     def enclosing_function(node: ast.AST) -> str:
         while node in parents:
@@ -191,7 +199,7 @@ def foreign_changes(path: Path, rel: str) -> list[str]:
     def inside_ledger_call(node: ast.AST) -> bool:
         while node in parents:
             node = parents[node]
-            if _is_ledger_call(node):
+            if _is_ledger_call(node, scopes):
                 return True
         return False
 

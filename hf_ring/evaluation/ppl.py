@@ -122,8 +122,8 @@ def position_nll(
     keep = (pos + 1 < n).nonzero().squeeze(1)
     target = ids.to(device)[pos[keep] + 1]
     hook = _HeadInput()
-    with torch.no_grad(), LEDGER.scoped():  # the head's hook for this call only
-        LEDGER.hook(head, head.register_forward_pre_hook(hook), why="hf-ring eval ppl: the LM head's input")
+    with torch.no_grad(), LEDGER.scoped() as scope:  # the head's hook for this call only
+        scope.hook(head, head.register_forward_pre_hook(hook), why="hf-ring eval ppl: the LM head's input")
         model(**kwargs)
     if ctx.cross_rank_calls.total == 0 or hook.hidden is None:
         raise EvalError(

@@ -90,12 +90,12 @@ class RingDPOTrainer(RingTrainerForTRL, DPOTrainer):
         self._fused_row_sums = True
         if getattr(args, "ld_alpha", None) is not None:
             self._fused_split = ld_alpha_tail
-        with LEDGER.scoped():
+        with LEDGER.scoped() as scope:
             if self._fused_pack:  # TRL's DPOTrainer warns that it falls back to padding; under CP the ring packs
                 log = logging.getLogger("trl.trainer.dpo_trainer")
                 quiet = _Without("`padding_free=True` is temporarily unavailable")
                 log.addFilter(quiet)
-                LEDGER.made(log, lambda: log.removeFilter(quiet), why="RingDPOTrainer: TRL's padding_free warning")
+                scope.change(log, lambda: log.removeFilter(quiet), why="RingDPOTrainer: TRL's padding_free warning")
             self._ring_init(model, args, stats, ref_model=ref_model, **kwargs)
         if self._fused_pack and self.cp_size == 1:  # TRL's DPOTrainer, as it runs padding_free=True: padded
             warnings.warn(
@@ -110,7 +110,7 @@ class RingDPOTrainer(RingTrainerForTRL, DPOTrainer):
         if self._cp is None or self._cp.cp_size == 1:
             return super()._precompute_ref_logps(dataset, name, batch_size)
         acc = self.accelerator
-        with self._split_over_dp_replicas(), self.model_calls(), LEDGER.scoped():
+        with self._split_over_dp_replicas(), self.model_calls(), LEDGER.scoped() as scope:
             why = "RingDPOTrainer: reference log-probabilities gathered over the DP replicas"
-            LEDGER.set_attr(acc, "gather_for_metrics", self._gather_over_dp, why=why)
+            scope.set_attr(acc, "gather_for_metrics", self._gather_over_dp, why=why)
             return super()._precompute_ref_logps(dataset, name, batch_size)

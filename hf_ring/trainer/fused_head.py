@@ -258,12 +258,12 @@ class RingTrainerForTRL(RingTrainer):
             return
         options = HeadOptions(self._fused_stats, self._fused_temperature, pack=self._fused_pack,
                               row_sums=self._fused_row_sums, split=self._fused_split)  # fmt: skip
-        with LEDGER.scoped():
+        with LEDGER.scoped() as scope:
             for m in (getattr(self, "model", None), getattr(self, "ref_model", None)):
                 if m is not None:
                     lm = self.accelerator.unwrap_model(m) if hasattr(self, "accelerator") else m
                     lm = lm.get_base_model() if is_peft_model(lm) else lm
-                    LEDGER.set_attr(lm, "forward", fused_forward(lm, cp, options), why=WHY)
+                    scope.set_attr(lm, "forward", fused_forward(lm, cp, options), why=WHY)
             yield
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:

@@ -91,9 +91,9 @@ class ReplicaMixin:
             acc._dataloaders.append(prepared)
             return prepared
 
-        with LEDGER.scoped():  # accelerate's own method again when the block ends
-            LEDGER.set_attr(acc, "prepare_data_loader", prepare,
-                            why="RingTrainer: data loaders split over the DP replicas only")  # fmt: skip
+        with LEDGER.scoped() as scope:  # accelerate's own method again when the block ends
+            why = "RingTrainer: data loaders split over the DP replicas only"
+            scope.set_attr(acc, "prepare_data_loader", prepare, why=why)
             yield
 
     def get_train_dataloader(self) -> Any:

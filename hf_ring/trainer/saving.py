@@ -43,8 +43,8 @@ class CheckpointMixin:
         scope = self._scope()
         checkpoints.begin(folder, scope)
         limit = self.args.save_total_limit
-        with LEDGER.scoped():  # Trainer rotates by a module function it calls with this; rotated after the seal
-            LEDGER.set_attr(self.args, "save_total_limit", None, why="RingTrainer: checkpoints rotated once sealed")
+        with LEDGER.scoped() as changes:  # Trainer rotates by a module function it calls with this; rotated once sealed
+            changes.set_attr(self.args, "save_total_limit", None, why="RingTrainer: checkpoints rotated once sealed")
             super()._save_checkpoint(model, trial)
         checkpoints.seal(
             folder,

@@ -68,13 +68,13 @@ def carry_context(forward: Callable) -> Callable:
         ctx = context_of(kwargs)  # its own, else the one an enclosing forward carries
         token = ACTIVE.set(ctx)
         try:
-            with LEDGER.scoped():  # the checkpoint functions are transformers' own again when the forward returns
+            with LEDGER.scoped() as scope:  # transformers' own checkpoint functions again when the forward returns
                 if needs_cp(ctx):
                     for module in self.modules():
                         checkpoint = module.__dict__.get("_gradient_checkpointing_func")
                         if checkpoint is not None:
-                            LEDGER.set_attr(module, "_gradient_checkpointing_func",
-                                            _checkpointing_in_context(checkpoint, ctx), why=WHY)  # fmt: skip
+                            scope.set_attr(module, "_gradient_checkpointing_func",
+                                           _checkpointing_in_context(checkpoint, ctx), why=WHY)  # fmt: skip
                 return forward(self, *args, **kwargs)
         finally:
             ACTIVE.reset(token)

@@ -89,9 +89,9 @@ def _path(lm: nn.Module, target: nn.Module) -> tuple[nn.Module, str] | None:
 
 @contextmanager
 def _swapped(lm: nn.Module, swaps: list[tuple[nn.Module, str, nn.Module]]) -> Iterator[None]:
-    with LEDGER.scoped():
+    with LEDGER.scoped() as scope:
         for parent, attr, new in swaps:
-            LEDGER.set_attr(parent, attr, new, why="`logits_transform`'s probe: the decoder and head stood in for")
+            scope.set_attr(parent, attr, new, why="`logits_transform`'s probe: the decoder and head stood in for")
         yield
 
 
@@ -199,9 +199,9 @@ def logits_transform(lm: PreTrainedModel, decoder: nn.Module, caller: str) -> Re
     head = lm.get_output_embeddings()
     if not isinstance(head, nn.Module):
         raise _refuse(lm, caller, "has no output embedding (get_output_embeddings() is not a module)")
-    with LEDGER.scoped():  # the probe runs the model in both modes; each module's mode is its own again after it
+    with LEDGER.scoped() as scope:  # the probe runs the model in both modes; each module's own mode again after it
         for m in lm.modules():
-            LEDGER.set_attr(m, "training", m.training, why="`logits_transform`'s probe: the modules' modes")
+            scope.set_attr(m, "training", m.training, why="`logits_transform`'s probe: the modules' modes")
         train = _probe(lm, decoder, head, caller, training=True)
         evaluation = _probe(lm, decoder, head, caller, training=False)
     if repr(train) != repr(evaluation):
