@@ -172,7 +172,7 @@ def test_gpu_benchmark_emulated_rank_runs_the_schedule():
 
     import hf_ring.ops.comm as hcomm
     import hf_ring.ops.ring as hring
-    from benchmarks import bench_gpu as G
+    from benchmarks import gpu_timing as G
     from hf_ring.ops.kernels import get_kernel
     from hf_ring.ops.schedule import make_schedule
     from hf_ring.ops.zigzag import zigzag
