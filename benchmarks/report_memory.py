@@ -1,5 +1,5 @@
 """Memory, as docs/memory.md shows it: the peak per rank of a small model's training step measured against
-the planner (``benchmarks/results/memory.jsonl``, ``benchmarks.memory``), the chunked loss's errors under
+the planner (``benchmarks/results/memory.jsonl``, ``benchmarks.bench_memory``), the chunked loss's errors under
 bf16 autocast (``autocast_errors.jsonl``), and the planner's own figures, computed by ``hf_ring.planner``
 each time the documents are rendered: what the tools remove, the MLP's share of one layer's recompute, the
 LoRA adapters' float32 copies, the ring's overlap threshold, the host memory of offload, per-GPU peaks and
@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 
 LLAMA = "Llama-3.1-8B"
 MAIN = "ckpt+chunked"  # the grid's configuration; the variants are measured at N = 8192, P = 2
+MEMORY = "python -m benchmarks.bench_memory"  # the command that writes memory.jsonl
 
 
 # ------------------------------------------------------------------------------------------ measured
@@ -34,7 +35,7 @@ def memory_grid() -> str:
     ns, ps = sorted({r["N"] for r in main}), sorted({r["P"] for r in main})
     cells = [[str(n), *(f"{_mib(main, MAIN, n, p):.2f} ({_mib(main, MAIN, n, p, 'planned'):.2f})" for p in ps)]
              for n in ns]  # fmt: skip
-    return table(["N", *(f"P = {p}" for p in ps)], cells) + "\n\n" + measured_line(main, "python -m benchmarks.memory")
+    return table(["N", *(f"P = {p}" for p in ps)], cells) + "\n\n" + measured_line(main, MEMORY)
 
 
 def memory_variants() -> str:
@@ -46,7 +47,7 @@ def memory_variants() -> str:
     cells = [[c, *(format(_mib(sel, c, n, p, metric), fmt) for metric, fmt in (
         ("measured", ".2f"), ("planned", ".2f"), ("measured/planned", ".3f"), ("rss_growth", ".2f"), ("host", ".2f")))]
         for c in dict.fromkeys(r["provider"] for r in sel)]  # fmt: skip
-    return table(head, cells) + "\n\n" + measured_line(sel, "python -m benchmarks.memory")
+    return table(head, cells) + "\n\n" + measured_line(sel, MEMORY)
 
 
 def memory_fit() -> str:
@@ -65,7 +66,7 @@ def memory_fit() -> str:
         f"Peak memory per rank is a function of N / P alone: {'the same ' if len(peaks) == 1 else ''}"
         f"{' / '.join(peaks)} MiB at (N, P) = {where}, and at a fixed N doubling P divides it by "
         f"{factor[0] if len(factor) == 1 else factor[0] + '-' + factor[-1]}. The planner predicts every case within "
-        f"{worst:.0%} ({worst_main:.1%} for the main grid). " + measured_line(rows, "python -m benchmarks.memory")
+        f"{worst:.0%} ({worst_main:.1%} for the main grid). " + measured_line(rows, MEMORY)
     )
 
 
@@ -88,7 +89,7 @@ def autocast_errors() -> str:
     vocab = 128_256
     return (
         f"The chunk size defaults to {LOGITS_CHUNK_BYTES >> 20} MiB of float32 logits ({default_chunk_size(vocab)} "
-        f"tokens for Llama 3's vocabulary of {vocab:,}). `python -m benchmarks.autocast_errors` measures the autocast "
+        f"tokens for Llama 3's vocabulary of {vocab:,}). `python -m benchmarks.bench_autocast` measures the autocast "
         f"path on a tiny Llama that predicts its targets with median probability {prob:.2f}: "
         f"worst parameter-gradient error against float64 {err('chunked'):.3f} for the chunked loss and "
         f"{err('plain'):.3f} for transformers' loss ({err('chunked@' + before):.2f} at commit {before}, when the "
@@ -96,7 +97,7 @@ def autocast_errors() -> str:
         f"still ({err('chunked_fp32_logits'):.3f}, the head's gradient "
         f"{err('chunked', 'lm_head') / err('chunked_fp32_logits', 'lm_head'):.0f}x closer) at the price of float32 "
         "GEMMs. "
-        + measured_line(rows, "python -m benchmarks.autocast_errors --out benchmarks/results/autocast_errors.jsonl")
+        + measured_line(rows, "python -m benchmarks.bench_autocast --out benchmarks/results/autocast_errors.jsonl")
     )
 
 
@@ -140,10 +141,10 @@ def memory_tools() -> str:
 
 def mlp_recompute() -> str:
     """The MLP's share of one layer's recompute: Llama-3.1-8B with LoRA at 128K tokens per rank, and the
-    small model of ``benchmarks.memory``."""
+    small model of ``benchmarks.bench_memory``."""
     from hf_ring.planner import PlanSettings, model_shape, plan
 
-    from .memory import SHAPE
+    from .bench_memory import SHAPE
 
     m = model_shape(LLAMA)
     t = 2**17

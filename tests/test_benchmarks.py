@@ -212,7 +212,7 @@ def test_gpu_benchmark_emulated_rank_runs_the_schedule():
 # ============================================================================ gradient errors under autocast
 @pytest.mark.timeout(180)
 def test_autocast_errors_quick(tmp_path):
-    rows = run_quick("autocast_errors", tmp_path / "autocast.jsonl", timeout=170)
+    rows = run_quick("bench_autocast", tmp_path / "autocast.jsonl", timeout=170)
     got = {(r["provider"], r["metric"]): r["median"] for r in rows}
     for prov in ("plain", "chunked", "tiled", "chunked_fp32_logits", "chunked_fp32_out"):
         for metric in ("worst_param", "lm_head", "loss", "max_ratio_to_plain"):

@@ -1,7 +1,7 @@
 """Measured peak memory per rank of one training step of a small ring model, against the planner (issue 5).
 
-    python -m benchmarks.memory                         # ~2 min: writes benchmarks/results/memory.{jsonl,png}
-    python -m benchmarks.memory --quick --out /tmp/m.jsonl
+    python -m benchmarks.bench_memory                         # ~2 min: writes benchmarks/results/memory.{jsonl,png}
+    python -m benchmarks.bench_memory --quick --out /tmp/m.jsonl
 
 A 4-layer Llama (hidden 64, MLP 224 -- the 3.5x ratio of Llama-3.1-8B --, 4 query / 2 K/V heads,
 vocabulary 256, float32) runs one forward + backward with attn_implementation="ring" on P gloo
