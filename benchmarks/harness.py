@@ -136,8 +136,10 @@ def write_rows(path: str | Path, rows: list[dict]) -> None:
 
 
 def read_rows(table: str | Path) -> list[dict]:
-    """The rows of a long table: a path, or the name of one in ``benchmarks/results`` (``"attention"``)."""
-    path = Path(table) if isinstance(table, Path) or str(table).endswith(".jsonl") else RESULTS / f"{table}.jsonl"
+    """The rows of a long table: a path, or the name of one in ``benchmarks/results`` (``"attention"``: no
+    folder, no suffix)."""
+    bare = isinstance(table, str) and "/" not in table and "." not in table
+    path = RESULTS / f"{table}.jsonl" if bare else Path(table)
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
 
