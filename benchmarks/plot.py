@@ -6,11 +6,12 @@ Each table is drawn by the figures of the benchmark that wrote it, found by the 
 (``FIGURES``): ``attention.jsonl`` (``bench_attention``) gives efficiency.png, vs_torch_ring.png,
 times.png, load_balance.png, comm_hidden.png and attention_memory.png; ``model.jsonl``
 (``bench_model``) model_throughput.png and model_memory.png; ``gpu.jsonl`` (``bench_gpu``)
-gpu_fraction.png and gpu_overlap.png; ``memory.jsonl`` (``memory``) memory.png; ``windows.jsonl``,
-``ulysses.jsonl``, ``packed.jsonl`` and ``mixers.jsonl`` the figure of the same name. A benchmark
-draws its own table's figures after writing it (``harness.draw`` runs this command). Error bars are the
-p20..p80 range over iterations; every figure names the machine its rows were measured on. The figure
-code is in ``benchmarks/figures/``; the rows are read by ``benchmarks.harness.read_rows``.
+gpu_fraction.png, gpu_overlap.png and gpu_kernels.png; ``memory.jsonl`` (``bench_memory``)
+memory.png; ``windows.jsonl``, ``ulysses.jsonl``, ``packed.jsonl`` and ``mixers.jsonl`` the figure
+of the same name. A benchmark draws its own table's figures after writing it (``harness.draw`` runs
+this command). Error bars are the p20..p80 range over iterations; every figure names the machine its
+rows were measured on. The figure code is in ``benchmarks/figures/``; the rows are read by
+``benchmarks.harness.read_rows``.
 """
 
 from __future__ import annotations
