@@ -32,7 +32,6 @@ An iteration during which other processes used more than ``--max-foreign`` of th
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -158,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {r['x']:15s} {r['provider']:10s} {r['metric']:28s} P={r['P']} N={r['N']:6d}: {r['median']:.4g}")
     out.parent.mkdir(parents=True, exist_ok=True)
     if args.keep and out.exists():  # each kept row carries its own run's machine, versions and load
-        old = [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
+        old = H.read_rows(out)
         rows = [r for r in old if r["x"] not in cfg["mixers"]] + rows
     H.write_rows(out, rows)
     print(f"wrote {len(rows)} rows to {out}")

@@ -107,8 +107,7 @@ def placements(ls: list[int], size: int) -> dict[str, tuple[Placement, float]]:
 
 
 def run(windows: int, sizes: tuple[int, ...]) -> list[dict]:
-    meta = {"machine": H.machine_info(), "versions": H.versions(), "threads": 1}
-    rows = []
+    table = H.Table({"machine": H.machine_info(), "versions": H.versions()}, lambda _: 1)
     for mix in MIXES:
         rng = np.random.default_rng(0)
         samples = [lengths(mix, N, rng) for _ in range(windows)]
@@ -129,11 +128,9 @@ def run(windows: int, sizes: tuple[int, ...]) -> list[dict]:
                 for metric, unit in (("balance", "max/mean"), ("padding", "fraction"), ("skipped", "fraction"),
                                      ("calls", "kernel calls per rank per layer"),
                                      ("varlen_calls", "varlen kernel calls per rank per layer")):  # fmt: skip
-                    med, p20, p80 = H.stats(a[metric])
-                    rows.append({"name": f"packed_{metric}", "provider": name, "metric": unit, "x": mix, "P": p,
-                                 "N": N, "median": med, "p20": p20, "p80": p80, "unit": unit, **meta,
-                                 "note": f"{windows} windows of {N} tokens"})  # fmt: skip
-    return rows
+                    table.add(f"packed_{metric}", name, unit, p, N, H.stats(a[metric]), unit, x=mix,
+                              note=f"{windows} windows of {N} tokens")  # fmt: skip
+    return table.rows
 
 
 def _throughput_worker(rank: int, size: int, cfg: dict) -> dict:
@@ -176,20 +173,17 @@ def throughput(quick: bool) -> list[dict]:
     rng = np.random.default_rng(1)
     n = N // 16
     scaled = {m: [max(1, x // 16) for x in lengths(m, N, rng)] for m in MIXES}
-    meta = {"machine": H.machine_info(), "versions": H.versions()}
-    rows = []
+    table = H.Table({"machine": H.machine_info(), "versions": H.versions()}, lambda _: 1)
     for mix, ls in scaled.items():
         ls[-1] += n - sum(ls)
         cfg = {"windows": [ls], "iters": 1 if quick else 3}
         per_rank, load = H.launch(_throughput_worker, 2, cfg, threads=1, timeout=1800)
         for name in per_rank[0]:
             times = [max(r[name][i] for r in per_rank) for i in range(len(per_rank[0][name]))]
-            med, p20, p80 = H.stats([n / t for t in times])
-            rows.append({"name": "packed_throughput", "provider": name, "metric": "tokens/s", "x": mix, "P": 2,
-                         "N": n, "median": med, "p20": p20, "p80": p80, "unit": "tokens/s", **meta, "threads": 1,
-                         "note": f"attention fwd+bwd, Hq 8 Hkv 2 D 64 fp32; {len(ls)} documents; foreign load "
-                                 f"{100 * load:.0f}%"})  # fmt: skip
-    return rows
+            table.add("packed_throughput", name, "tokens/s", 2, n, H.stats([n / t for t in times]), "tokens/s", x=mix,
+                      note=f"attention fwd+bwd, Hq 8 Hkv 2 D 64 fp32; {len(ls)} documents; foreign load "
+                           f"{100 * load:.0f}%")  # fmt: skip
+    return table.rows
 
 
 def main() -> None:

@@ -3,7 +3,7 @@ training step, with TFLOP/s and MFU against the GPU's peak (``hf_ring.planner.gp
 
 * **kernels**: for each kernel ``available_backends`` lists (the reference kernel only at the shortest T), at ``T``
   tokens per rank: one causal ``T x T`` block, forward and backward through the kernel's own calls (``block``), and
-  an emulated zigzag rank of a ring of ``P`` (``bench_gpu.emulated_rank``: its whole schedule, ``P`` steps of
+  an emulated zigzag rank of a ring of ``P`` (``gpu_timing.emulated_rank``: its whole schedule, ``P`` steps of
   ``T^2 / 2`` pairs; ``rank``). FLOPs: ``4 Hq D pairs`` forward, 2.5x that backward. Rows ``gpu_kernel`` (s),
   ``gpu_kernel_tflops``, ``gpu_kernel_mfu``.
 * **rates for the planner**: bf16 GEMMs of the model's linear shapes on ``T`` tokens (forward, dX, dW:
@@ -73,8 +73,7 @@ def _fits(deadline: float, last: tuple[int, float] | None, x: int, power: float)
 def kernel_rows(tab: H.Table, kernels: dict[str, Any], cfg: dict, dev: torch.device, dtype: torch.dtype,
                 deadline: float) -> None:  # fmt: skip
     """Block and emulated-rank rows of every kernel in ``kernels`` (name -> BlockKernel)."""
-    from benchmarks.bench_gpu import emulated_rank
-    from benchmarks.gpu_timing import Clock, fwd_bwd
+    from benchmarks.gpu_timing import Clock, emulated_rank, fwd_bwd
 
     hq, hkv, d = cfg["Hq"], cfg["Hkv"], cfg["D"]
     peak, _ = _peak(dev)

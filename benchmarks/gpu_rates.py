@@ -19,6 +19,7 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks.harness import read_rows
 from hf_ring.planner import gpu_kind
 from hf_ring.planner.gpus import GPU_KINDS
 from hf_ring.planner.timing import RATES_FILE
@@ -57,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("rows", help="bench_gpu's JSON lines")
     ap.add_argument("--rates", default=str(RATES_FILE), help="the rates file to update")
     args = ap.parse_args(argv)
-    rows = [json.loads(line) for line in Path(args.rows).read_text().splitlines() if line.strip()]
+    rows = read_rows(Path(args.rows))
     if not rows:
         raise SystemExit(f"{args.rows}: no rows")
     key, entry = rates_of(rows)

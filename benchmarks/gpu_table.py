@@ -31,7 +31,7 @@ Derived rows, per N (full call) and per (N, P) (emulated ranks):
     and with the rank's measured fwd+bwd throughput (``planner_measured_flops``), and whether
     T = N/P >= the measured threshold (``gpu_overlap_hidden``).
   * ``gpu_emulation_check``: relative error (Frobenius) of the emulated ranks' out and dQ, fed the right
-    K/V blocks (``bench_gpu.oracle_fill``), against a float32 full-sequence reference (max over ranks).
+    K/V blocks (``gpu_timing.oracle_fill``), against a float32 full-sequence reference (max over ranks).
 """
 
 from __future__ import annotations

@@ -6,9 +6,13 @@
   machine used by processes outside the group; ``measure`` runs warm-up then timed iterations and
   runs again an iteration during which that share was too high; ``wait_idle`` waits for a quiet
   machine.
-* **Statistics and rows**: ``stats`` (median, p20, p80), ``Table`` (the long format of STYLE.md
-  point 9: ``FIELDS``, with ``machine_info`` and ``versions``), ``write_rows``, and ``draw`` (the
-  table's figures, by ``benchmarks.plot``).
+* **Statistics and the long table** (STYLE.md point 9): ``stats`` (median, p20, p80), ``Table``
+  (``FIELDS``, with ``machine_info`` and ``versions``), ``write_rows``, the one writer of every
+  ``benchmarks/results/*.jsonl``, and ``read_rows`` / ``one_row``, what every reader uses; ``draw``
+  runs the one plotting command (``python -m benchmarks.plot TABLE``) on a table just written.
+* **Rows in words**, for the figures' subtitles and the documents' regions (``benchmarks.report``):
+  ``machine_text``, ``versions_text``, ``measured_line``, ``markdown_table``, ``pct``, ``size``,
+  ``gib``, ``tokens``.
 * **Resident set**: ``status_kib``, ``reset_hwm``, ``allocations_to_os``.
 
 What a benchmark measures inside hf_ring's ops (time in kernel calls and ring waits, bytes sent by
@@ -21,10 +25,12 @@ import argparse
 import contextlib
 import ctypes
 import gc
+import json
 import os
 import platform
 import re
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -35,36 +41,16 @@ import numpy as np
 FIELDS = ("name", "provider", "metric", "x", "P", "N", "median", "p20", "p80", "unit",
           "machine", "versions", "threads", "note")  # fmt: skip
 ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
 
 
-# ============================================================================ machine, versions, statistics
+# ============================================================================ statistics, the long table
 def machine_info() -> dict:
     """CPU model, usable cores, platform, the CUDA device when there is one
     (``hf_ring.evaluation.runtime.machine_info``, what the evaluations and the demo record)."""
     from hf_ring.evaluation.runtime import machine_info as info
 
     return info()
-
-
-def machine_text(machine: dict | None) -> str:
-    """A row's ``machine`` (``machine_info``) in words, to follow "measured on": ``"Intel(R) Xeon(R)
-    Processor, 2 cores"`` (its GPU when it has one), ``"2 cores (CPU model not recorded)"``, or
-    ``"a machine not recorded"`` for a row without it."""
-    if not machine:
-        return "a machine not recorded"
-    gpu = str(machine.get("gpu", ""))
-    where = gpu if gpu and not gpu.startswith("none") else machine.get("cpu")
-    cores = f"{machine.get('cores', '?')} cores"
-    return f"{where}, {cores}" if where else f"{cores} (CPU model not recorded)"
-
-
-def versions_text(versions: dict | None) -> str:
-    """A row's ``versions`` in words: ``"torch 2.13.0+cpu, hf_ring 0.1.0 (254d6d4)"`` (what it recorded)."""
-    v = versions or {}
-    parts = [f"torch {v['torch']}"] if "torch" in v else []
-    if "hf_ring" in v:
-        parts.append(f"hf_ring {v['hf_ring']}" + (f" ({v['hf_ring_commit']})" if "hf_ring_commit" in v else ""))
-    return ", ".join(parts)
 
 
 def versions(transformers: bool = False) -> dict:
@@ -129,24 +115,93 @@ class Table:
 
 
 def draw(table: str | Path) -> None:
-    """Draw ``table``'s figures next to it (``benchmarks.plot``) and say where; without matplotlib,
+    """Draw ``table``'s figures next to it with the one plotting command, ``python -m benchmarks.plot
+    TABLE`` (run as a command: nothing here imports the figures), and say where; without matplotlib,
     say how to get them."""
-    try:
-        from benchmarks.plot import plot_all
-    except ImportError:
+    cmd = [sys.executable, "-m", "benchmarks.plot", str(Path(table).resolve())]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    if proc.returncode == 0:
+        print("".join(f"wrote {line}\n" for line in proc.stdout.splitlines()), end="")
+    elif "No module named 'matplotlib'" in proc.stderr:
         print("matplotlib is not installed: no figure (pip install hf-ring[plots]; then python -m benchmarks.plot)")
-        return
-    for path in plot_all(table, Path(table).parent):
-        print(f"wrote {path}")
+    else:
+        print(f"python -m benchmarks.plot {table} failed:\n{proc.stderr[-2000:]}")
 
 
 def write_rows(path: str | Path, rows: list[dict]) -> None:
-    """One JSON object per line, the ``FIELDS`` of each row."""
-    import json
-
+    """One JSON object per line, the ``FIELDS`` of each row: the one writer of ``benchmarks/results``."""
     with open(path, "w") as f:
         for r in rows:
             f.write(json.dumps({k: r[k] for k in FIELDS}) + "\n")
+
+
+def read_rows(table: str | Path) -> list[dict]:
+    """The rows of a long table: a path, or the name of one in ``benchmarks/results`` (``"attention"``: no
+    folder, no suffix)."""
+    bare = isinstance(table, str) and "/" not in table and "." not in table
+    path = RESULTS / f"{table}.jsonl" if bare else Path(table)
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def one_row(rows: list[dict], **kw: object) -> dict:
+    """The one row whose fields equal ``kw`` (a ``KeyError`` when none or several do)."""
+    hits = [r for r in rows if all(r.get(k) == v for k, v in kw.items())]
+    if len(hits) != 1:
+        raise KeyError(f"{len(hits)} rows match {kw}")
+    return hits[0]
+
+
+# ============================================================================ rows in words
+def machine_text(machine: dict | None) -> str:
+    """A row's ``machine`` (``machine_info``) in words, to follow "measured on": ``"Intel(R) Xeon(R)
+    Processor, 2 cores"`` (its GPU when it has one), ``"2 cores (CPU model not recorded)"``, or
+    ``"a machine not recorded"`` for a row without it."""
+    if not machine:
+        return "a machine not recorded"
+    gpu = str(machine.get("gpu", ""))
+    where = gpu if gpu and not gpu.startswith("none") else machine.get("cpu")
+    cores = f"{machine.get('cores', '?')} cores"
+    return f"{where}, {cores}" if where else f"{cores} (CPU model not recorded)"
+
+
+def versions_text(versions: dict | None) -> str:
+    """A row's ``versions`` in words: ``"torch 2.13.0+cpu, hf_ring 0.1.0 (254d6d4)"`` (what it recorded)."""
+    v = versions or {}
+    parts = [f"torch {v['torch']}"] if "torch" in v else []
+    if "hf_ring" in v:
+        parts.append(f"hf_ring {v['hf_ring']}" + (f" ({v['hf_ring_commit']})" if "hf_ring_commit" in v else ""))
+    return ", ".join(parts)
+
+
+def measured_line(rows: list[dict], command: str) -> str:
+    """The line under a measured figure: the command that wrote its rows, the machine, the versions."""
+    versions = versions_text(rows[0].get("versions"))
+    return f"`{command}`; measured on {machine_text(rows[0].get('machine'))}" + (f"; {versions}." if versions else ".")
+
+
+def markdown_table(head: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
+
+
+def pct(x: float) -> str:
+    return f"{x:.0%}"
+
+
+def size(b: float) -> str:
+    return f"{b / 1024:.3g} KiB" if b < 2**20 else f"{b / 2**20:.3g} MiB"
+
+
+def gib(b: float, digits: int = 1) -> str:
+    return f"{b / 2**30:.{digits}f} GiB"
+
+
+def tokens(n: int) -> str:
+    """``131072`` -> ``"128K"``, ``2**20`` -> ``"1M"``, ``1000`` -> ``"1000"``."""
+    if n and n % 2**20 == 0:
+        return f"{n >> 20}M"
+    return f"{n // 1024}K" if n % 1024 == 0 else str(n)
 
 
 # ============================================================================ load of other processes

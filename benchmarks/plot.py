@@ -6,11 +6,12 @@ Each table is drawn by the figures of the benchmark that wrote it, found by the 
 (``FIGURES``): ``attention.jsonl`` (``bench_attention``) gives efficiency.png, vs_torch_ring.png,
 times.png, load_balance.png, comm_hidden.png and attention_memory.png; ``model.jsonl``
 (``bench_model``) model_throughput.png and model_memory.png; ``gpu.jsonl`` (``bench_gpu``)
-gpu_fraction.png and gpu_overlap.png; ``memory.jsonl`` (``memory``) memory.png; ``windows.jsonl``,
-``ulysses.jsonl``, ``packed.jsonl`` and ``mixers.jsonl`` the figure of the same name. A benchmark
-draws its own table's figures after writing it (``harness.draw``). Error bars are the p20..p80 range over
-iterations; every figure names the machine its rows were measured on. The figure code is in
-``benchmarks/figures/``.
+gpu_fraction.png, gpu_overlap.png and gpu_kernels.png; ``memory.jsonl`` (``bench_memory``)
+memory.png; ``windows.jsonl``, ``ulysses.jsonl``, ``packed.jsonl`` and ``mixers.jsonl`` the figure
+of the same name. A benchmark draws its own table's figures after writing it (``harness.draw`` runs
+this command). Error bars are the p20..p80 range over iterations; every figure names the machine its
+rows were measured on. The figure code is in ``benchmarks/figures/``; the rows are read by
+``benchmarks.harness.read_rows``.
 """
 
 from __future__ import annotations
@@ -23,10 +24,11 @@ from pathlib import Path
 from .figures.attention import figures as attention_figures
 from .figures.gpu import plot_gpu
 from .figures.model import plot_memory_vs_planner, plot_model
-from .figures.style import load, select
+from .figures.style import select
 from .figures.variants import plot_mixers, plot_packed, plot_ulysses, plot_windows
+from .harness import read_rows
 
-__all__ = ["FIGURES", "load", "plot_all", "plot_gpu", "plot_model", "select"]
+__all__ = ["FIGURES", "plot_all", "plot_gpu", "plot_model", "select"]
 
 RESULTS = Path(__file__).resolve().parent / "results"
 FIGURES: dict[str, Callable[[list[dict], Path], list[Path]]] = {
@@ -49,7 +51,7 @@ def plot_all(tables: str | Path | list[str | Path], outdir: str | Path) -> list[
     for table in map(Path, tables):
         figures = FIGURES.get(table.stem)
         if figures is not None:
-            paths += figures(load(table), out)
+            paths += figures(read_rows(table), out)
     return paths
 
 

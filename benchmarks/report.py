@@ -1,14 +1,15 @@
 """The figures of README.md and docs/*.md, written from the results files, so that none can drift.
 
 A document marks each generated part ``<!-- name:start -->`` ... ``<!-- name:end -->``; ``render(name)``
-writes it from its results file (``RENDERERS``): the long tables of ``benchmarks/results/*.jsonl``
-(``benchmarks.report_measured``), the small results files of the prose (``benchmarks.report_prose``),
-``docs/demo/seeds.json`` and the demo's ``needle.json`` files, ``docs/models.json`` (the model sweep),
-the recipes' ``memory_gb`` and the planner itself (``benchmarks.report_planner``). Every
-measured figure says on which machine it was measured, as its results file records it ("a machine
-not recorded" where it does not). ``fill(text)`` renders every region of a document;
-``scripts/render_docs.py`` writes them (``--check``: only compares), and ``tests/test_docs.py`` fails
-when a committed document differs from what this renders.
+writes it from its results file (``RENDERERS``, one function per region, split by what it shows):
+the long tables of ``benchmarks/results/*.jsonl`` (what things cost in time: ``benchmarks.report_speed``;
+memory and the planner's figures: ``benchmarks.report_memory``; vision-language models:
+``benchmarks.report_multimodal``), ``docs/demo/seeds.json`` and the demo's ``needle.json`` files,
+``docs/models.json`` (the model sweep) and the recipes' ``memory_gb`` (here). Every measured figure says
+on which machine it was measured, as its results file records it ("a machine not recorded" where it does
+not). ``fill(text)`` renders every region of a document; ``scripts/render_docs.py`` writes them
+(``--check``: only compares), and ``tests/test_docs.py`` fails when a committed document differs from
+what this renders.
 """
 
 from __future__ import annotations
@@ -18,11 +19,11 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
-from . import report_measured as measured
-from . import report_planner as planned
-from . import report_prose as prose
-from .harness import machine_text
-from .report_measured import pct, table, tokens
+from . import report_memory as memory
+from . import report_multimodal as multimodal
+from . import report_speed as speed
+from .harness import machine_text, pct, tokens
+from .harness import markdown_table as table
 
 __all__ = ["DOCUMENTS", "RENDERERS", "documents", "fill", "regions", "render", "update"]
 
@@ -121,19 +122,6 @@ def models_summary() -> str:
     )
 
 
-# ------------------------------------------------------------------------------ memory and planner
-def planner_grid() -> str:
-    from .memory import planner_grid as grid
-
-    return grid()
-
-
-def planner_longest() -> str:
-    from .memory import planner_longest as longest
-
-    return longest()
-
-
 # ------------------------------------------------------------------------------------------ recipes
 RECIPES = {  # what each packaged recipe trains, in words; its memory is the recipe's own memory_gb
     "tiny-cpu-demo": ("tiny Llama, full fine-tune", "4 CPU processes", "4 x 1"),
@@ -184,32 +172,32 @@ RENDERERS: dict[str, Callable[[], str]] = {
     "models": models,
     "models-summary": models_summary,
     "recipes": recipes,
-    "memory-grid": measured.memory_grid,
-    "memory-variants": measured.memory_variants,
-    "planner-grid": planner_grid,
-    "planner-longest": planner_longest,
-    "attention-speed": measured.attention_speed,
-    "training-step": measured.training_step,
-    "mixers": measured.mixers,
-    "windows": measured.windows,
-    "packed": measured.packed,
-    "ulysses": measured.ulysses,
-    "gptoss": measured.gptoss,
-    "memory-fit": measured.memory_fit,
-    "chunked-loss-autocast": measured.autocast_errors,
-    "memory-tools": planned.memory_tools,
-    "mlp-recompute": planned.mlp_recompute,
-    "ring-overlap": planned.ring_overlap,
-    "planner-findings": planned.lora_fp32,
-    "planner-host": planned.planner_host,
-    "planner-published": planned.planner_published,
-    "vision-spread": planned.vision_spread,
-    "vision-recipe-plan": planned.vision_recipe_plan,
-    "multimodal-exactness": prose.multimodal_exactness,
-    "batch-check": prose.batch_check,
-    "softcap": prose.softcap,
-    "checkpoint-cost": prose.checkpoints,
-    "recipe-vlm": prose.recipe_vlm,
+    "attention-speed": speed.attention_speed,
+    "training-step": speed.training_step,
+    "mixers": speed.mixers,
+    "windows": speed.windows,
+    "packed": speed.packed,
+    "ulysses": speed.ulysses,
+    "gptoss": speed.gptoss,
+    "softcap": speed.softcap,
+    "batch-check": speed.batch_check,
+    "checkpoint-cost": speed.checkpoints,
+    "memory-grid": memory.memory_grid,
+    "memory-variants": memory.memory_variants,
+    "memory-fit": memory.memory_fit,
+    "chunked-loss-autocast": memory.autocast_errors,
+    "memory-tools": memory.memory_tools,
+    "mlp-recompute": memory.mlp_recompute,
+    "ring-overlap": memory.ring_overlap,
+    "planner-findings": memory.lora_fp32,
+    "planner-host": memory.planner_host,
+    "planner-published": memory.planner_published,
+    "planner-grid": memory.planner_grid,
+    "planner-longest": memory.planner_longest,
+    "multimodal-exactness": multimodal.multimodal_exactness,
+    "recipe-vlm": multimodal.recipe_vlm,
+    "vision-spread": multimodal.vision_spread,
+    "vision-recipe-plan": multimodal.vision_recipe_plan,
 }
 
 

@@ -80,7 +80,7 @@ class HfRing:
         probe = self.probe
         probe.reset()
         c0, t0 = time.thread_time(), time.perf_counter()
-        with torch.profiler.record_function("hf_ring.forward"):  # for benchmarks.profile_ring
+        with torch.profiler.record_function("hf_ring.forward"):  # for benchmarks.bench_profile
             out = ring_attention(q, k, v, ring=self.ring, backend=self.kernel, causal=True, order=order)
         t1 = time.perf_counter()
         w_f, k_f = probe.wait, probe.kernel

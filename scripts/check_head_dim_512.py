@@ -17,7 +17,7 @@ import sys
 import torch
 
 import hf_ring
-from benchmarks.bench_gpu import emulation_error
+from benchmarks.gpu_timing import emulation_error
 from hf_ring.ops.kernels import get_kernel
 from testkit.oracle import attention, rel_err
 

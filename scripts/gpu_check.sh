@@ -129,7 +129,7 @@ import math, os, time, traceback
 import torch
 
 import hf_ring
-from benchmarks import bench_gpu as G
+from benchmarks import gpu_timing as G
 from hf_ring.ops.kernels import available_backends, get_kernel
 from testkit.oracle import attention, rel_err
 
@@ -318,12 +318,7 @@ fi
 if [ "$DRY" = 1 ]; then
     needs_gpu plots
 elif [ -s "$OUT/gpu.jsonl" ] && "$PY" -c "import matplotlib" 2>/dev/null; then
-    step plots 45 "$PY" -c "
-import sys
-from benchmarks.plot import load, plot_gpu
-for p in plot_gpu(load(sys.argv[1]), sys.argv[2]):
-    print(p)
-" "$OUT/gpu.jsonl" "$OUT"
+    step plots 45 "$PY" -m benchmarks.plot "$OUT/gpu.jsonl" --outdir "$OUT"
 else
     skipped plots "no $OUT/gpu.jsonl or no matplotlib: python -m benchmarks.plot can draw them elsewhere"
 fi

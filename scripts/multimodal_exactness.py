@@ -3,20 +3,20 @@ the loss and of any gradient against one process (float64; every case of tests/t
 
     PYTHONPATH=. python scripts/multimodal_exactness.py [--out benchmarks/results/multimodal_exactness.jsonl]
 
-``--out`` writes one JSON row per family and CP size, each with the command, the machine and the
-seconds the whole run took; ``scripts/render_docs.py`` renders docs/multimodal.md's table from the
-committed file.
+``--out`` writes the long table of ``benchmarks.harness`` (name ``multimodal_exactness``, provider the
+family, x = P = the CP size: ``loss_rel``, ``loss_abs``, ``grad_rel``, the worst parameter in the note;
+a ``run_time`` row: the seconds of the whole run); ``scripts/render_docs.py`` renders docs/multimodal.md's
+table from the committed file.
 """
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.harness import machine_info, versions  # noqa: E402
+from benchmarks import harness as H  # noqa: E402
 from testkit.spawn import close_all, run_ranks  # noqa: E402
 from tests.test_multimodal import vlm_errors  # noqa: E402
 
@@ -42,27 +42,31 @@ def cases(world: int) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", type=Path, help="write the rows as JSON here")
+    p.add_argument("--out", type=Path, help="write the long table here")
     args = p.parse_args(argv)
     start = time.perf_counter()
-    rows = []
+    table = H.Table({"machine": H.machine_info(), "versions": H.versions(transformers=True)}, lambda _: 1)
     for world in (2, 3, 4):
         res = run_ranks(world, vlm_errors, cases(world), timeout=500)
         for f in FAMILIES:
             rs = [r for rank in res for r in rank if r["family"] == f]
             worst = max(rs, key=lambda r: r["grad"])
-            row = {"family": f, "cp": world, "cases": len(rs) // world, "loss_rel": max(r["loss"] for r in rs),
-                   "loss_abs": max(r["abs_loss"] for r in rs), "grad_rel": worst["grad"], "worst": worst["worst"]}
-            rows.append(row)
-            print(f"CP={world} {f:12s} cases={row['cases']} loss rel max {row['loss_rel']:.1e} abs max "
-                  f"{row['loss_abs']:.1e} grad rel max {row['grad_rel']:.1e} ({row['worst']})")  # fmt: skip
+            note = f"{len(rs) // world} cases, worst over them and the ranks, vs one process in float64"
+            vals = {"loss_rel": max(r["loss"] for r in rs), "loss_abs": max(r["abs_loss"] for r in rs),
+                    "grad_rel": worst["grad"]}  # fmt: skip
+            for metric, v in vals.items():
+                unit = "abs_err" if metric == "loss_abs" else "rel_err"
+                named = f"; worst parameter: {worst['worst']}" if metric == "grad_rel" else ""
+                table.add("multimodal_exactness", f, metric, world, 0, (v, v, v), unit, x=world, note=note + named)
+            print(f"CP={world} {f:12s} {note.split(',')[0]}: loss rel max {vals['loss_rel']:.1e} abs max "
+                  f"{vals['loss_abs']:.1e} grad rel max {vals['grad_rel']:.1e} ({worst['worst']})")  # fmt: skip
     close_all()
     seconds = time.perf_counter() - start
     print(f"{seconds:.0f} s")
+    table.add("run_time", "multimodal_exactness", "seconds", 0, 0, (seconds,) * 3, "s", x=0,
+              note="the whole run: every family at CP = 2, 3 and 4")
     if args.out:
-        meta = {"command": "PYTHONPATH=. python scripts/multimodal_exactness.py --out " + str(args.out),
-                "machine": machine_info(), "versions": versions(transformers=True), "seconds": seconds}  # fmt: skip
-        args.out.write_text("".join(json.dumps({**r, **meta}) + "\n" for r in rows))
+        H.write_rows(args.out, table.rows)
 
 
 if __name__ == "__main__":

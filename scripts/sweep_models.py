@@ -8,9 +8,9 @@ Multimodal families run with image inputs (``testkit.sweep_images``: exact, or r
 Each family (and each of its variants: router_aux, sliding, mla, temperature) runs on CP=2 gloo
 ranks against one process with sdpa (``testkit.sweep.check_family``), on three paths: a training
 step with labels, a prefill without labels (the logits), and the training step with the chunked
-loss. The records go to ``docs/models.json``; a markdown table goes to stdout and to ``--markdown
-PATH``; ``--update-docs`` renders the documents' generated regions from them (docs/models.md's table,
-the README's summary line: ``scripts/render_docs.py``).
+loss. The records go to ``docs/models.json``, a markdown table and a summary to stdout; ``--update-docs``
+renders the documents' generated regions from them (docs/models.md's table, the README's summary line:
+``scripts/render_docs.py``, the one writer of those tables).
 """
 
 from __future__ import annotations
@@ -100,7 +100,6 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--timeout", type=float, default=120.0, help="seconds per family before the ranks count as hung")
     p.add_argument("--json", default=str(ROOT / "docs" / "models.json"), help="records file (written, or read)")
     p.add_argument("--from-json", action="store_true", help="do not run: read the records from --json")
-    p.add_argument("--markdown", help="write the models table to this file")
     p.add_argument("--update-docs", action="store_true", help="render docs/models.md and the README's summary")
     args = p.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -127,8 +126,6 @@ def main(argv: list[str] | None = None) -> None:
         Path(args.json).write_text(json.dumps(records, indent=1) + "\n")
     table = render_table(records)
     print(table + summary(records, wall))
-    if args.markdown:
-        Path(args.markdown).write_text(table)
     if args.update_docs:
         from benchmarks.report import update
 

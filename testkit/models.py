@@ -60,7 +60,7 @@ def prepare_step_model(model, case: dict, lora_rank: int):
     """``model`` with the options of ``case`` (LoRA on ``LORA_TARGETS``, checkpointing with or without
     offload, chunked loss, tiled MLP), in training mode, with zero gradients already allocated as in
     gradient accumulation. Returns the model (a PEFT wrapper with LoRA; ``peft`` is imported only then).
-    Used by the memory tests and ``benchmarks.memory``."""
+    Used by the memory tests and ``benchmarks.bench_memory``."""
     from hf_ring.planner import LORA_TARGETS
 
     if case["lora"]:

@@ -172,7 +172,7 @@ def test_gpu_benchmark_emulated_rank_runs_the_schedule():
 
     import hf_ring.ops.comm as hcomm
     import hf_ring.ops.ring as hring
-    from benchmarks import bench_gpu as G
+    from benchmarks import gpu_timing as G
     from hf_ring.ops.kernels import get_kernel
     from hf_ring.ops.schedule import make_schedule
     from hf_ring.ops.zigzag import zigzag
@@ -212,7 +212,7 @@ def test_gpu_benchmark_emulated_rank_runs_the_schedule():
 # ============================================================================ gradient errors under autocast
 @pytest.mark.timeout(180)
 def test_autocast_errors_quick(tmp_path):
-    rows = run_quick("autocast_errors", tmp_path / "autocast.jsonl", timeout=170)
+    rows = run_quick("bench_autocast", tmp_path / "autocast.jsonl", timeout=170)
     got = {(r["provider"], r["metric"]): r["median"] for r in rows}
     for prov in ("plain", "chunked", "tiled", "chunked_fp32_logits", "chunked_fp32_out"):
         for metric in ("worst_param", "lm_head", "loss", "max_ratio_to_plain"):

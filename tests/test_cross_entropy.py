@@ -200,7 +200,7 @@ def test_autocast_model_with_confident_targets_within_twice_the_full_path():
     """A tiny float32 Llama trained until it predicts its batch with median p > 0.95, one step under
     CPU bf16 autocast: every parameter gradient of the chunked loss within 2x of the full path's
     error against float64 (before the chunked loss kept the forward's autocast state: 20x on the
-    worst parameter, ``python -m benchmarks.autocast_errors``)."""
+    worst parameter, ``python -m benchmarks.bench_autocast``)."""
     model, batch, median = confident_model(vocab=256, confidence=0.95)
     plain = grad_errors(model, batch)
     chunked = grad_errors(model, batch, lambda m: hf_ring.enable_chunked_loss(m, chunk_size=32))

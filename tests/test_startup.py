@@ -4,7 +4,7 @@
 ``hf-ring --help``, ``train --list``, ``train --config`` and ``plan`` start without them; "ring"
 reaches transformers at once when transformers is imported already, else when its import has
 finished. Each order of the two imports is run in a fresh interpreter, as is every command here.
-The start-up times are measured by ``benchmarks/startup.py``, not asserted.
+The start-up times are measured by ``benchmarks/bench_startup.py``, not asserted.
 """
 
 from __future__ import annotations

@@ -79,7 +79,7 @@ def test_autocast_backward_recomputes_in_the_forward_dtype(dtype):
 def test_autocast_model_with_confident_targets_within_twice_the_untiled_path():
     """A tiny float32 Llama trained until it predicts its batch with median p > 0.95, one step under
     CPU bf16 autocast: every parameter gradient with the tiled MLP within 2x of the untiled path's
-    error against float64 (``python -m benchmarks.autocast_errors`` gives the figures)."""
+    error against float64 (``python -m benchmarks.bench_autocast`` gives the figures)."""
     model, batch, _ = confident_model(vocab=256, confidence=0.95)
     plain = grad_errors(model, batch)
     tiled = grad_errors(model, batch, lambda m: hf_ring.enable_tiled_mlp(m, tile_tokens=16))

@@ -1,5 +1,5 @@
 """Figures of the model benchmarks: the training step (``benchmarks.bench_model``, ``model.jsonl``) and
-the measured peak memory against the planner (``benchmarks.memory``, ``memory.jsonl``)."""
+the measured peak memory against the planner (``benchmarks.bench_memory``, ``memory.jsonl``)."""
 
 from __future__ import annotations
 
@@ -77,10 +77,14 @@ def plot_model(rows, outdir) -> list[Path]:
 
 def plot_memory_vs_planner(rows: list[dict], out: Path) -> list[Path]:
     """``memory.png``: measured peak memory per rank of one training step against the planner's, vs N
-    and vs N / P (``benchmarks.memory`` rows, configuration ``ckpt+chunked``); [] without them."""
-    main = [r for r in rows if r.get("config") == "ckpt+chunked"]
+    and vs N / P (``benchmarks.bench_memory`` rows, configuration ``ckpt+chunked``); [] without them."""
+    main = [r for r in rows if r["name"] == "peak_memory" and r["provider"] == "ckpt+chunked"]
     if not main:
         return []
+    mib = {(r["N"], r["P"], r["metric"]): r["median"] for r in main}
+    main = [{"N": r["N"], "P": r["P"], "tokens_per_rank": r["N"] // r["P"], "measured_mib": r["median"],
+             "planned_mib": mib[r["N"], r["P"], "planned"], "machine": r["machine"], "versions": r["versions"]}
+            for r in main if r["metric"] == "measured"]  # fmt: skip
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     ax = axes[0]
     for p, marker in zip(sorted({r["P"] for r in main}), "osD^"):

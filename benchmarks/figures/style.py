@@ -1,10 +1,8 @@
-"""What every benchmark figure shares: reading the long tables, selecting rows, a series with its
-p20..p80 error bars, the machine and versions line under each title, saving."""
+"""What every benchmark figure shares: selecting rows of the long tables (read by
+``benchmarks.harness.read_rows``), a series with its p20..p80 error bars, the machine and versions line
+under each title, saving."""
 
 from __future__ import annotations
-
-import json
-from pathlib import Path
 
 import matplotlib
 
@@ -13,14 +11,9 @@ from ..harness import machine_text, versions_text
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-__all__ = ["COLORS", "finish", "load", "log2x", "machine", "p_values", "plt", "select", "series", "subtitle"]
+__all__ = ["COLORS", "finish", "log2x", "machine", "p_values", "plt", "select", "series", "subtitle"]
 
 COLORS = {1: "tab:gray", 2: "tab:blue", 4: "tab:orange", 8: "tab:green"}
-
-
-def load(path: str | Path) -> list[dict]:
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
 
 
 def select(rows, **kw) -> list[dict]:

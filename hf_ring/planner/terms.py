@@ -6,7 +6,7 @@ gated MLP or the active experts of an MoE layer, LoRA adapters) and the ring's w
 attention backward; and the bytes attention sends per layer, ring and Ulysses all-to-all
 (``attention_comm_bytes``; a windowed layer: ``window_comm_bytes``). Checked with
 ``testkit.live_tensors.LiveTensorBytes`` on small models (``tests/test_planner.py``,
-``benchmarks/memory.py``).
+``benchmarks/bench_memory.py``).
 
 Imports neither torch nor transformers.
 """

@@ -1,6 +1,6 @@
 """Gradient errors under bf16 autocast: the chunked loss and the tiled MLP against the plain path.
 
-    python -m benchmarks.autocast_errors --out benchmarks/results/autocast_errors.jsonl    # ~20 s on 1 core
+    python -m benchmarks.bench_autocast --out benchmarks/results/autocast_errors.jsonl    # ~20 s on 1 core
 
 A tiny float32 Llama trained on one batch until it predicts its next tokens with median probability
 above ``--confidence`` (0.95: late in fine-tuning, where a loss whose backward disagrees with its
@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
             with ops_at(args.before):
                 pass
         except (OSError, subprocess.CalledProcessError) as e:  # no git, or a clone without that commit
-            print(f"[autocast_errors] no @{args.before} rows: {e}")
+            print(f"[bench_autocast] no @{args.before} rows: {e}")
         else:
             providers[f"chunked@{args.before}"] = (_chunked, lambda: ops_at(args.before))
             providers[f"tiled@{args.before}"] = (_tiled, lambda: ops_at(args.before))
@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     table = H.Table(meta, lambda p: torch.get_num_threads())
     n = int(batch["input_ids"].numel())
     note = f"tiny Llama fp32, CPU bf16 autocast, median target probability {median:.3f}; vs float64"
-    print(f"[autocast_errors] vocab {vocab}, {n} tokens, median target probability {median:.3f}")
+    print(f"[bench_autocast] vocab {vocab}, {n} tokens, median target probability {median:.3f}")
     print(f"{'provider':24s} {'worst param':>12s} {'lm_head':>9s} {'loss':>9s} {'max ratio to plain':>19s}")
     plain = errs["plain"]
     for name, e in errs.items():
@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     H.write_rows(out, table.rows)
-    print(f"[autocast_errors] {len(table.rows)} rows -> {out}; {time.monotonic() - t0:.1f} s")
+    print(f"[bench_autocast] {len(table.rows)} rows -> {out}; {time.monotonic() - t0:.1f} s")
     return 0
 
 

@@ -1,7 +1,7 @@
 """Where the time of one hf_ring fwd+bwd goes, between and inside the kernel calls.
 
-    python -m benchmarks.profile_ring --out benchmarks/results/profile_p2_n8192.txt [--P 2 --N 8192]
-    python -m benchmarks.profile_ring --quick --out /tmp/profile.txt                # P=2, N=512: smoke test
+    python -m benchmarks.bench_profile --out benchmarks/results/profile_p2_n8192.txt [--P 2 --N 8192]
+    python -m benchmarks.bench_profile --quick --out /tmp/profile.txt                # P=2, N=512: smoke test
 
 Spawns P gloo ranks (1 thread each, or all cores for P=1), warms up, then runs one fwd+bwd under
 torch.profiler on every rank. The op gets a ``probes.TimedKernel`` and a ``probes.TimedRing``

@@ -1,7 +1,7 @@
 """Measured peak memory per rank of one training step of a small ring model, against the planner (issue 5).
 
-    python -m benchmarks.memory                         # ~2 min: writes benchmarks/results/memory.{jsonl,png}
-    python -m benchmarks.memory --quick --out /tmp/m.jsonl
+    python -m benchmarks.bench_memory                         # ~2 min: writes benchmarks/results/memory.{jsonl,png}
+    python -m benchmarks.bench_memory --quick --out /tmp/m.jsonl
 
 A 4-layer Llama (hidden 64, MLP 224 -- the 3.5x ratio of Llama-3.1-8B --, 4 query / 2 K/V heads,
 vocabulary 256, float32) runs one forward + backward with attn_implementation="ring" on P gloo
@@ -22,12 +22,16 @@ Two measures per rank, the worst rank kept:
     the OS (MALLOC_MMAP_THRESHOLD_=65536): an independent cross-check that includes what the
     tracker cannot see (gloo buffers, allocator overhead). Linux only; null elsewhere.
 ``planned``: ``hf_ring.planner.plan(...).activation_peak`` for the same case.
+
+Rows (the long table of ``benchmarks.harness``, name ``peak_memory``, provider the configuration, x = N):
+``measured``, ``planned``, ``measured/planned``, ``rss_growth``, ``host`` and ``planned_host``, in MiB
+(the ratio as such); the note gives the dtype, the vocabulary, the tokens per rank, the model and the
+planner's peak phase. docs/memory.md shows them (``benchmarks.report_memory``).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 from pathlib import Path
 
@@ -114,8 +118,9 @@ def run_p(p: int, cases: list[dict]) -> list[list[dict]]:
 def measure(grid: dict, variant_at: tuple[int, int] | None) -> list[dict]:
     from hf_ring.planner import PlanSettings, model_shape, plan
 
-    rows = []
-    meta = {"machine": H.machine_info(), "versions": H.versions(transformers=True)}
+    table = H.Table({"machine": H.machine_info(), "versions": H.versions(transformers=True)}, lambda _: 1)
+    model = (f"4-layer Llama (hidden {SHAPE['hidden_size']}, MLP {SHAPE['intermediate_size']}, "
+             f"{SHAPE['num_attention_heads']} / {SHAPE['num_key_value_heads']} heads)")  # fmt: skip
     for p in grid["Ps"]:
         cases = [_case(n) for n in grid["Ns"]]
         if variant_at and variant_at[1] == p:
@@ -132,100 +137,33 @@ def measure(grid: dict, variant_at: tuple[int, int] | None) -> list[dict]:
                                     offload=c["offload"], chunked_loss=c["chunked"], tiled_mlp=c["tiled"],
                                     reserve_gib=0)  # fmt: skip
             pl = plan(model_shape(config), settings)
-            rows.append({
-                "config": c["name"], "N": c["N"], "P": p, "tokens_per_rank": pl.tokens_per_rank, "dtype": c["dtype"],
-                "vocab": c["vocab"], "measured_mib": peak / 2**20, "planned_mib": pl.activation_peak / 2**20,
-                "ratio": peak / pl.activation_peak, "peak_phase": pl.peak_phase,
-                "rss_mib": max(rss) / 2**20 if None not in rss else None,
-                "host_mib": host / 2**20, "planned_host_mib": sum(pl.host.values()) / 2**20,
-                "model": SHAPE, **meta,
-            })  # fmt: skip
-            r = rows[-1]
-            print(f"{c['name']:<26} N={c['N']:>6} P={p}  measured {r['measured_mib']:8.2f} MiB  planned "
-                  f"{r['planned_mib']:8.2f}  ratio {r['ratio']:.3f}  rss {r['rss_mib'] or float('nan'):8.2f}  "
-                  f"host {r['host_mib']:.2f}", flush=True)  # fmt: skip
-    return rows
+            vals = {"measured": peak / 2**20, "planned": pl.activation_peak / 2**20,
+                    "measured/planned": peak / pl.activation_peak,
+                    "rss_growth": max(rss) / 2**20 if None not in rss else None,
+                    "host": host / 2**20, "planned_host": sum(pl.host.values()) / 2**20}  # fmt: skip
+            note = (f"{c['dtype']}, vocabulary {c['vocab']}, {pl.tokens_per_rank} tokens per rank; {model}; the "
+                    f"planner's peak phase: {pl.peak_phase}")  # fmt: skip
+            for metric, v in vals.items():
+                unit = "ratio" if metric == "measured/planned" else "MiB"
+                table.add("peak_memory", c["name"], metric, p, c["N"], (v, v, v), unit, note=note)
+            print(f"{c['name']:<26} N={c['N']:>6} P={p}  measured {vals['measured']:8.2f} MiB  planned "
+                  f"{vals['planned']:8.2f}  ratio {vals['measured/planned']:.3f}  rss "
+                  f"{vals['rss_growth'] or float('nan'):8.2f}  host {vals['host']:.2f}", flush=True)  # fmt: skip
+    return table.rows
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="benchmarks/results/memory.jsonl")
     ap.add_argument("--quick", action="store_true", help="a tiny grid, for tests")
-    ap.add_argument("--table", action="store_true", help="print the planner tables of docs/memory.md and exit")
     a = ap.parse_args(argv)
-    if a.table:
-        print(planner_tables())
-        return
     grid = QUICK if a.quick else GRID
     rows = measure(grid, (2048, 2) if a.quick else (8192, 2))
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    H.write_rows(out, rows)
     print(f"wrote {out}")
     H.draw(out)
-
-
-# ============================================================================ planner tables (docs/memory.md)
-PLANNER_COLUMNS = {
-    "LoRA": dict(mode="lora"),
-    "LoRA + offload": dict(mode="lora", offload=True),
-    "LoRA + offload + tiled MLP": dict(mode="lora", offload=True, tiled_mlp=8192),
-    "full FT": dict(mode="full"),
-    "full FT + offload + tiled MLP": dict(mode="full", offload=True, tiled_mlp=8192),
-}
-_FLAGS = {"mode": lambda v: "--mode full" if v == "full" else "", "offload": lambda v: "--offload" if v else "",
-          "tiled_mlp": lambda v: f"--tiled-mlp {v // 1024}K"}  # fmt: skip
-
-
-def planner_grid() -> str:
-    """Markdown: per-GPU peak of Llama-3.1-8B and Qwen2.5-7B at 128K/512K/1M on 8 and 16 x 80 GiB, and
-    the ``hf-ring plan`` command that gives each cell."""
-    from hf_ring.planner import GiB, PlanSettings, model_shape, plan
-
-    lines = ["| model | N | GPUs (CP) | tokens/GPU | " + " | ".join(PLANNER_COLUMNS) + " |",
-             "|---|---|---|---|" + "---|" * len(PLANNER_COLUMNS)]  # fmt: skip
-    for model in ("Llama-3.1-8B", "Qwen2.5-7B"):
-        for n, label in ((2**17, "128K"), (2**19, "512K"), (2**20, "1M")):
-            for g in (8, 16):
-                cells = []
-                for kw in PLANNER_COLUMNS.values():
-                    p = plan(model_shape(model), PlanSettings(seq_len=n, gpus=g, cp=g, sharding="fsdp", **kw))
-                    cells.append(f"{p.peak / GiB:.1f}{'' if p.fits else ' ✗'}")
-                lines.append(f"| {model} | {label} | {g} ({g}) | {n // g // 1024}K | " + " | ".join(cells) + " |")
-    def column_flags(kw: dict) -> str:
-        flags = " ".join(f for k, v in kw.items() if (f := _FLAGS[k](v)))
-        return f"`{flags}`" if flags else "none"
-
-    flags = "; ".join(f"{col}: {column_flags(kw)}" for col, kw in PLANNER_COLUMNS.items())
-    return "\n".join(lines) + (
-        "\n\nEach cell is `hf-ring plan MODEL --seq-len N --gpus G --cp G --sharding fsdp` plus the column's "
-        f"flags ({flags}); LoRA rank 16, bf16, checkpointing and the chunked loss are `hf-ring plan`'s defaults."
-    )
-
-
-def planner_longest() -> str:
-    """Markdown: the longest sequence that fits, per setup (the planner's ``max_seq_len``)."""
-    from hf_ring.planner import PlanSettings, max_seq_len, model_shape
-
-    longest = ["| setup | longest sequence that fits (planner) |", "|---|---|"]
-    for model, g, kw, what in (
-        ("Llama-3.1-8B", 1, dict(mode="lora"), "LoRA, 1 GPU"),
-        ("Llama-3.1-8B", 1, dict(mode="lora", offload=True, tiled_mlp=8192), "LoRA + offload + tiled MLP, 1 GPU"),
-        ("Llama-3.1-8B", 8, dict(mode="lora"), "LoRA, 8 GPUs"),
-        ("Llama-3.1-8B", 8, dict(mode="lora", offload=True, tiled_mlp=8192), "LoRA + offload + tiled MLP, 8 GPUs"),
-        ("Llama-3.1-8B", 8, dict(mode="full", offload=True, tiled_mlp=8192), "full FT + offload + tiled MLP, 8 GPUs"),
-        ("Llama-3.1-8B", 16, dict(mode="lora", offload=True, tiled_mlp=8192), "LoRA + offload + tiled MLP, 16 GPUs"),
-        ("Llama-3.1-8B", 32, dict(mode="full", offload=True, tiled_mlp=8192), "full FT + offload + tiled MLP, 32 GPUs"),
-        ("Qwen2.5-7B", 8, dict(mode="lora", offload=True, tiled_mlp=8192), "LoRA + offload + tiled MLP, 8 GPUs"),
-    ):
-        n = max_seq_len(model_shape(model), PlanSettings(seq_len=0, gpus=g, sharding="fsdp", **kw))
-        longest.append(f"| {model}, {what} | {n / 2**20:.2f}M ({n:,}) |")
-    return "\n".join(longest)
-
-
-def planner_tables() -> str:
-    """Markdown: ``planner_grid`` and ``planner_longest`` (``--table``)."""
-    return planner_grid() + "\n\n" + planner_longest()
 
 
 if __name__ == "__main__":

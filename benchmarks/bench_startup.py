@@ -1,6 +1,6 @@
 """How long the command line takes to answer, and what ``import hf_ring`` adds to its dependencies.
 
-    python -m benchmarks.startup --out benchmarks/results/startup.jsonl --before 055246b   # ~4-7 min
+    python -m benchmarks.bench_startup --before 055246b [--out /tmp/startup.jsonl]   # ~4-7 min
 
 Each sample is a fresh interpreter, timed from start to exit (what a user waits for):
 
@@ -18,8 +18,10 @@ disturb far less than the wall clock; the overheads are given in both.
 
 ``--before REV`` measures the same commands on the sources of that commit too (``git archive`` into
 a temporary folder, put first on ``PYTHONPATH``), interleaved with this checkout's in every
-repetition so both see the same machine load. Rows: ``name`` the command, ``provider`` the code
-(``this`` or ``before REV``), ``metric`` ``seconds``, median / p20 / p80 over the repetitions.
+repetition so both see the same machine load. It prints one line per row; ``--out`` writes them as a
+long table too (``name`` the command, ``provider`` the code, ``this`` or ``before REV``, ``metric``
+``seconds`` or ``cpu_seconds``, median / p20 / p80 over the repetitions). No page shows these figures,
+so nothing is kept in ``benchmarks/results``.
 """
 
 from __future__ import annotations
@@ -93,7 +95,7 @@ def sources_of(rev: str, into: Path) -> Path:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="benchmarks/results/startup.jsonl")
+    ap.add_argument("--out", help="also write the long table here")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--before", help="a commit to measure too (its hf_ring sources), e.g. the one before a change")
     args = ap.parse_args()
@@ -122,7 +124,8 @@ def main() -> None:
                 diffs = [a - b for a, b in zip(samples[(variant, order, metric)], samples[(variant, base, metric)])]
                 name, note = f"import hf_ring overhead, hf_ring {where} the others", f"{order!r} minus {base!r}"
                 table.add(name, variant, metric, 1, 0, H.stats(diffs), "s", x=0, note=f"{note}, paired per repetition")
-    H.write_rows(args.out, table.rows)
+    if args.out:
+        H.write_rows(args.out, table.rows)
     for r in table.rows:
         print(f"{r['provider']:<16} {r['metric']:<12} {r['name']:<55} {r['median']:6.2f} s  "
               f"(p20 {r['p20']:.2f}, p80 {r['p80']:.2f})")  # fmt: skip
