@@ -112,6 +112,10 @@ def metric_tolerance(key: str, logged: dict[str, float], run: Run) -> tuple[floa
         return (ROUNDINGS + run.vocab) * run.eps * value, "mean of -sum_v p log p: (K + vocab) eps |value|"
     if name == "grad_norm":
         return GRAD_RTOL * value, "norm of the gradients, each as accurate as the gradient check's GRAD_RTOL"
+    if name == "logits_count":
+        return 0.0, "exact: the evaluation's logits counted"
+    if name in ("logits_mean", "logits_abs_mean", "logits_max"):  # tests/test_dpo.py's compute_metrics
+        return k * (value + 1.0), "mean or max of the same forward's logits: K eps (|value| + max |logit| = 1)"
     if name in ("logits/chosen", "logits/rejected"):
         return k * (value + 1.0), "mean logit over the vocabulary: K eps (|value| + max |logit| = 1)"
     if name == "kl":

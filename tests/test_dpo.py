@@ -101,6 +101,8 @@ def dpo_run(
     evals, cp = spec.pop("evals", False) or metrics, spec.pop("cp", 2) if cp is None else cp
     if evals:  # evaluation under CP too: eval_loss and the eval_ metrics
         spec.update(eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=2)
+    if metrics:  # and before the first step, on the very same weights
+        spec.update(eval_on_start=True)
     ring = kind == "ring"
     if ring:
         launcher_env()
@@ -252,9 +254,9 @@ def test_ring_dpo_trainer_cp1_is_dpo_trainer(tmp_path: Path, case: str) -> None:
                             str(tmp_path / f"pairs-{kind}"), 1, True, timeout=300)  # fmt: skip
             for kind in ("ring", "ref")}
     ring, ref = runs["ring"], runs["ref"][0]
-    assert ring[0]["cp"] == 1 and len(ref["logs"]) == len(ring[0]["logs"]) == 3
-    assert "eval_logits_mean" in ref["logs"][-1]
-    assert_same_runs(f"{case}-cp1", ring, ref, "RingDPOTrainer", "DPOTrainer")
+    assert ring[0]["cp"] == 1 and len(ref["logs"]) == len(ring[0]["logs"]) == 4
+    assert "eval_logits_mean" in ref["logs"][0] and "eval_logits_mean" in ref["logs"][-1]
+    assert_same_runs(f"{case}-cp1", ring, ref, "RingDPOTrainer", "DPOTrainer", Run.of("dpo", VOCAB, CASES[case]))
 
 
 def test_ring_dpo_trainer_compute_metrics_matches_single_process(tmp_path: Path) -> None:
@@ -270,5 +272,6 @@ def test_ring_dpo_trainer_compute_metrics_matches_single_process(tmp_path: Path)
                      str(tmp_path / "pairs-ring"), None, True, timeout=300)  # fmt: skip
     ref = run_ranks(1, dpo_run, "ref", case, str(tmp_path / "ref"), str(tmp_path / "tok"),
                     str(tmp_path / "pairs-ref"), None, True, timeout=300)[0]  # fmt: skip
-    assert ring[0]["cp"] == 2 and "eval_logits_mean" in ref["logs"][-1]
-    assert_same_runs(f"{case}-compute_metrics", ring, ref, "RingDPOTrainer", "DPOTrainer")
+    assert ring[0]["cp"] == 2 and "eval_logits_mean" in ref["logs"][0] and "eval_logits_mean" in ref["logs"][-1]
+    assert_same_runs(f"{case}-compute_metrics", ring, ref, "RingDPOTrainer", "DPOTrainer",
+                     Run.of("dpo", VOCAB, CASES[case]))  # fmt: skip

@@ -157,7 +157,8 @@ def _grpo_run(kind: str, case: str, out: str, tok_dir: str, fixed: bool, cp: int
                   eval_dataset=evals, processing_class=AutoTokenizer.from_pretrained(tok_dir), callbacks=[keep],
                   **extra)  # fmt: skip
     trainer.train()
-    logs = [{k: v for k, v in h.items() if k not in SKIP and not k.endswith(("_runtime", "_per_second"))}
+    logs = [{k: v for k, v in h.items()
+             if k.removeprefix("eval_") not in SKIP and not k.endswith(("_runtime", "_per_second"))}
             for h in trainer.state.log_history if "loss" in h or "eval_loss" in h]  # fmt: skip
     return {"logs": logs, "grads": grads, "cp": getattr(trainer, "cp_size", None), "seen": list(SEEN)}
 
@@ -195,7 +196,7 @@ def test_ring_grpo_trainer_cp1_is_grpo_trainer(tmp_path: Path, case: str) -> Non
     ring, ref = runs["ring"], runs["ref"][0]
     assert ring[0]["cp"] == 1 and len(ref["logs"]) == len(ring[0]["logs"]) == 3 and "eval_loss" in ref["logs"][-1]
     assert ring[0]["seen"] == ref["seen"], "the runs scored different completions"
-    assert_same_runs(f"{case}-cp1", ring, ref, "RingGRPOTrainer", "GRPOTrainer")
+    assert_same_runs(f"{case}-cp1", ring, ref, "RingGRPOTrainer", "GRPOTrainer", Run.of("grpo", VOCAB, CASES[case]))
 
 
 def test_ring_grpo_trainer_generates_once_per_cp_group(tmp_path: Path) -> None:
