@@ -30,6 +30,7 @@ from .recipes import (
     description,
     launch_config_path,
     launch_configs,
+    missing_recipe,
     packaged_recipes,
     recipe_model,
     recipe_notes,
@@ -143,6 +144,8 @@ def _model(name: str) -> ModelShape:
         return model_shape(name)
     except ValueError:
         pass
+    if Path(name).suffix in (".yaml", ".yml"):  # a recipe file was meant
+        raise UserError(missing_recipe(name))
     names = [p.stem for p in packaged_recipes()] + list(KNOWN_MODELS)
     raise UserError(
         f"MODEL {name!r}: no recipe, known model or config.json of that name{did_you_mean(name, names)}; "

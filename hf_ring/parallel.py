@@ -26,7 +26,9 @@ backend here too. This module imports only torch.
 
 from __future__ import annotations
 
+import atexit
 import os
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -54,6 +56,7 @@ __all__ = [
 
 _DEFAULT: ContextParallel | None = None
 _BACKEND = "auto"
+_STARTED: Any = None  # the default process group setup_context_parallel started (None: never; False: ended)
 
 
 @dataclass(frozen=True)
@@ -91,8 +94,9 @@ def setup_context_parallel(
 
     Initialises torch.distributed from the launcher's environment (``accelerate launch``,
     ``torchrun``: ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ...) when that has not happened yet,
-    with NCCL when CUDA is available and gloo otherwise (or ``backend``). Every rank must call it,
-    with the same ``cp_size`` and ``ulysses_size``.
+    with NCCL when CUDA is available and gloo otherwise (or ``backend``); a process group started here
+    is destroyed at interpreter exit (one the user, accelerate or Trainer started stays theirs to end).
+    Every rank must call it, with the same ``cp_size`` and ``ulysses_size``.
 
     ``timeout`` (a ``timedelta`` or seconds) bounds every collective of the groups made here (and
     of the default group when this call initialises it): a rank that stops responding makes the
@@ -138,6 +142,7 @@ def setup_context_parallel(
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(backend, **({"timeout": timeout} if timeout is not None else {}))
+        _started(dist.group.WORLD)
     if timeout is None:
         timeout = _default_timeout()
 
@@ -182,6 +187,32 @@ def setup_context_parallel(
         cp_group, cp_rank, cp_size, dp_group, rank // cp_size, dp_size, u_size, ulysses_group, ring_group, timeout
     )
     return _DEFAULT
+
+
+def _started(world: Any) -> None:
+    """Note that this process started the default process group ``world``, and end it at interpreter exit."""
+    global _STARTED
+    if _STARTED is None:
+        atexit.register(_end_started)
+    _STARTED = world
+
+
+def _end_started() -> None:
+    """At interpreter exit: destroy the process group ``setup_context_parallel`` started (and with it every
+    group made on it), if it is still the default one; a group that the user or a launcher started is
+    theirs to end. Left to the interpreter's teardown, a gloo worker thread that finishes a collective as the
+    script ends (gradients averaged as its last step) can drop the last reference to the collective's
+    tensors while the interpreter finalizes: it then needs the GIL, the interpreter ends the thread by force,
+    and the process aborts after the script's last line (``terminate called without an active exception``,
+    SIGABRT; torchrun reports the rank failed and exits with status 1). Destroyed here, the group's threads
+    finish while the interpreter is whole."""
+    global _STARTED, _DEFAULT
+    world, _STARTED = _STARTED, False
+    if getattr(sys, "last_value", None) is not None:  # an uncaught exception ends the script: left as before,
+        return  # for a peer may still wait in a collective that ending the group would tear mid-transfer
+    if world and dist.is_initialized() and dist.group.WORLD is world:
+        _DEFAULT = None
+        dist.destroy_process_group()
 
 
 def _default_timeout() -> timedelta | None:

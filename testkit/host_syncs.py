@@ -26,6 +26,10 @@ import torch
 from torch.autograd import Variable
 from torch.overrides import TorchFunctionMode
 
+from testkit.frames import package_dir, package_path
+
+_TORCH = package_dir(torch)
+
 TO_DEVICE = {torch.tensor, torch.as_tensor, torch.asarray, torch.from_numpy}
 TO_HOST = {"item", "tolist", "numpy", "__bool__", "__int__", "__float__", "__index__"}
 DATA_SHAPE = {"nonzero", "unique", "masked_select", "argwhere", "unique_consecutive"}
@@ -54,10 +58,18 @@ def _kind(func: Any, args: tuple, kwargs: dict) -> str | None:
 
 
 def _call_site() -> str:
+    """The innermost frame outside torch: ``hf_ring/<path>:<line>`` in hf_ring's package, else its full path
+    (decided by the package directories, so that a checkout in a folder named ``hf_ring`` or ``torch`` changes
+    nothing)."""
     frame = sys._getframe(2)
-    while frame is not None and ("/torch/" in frame.f_code.co_filename or frame.f_code.co_filename == __file__):
+    while frame is not None and (
+        package_path(frame.f_code.co_filename, _TORCH) is not None or frame.f_code.co_filename == __file__
+    ):
         frame = frame.f_back  # type: ignore[assignment]
-    return "?" if frame is None else f"{frame.f_code.co_filename}:{frame.f_lineno}"
+    if frame is None:
+        return "?"
+    where = package_path(frame.f_code.co_filename) or frame.f_code.co_filename
+    return f"{where}:{frame.f_lineno}"
 
 
 class HostSyncs(TorchFunctionMode):
@@ -74,9 +86,10 @@ class HostSyncs(TorchFunctionMode):
             self.events.append((kind, getattr(func, "__name__", str(func)), _call_site()))
         return func(*args, **kwargs)
 
-    def count(self, *fragments: str) -> Counter:
-        """Events whose call site's path contains one of ``fragments``, by ``(kind, function, site)``."""
-        return Counter(e for e in self.events if any(f in e[2] for f in fragments))
+    def count(self, *prefixes: str) -> Counter:
+        """Events whose call site lies in hf_ring's package under one of ``prefixes`` (``"hf_ring/"``: anywhere in
+        it; ``"hf_ring/ops/mixers/"``), by ``(kind, function, site)``."""
+        return Counter(e for e in self.events if e[2].startswith(prefixes))
 
 
 def backward(loss: torch.Tensor) -> None:

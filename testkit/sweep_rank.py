@@ -58,16 +58,22 @@ def classify(exc: BaseException) -> tuple[str, str]:
 
 
 def _innermost(exc: BaseException) -> str:
+    """``package/path:line`` of the frame that raised, when it lies inside hf_ring's, transformers' or torch's
+    package directory (``testkit.frames``: not a folder name in the path, which a checkout named ``hf_ring``
+    puts in every path), else the file's name."""
+    import importlib
+
+    from .frames import package_dir, package_path
+
     tb = traceback.extract_tb(exc.__traceback__)
     if not tb:
         return ""
     f = tb[-1]
-    parts = f.filename.replace("\\", "/").split("/")
     for package in ("hf_ring", "transformers", "torch"):
-        if package in parts:
-            start = len(parts) - 1 - parts[::-1].index(package)
-            return f"{'/'.join(parts[start:])}:{f.lineno}"
-    return f"{parts[-1]}:{f.lineno}"
+        where = package_path(f.filename, package_dir(importlib.import_module(package)))
+        if where is not None:
+            return f"{where}:{f.lineno}"
+    return f"{f.filename.replace(chr(92), '/').rsplit('/', 1)[-1]}:{f.lineno}"
 
 
 def sweep_batch(config: Any, b: int, n: int, seed: int = 1) -> dict:

@@ -360,6 +360,32 @@ def test_a_frozen_rank_ends_the_job_within_ddp_timeout(tmp_path) -> None:
     assert gone <= raised + 10, f"rank 0 raised after {raised:.1f} s but its process ended only after {gone:.1f} s"
 
 
+def test_timeout_message_finds_the_call_by_the_packages_directories(tmp_path) -> None:
+    """``timeouts.explain`` names the torch.distributed call and hf_ring's caller from the frames' files inside
+    torch.distributed and hf_ring, not from ``/hf_ring/`` or ``/torch/distributed/`` in a path: a checkout in a
+    folder named ``hf_ring`` (its own name) has that in every path, its virtual environment's torch too."""
+    from hf_ring.ops import comm
+    from hf_ring.trainer import timeouts
+
+    def raising(filename: str, name: str, body: str, scope: dict) -> object:
+        exec(compile(f"def {name}(group=None):\n    {body}\n", filename, "exec"), scope)
+        return scope[name]
+
+    fake_torch = tmp_path / "hf_ring" / ".venv" / "lib" / "torch" / "distributed" / "distributed_c10d.py"
+    scope: dict = {}
+    raising(str(fake_torch), "all_gather", "raise RuntimeError('Timed out waiting 20000ms for recv')", scope)
+    raising(str(tmp_path / "hf_ring" / "tests" / "helper.py"), "helper", "all_gather()", scope)
+    raising(comm.__file__, "check_same", "helper()", scope)  # a frame in hf_ring's package
+    with pytest.raises(RuntimeError) as err:
+        scope["check_same"]()
+    assert timeouts._where(err.value, None)[0] == "called from hf_ring check_same (ops/comm.py:2)"
+    real = {"all_gather": scope["all_gather"]}
+    raising(timeouts._DIST + "/distributed_c10d.py", "all_gather", "raise RuntimeError('timed out')", real)
+    with pytest.raises(RuntimeError) as err:
+        real["all_gather"]()
+    assert timeouts._where(err.value, None)[0] == "all_gather"
+
+
 def test_load_errors_name_damaged_files_only(tmp_path) -> None:
     """A file that fails to load because it is damaged gets the checkpoint's name and what to do; an
     error of another kind (a model that differs from the checkpoint's) keeps its own message."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +24,7 @@ import yaml
 from hf_ring.cli import main
 from hf_ring.data.passkey import VOCAB
 from hf_ring.errors import USER_ERRORS, RecipeNotFound, UserError, closest, exit_for, is_user_error, one_line
+from testkit.frames import package_dir, package_frames
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = {"model_type": "llama", "vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
@@ -182,8 +184,21 @@ def test_recipe_mistakes(fields: dict[str, Any], message: str, tmp_path: Path) -
     assert message in _train_fails(str(_recipe(tmp_path, **fields)))
 
 
-def test_recipe_name_typo_and_no_recipe() -> None:
+def test_recipe_name_typo_and_no_recipe(tmp_path: Path, monkeypatch) -> None:
     assert "no recipe 'tiny-cpu-dem' (did you mean 'tiny-cpu-demo'?)" in _train_fails("tiny-cpu-dem")
+    # a .yaml file (or a path) that does not exist: said so, with the absolute path looked for, then the packages
+    monkeypatch.chdir(tmp_path)
+    line = _train_fails("my-run.yaml")
+    assert line.startswith(f"hf-ring train: recipe file 'my-run.yaml' does not exist (looked for "
+                           f"{tmp_path.resolve() / 'my-run.yaml'}); give an existing .yaml file, or a packaged "
+                           "recipe: "), line  # fmt: skip
+    assert "tiny-cpu-demo" in line and "no recipe" not in line
+    assert f"(looked for {tmp_path.resolve() / 'runs' / 'x.yml'})" in _train_fails("runs/x.yml")
+    assert "(did you mean 'tiny-cpu-demo'?)" in _train_fails("tiny-cpu-demo.yml")
+    (tmp_path / "d.yaml").mkdir()
+    assert f"recipe file 'd.yaml' is a directory (at {tmp_path.resolve() / 'd.yaml'})" in _train_fails("d.yaml")
+    assert "'my-run.yaml' does not exist (looked for" in _one_line(_cli("plan", "my-run.yaml", cwd=tmp_path),
+                                                                   "hf-ring plan")  # fmt: skip
     assert "give a recipe first: hf-ring train RECIPE" in _train_fails("--max_steps", "4")
     with pytest.raises(FileNotFoundError):  # RecipeNotFound is both
         raise RecipeNotFound("x")
@@ -274,11 +289,26 @@ def test_a_subprocess_run_says_one_line(tmp_path: Path) -> None:
     assert "cp_size=0" in _one_line(out, "hf-ring train")
 
 
+def _checkout_named_hf_ring(tmp_path: Path) -> str:
+    """The interpreter as a checkout in a folder named ``hf_ring`` has it: ``<tmp>/hf_ring/.venv/bin/python``
+    (a link to this virtual environment), so that torch's files and torchrun's command lines carry
+    ``hf_ring/`` in their paths, as in a fresh clone of the repository; ``sys.executable`` outside a venv."""
+    if sys.prefix == sys.base_prefix:
+        return sys.executable
+    home = tmp_path / "hf_ring"
+    home.mkdir()
+    (home / ".venv").symlink_to(sys.prefix, target_is_directory=True)
+    return str(home / ".venv" / "bin" / Path(sys.executable).name)
+
+
 @pytest.mark.timeout(300)
 def test_under_torchrun_one_rank_says_it_and_none_hangs(tmp_path: Path) -> None:
     """Two ranks hit the same mistake after their process group is up: rank 0 prints the line once,
-    both exit with status 1 (torchrun adds its own report of the failed ranks)."""
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "hf_ring.cli"]
+    both exit with status 1 (torchrun adds its own report of the failed ranks). Run as from a checkout
+    in a folder named ``hf_ring``: no traceback goes through the package's code (``testkit.frames``:
+    decided by the frames' files, though the output's paths hold ``hf_ring/``)."""
+    python = _checkout_named_hf_ring(tmp_path)
+    torchrun = [python, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "hf_ring.cli"]
     out = subprocess.run([*torchrun, "train", "tiny-cpu-demo-pretrain", "--cp_size", "3", "--output_dir",
                           str(tmp_path / "o")], capture_output=True, text=True, timeout=280, cwd=tmp_path,
                          env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})  # fmt: skip
@@ -287,6 +317,27 @@ def test_under_torchrun_one_rank_says_it_and_none_hangs(tmp_path: Path) -> None:
     line = ("hf-ring train: cp_size=3 does not divide the 2 launched processes: launch a multiple of 3 processes, "
             "or set --cp_size to a divisor of 2")  # fmt: skip
     assert out.returncode != 0 and ours == [line], text[-3000:]
-    assert "hf_ring/" not in text, text[-3000:]  # no traceback through hf_ring's code
+    assert package_frames(text, cwd=tmp_path) == [], text[-3000:]  # no traceback through hf_ring's code
     # torchrun's own report of the failed ranks shows the line (their error files), not a link
     assert f"traceback : {line}" in text, text[-3000:]
+
+
+def test_frames_inside_the_package_are_told_by_its_directory_not_by_a_folder_name(tmp_path: Path) -> None:
+    """The check above on a project copied into ``<tmp>/hf_ring``: a traceback through a script of that
+    checkout (outside the package) names no package frame although every path in it holds ``hf_ring/``; a
+    traceback through the copied package (``HF_RING_DEBUG=1``) is found, frame by frame."""
+    home = tmp_path / "hf_ring"
+    shutil.copytree(package_dir(), home / "hf_ring", ignore=shutil.ignore_patterns("__pycache__"))
+    (home / "scripts").mkdir()
+    (home / "scripts" / "fail.py").write_text("def main():\n    raise ValueError('outside the package')\n\n\nmain()\n")
+    env = {**os.environ, "PYTHONPATH": str(home), "HF_RING_DEBUG": "1"}
+    run = dict(capture_output=True, text=True, timeout=240, cwd=home, env=env)
+    outside = subprocess.run([sys.executable, "scripts/fail.py"], **run)  # type: ignore[call-overload]
+    assert outside.returncode == 1 and "hf_ring/scripts/fail.py" in outside.stderr, outside.stderr
+    assert package_frames(outside.stderr, home / "hf_ring", cwd=home) == [], outside.stderr
+    inside = subprocess.run([sys.executable, "-m", "hf_ring.cli", "plan", "llama-3.1-8b-128"], **run)  # type: ignore[call-overload]
+    assert str(home / "hf_ring" / "cli.py") in inside.stderr, inside.stderr  # the copy ran, not this checkout
+    frames = package_frames(inside.stderr, home / "hf_ring", cwd=home)
+    assert frames and all(f.startswith("hf_ring/") for f in frames), inside.stderr
+    assert any(f.startswith("hf_ring/cli.py:") for f in frames), frames
+    assert package_frames(inside.stderr, package_dir(), cwd=home) == []  # this checkout's package: not it

@@ -16,8 +16,9 @@ import numpy as np
 import pytest
 import torch
 
-from testkit.post import dpo_arguments
+from testkit.post import Run, dpo_arguments
 from testkit.spawn import launcher_env, run_ranks
+from testkit.vlm import VOCAB
 
 pytest.importorskip("trl")
 
@@ -120,7 +121,7 @@ def test_ring_dpo_trainer_with_images_matches_single_process_dpo_trainer(tmp_pat
     assert len(ref["grads"]) == len(ring[0]["grads"]) == 2
     # the tower: trained (its gradients compared too) or frozen (none)
     assert (ref["tower_grads"] > 0) == (not CASES[case]["lora"]) and ring[0]["tower_grads"] == ref["tower_grads"]
-    assert_same_runs(case, ring, ref, "RingDPOTrainer", "DPOTrainer")
+    assert_same_runs(case, ring, ref, "RingDPOTrainer", "DPOTrainer", Run.of("dpo", VOCAB, CASES[case]))
 
 
 def test_pack_image_rows_gives_each_row_its_images_and_refuses_images_without_grids() -> None:

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 
+from testkit.post import Run
 from testkit.spawn import launcher_env, run_ranks
 
 pytest.importorskip("trl")
@@ -156,7 +157,8 @@ def _grpo_run(kind: str, case: str, out: str, tok_dir: str, fixed: bool, cp: int
                   eval_dataset=evals, processing_class=AutoTokenizer.from_pretrained(tok_dir), callbacks=[keep],
                   **extra)  # fmt: skip
     trainer.train()
-    logs = [{k: v for k, v in h.items() if k not in SKIP and not k.endswith(("_runtime", "_per_second"))}
+    logs = [{k: v for k, v in h.items()
+             if k.removeprefix("eval_") not in SKIP and not k.endswith(("_runtime", "_per_second"))}
             for h in trainer.state.log_history if "loss" in h or "eval_loss" in h]  # fmt: skip
     return {"logs": logs, "grads": grads, "cp": getattr(trainer, "cp_size", None), "seen": list(SEEN)}
 
@@ -169,7 +171,7 @@ def test_ring_grpo_trainer_cp2_matches_single_process_grpo_trainer(tmp_path: Pat
     assert ring[0]["cp"] == 2 and len(ref["logs"]) == len(ring[0]["logs"]) == 2
     assert ring[0]["seen"] == ref["seen"], "the runs scored different completions"
     assert len(ref["grads"]) == len(ring[0]["grads"]) == 2
-    assert_same_runs(case, ring, ref, "RingGRPOTrainer", "GRPOTrainer")
+    assert_same_runs(case, ring, ref, "RingGRPOTrainer", "GRPOTrainer", Run.of("grpo", VOCAB, CASES[case]))
 
 
 def test_ring_grpo_trainer_cp4_matches_single_process_grpo_trainer(tmp_path: Path) -> None:
@@ -179,7 +181,8 @@ def test_ring_grpo_trainer_cp4_matches_single_process_grpo_trainer(tmp_path: Pat
     ref = run_ranks(1, grpo_run, "ref", "full-dapo", str(tmp_path / "ref"), str(tmp_path / "tok"), timeout=300)[0]
     assert all(r["cp"] == 4 for r in ring) and len(ref["logs"]) == len(ring[0]["logs"]) == 2
     assert all(r["seen"] == ref["seen"] for r in ring), "the runs scored different completions"
-    assert_same_runs("full-dapo", ring, ref, "RingGRPOTrainer", "GRPOTrainer")
+    assert_same_runs("full-dapo", ring, ref, "RingGRPOTrainer", "GRPOTrainer",
+                     Run.of("grpo", VOCAB, CASES["full-dapo"]))  # fmt: skip
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -193,7 +196,7 @@ def test_ring_grpo_trainer_cp1_is_grpo_trainer(tmp_path: Path, case: str) -> Non
     ring, ref = runs["ring"], runs["ref"][0]
     assert ring[0]["cp"] == 1 and len(ref["logs"]) == len(ring[0]["logs"]) == 3 and "eval_loss" in ref["logs"][-1]
     assert ring[0]["seen"] == ref["seen"], "the runs scored different completions"
-    assert_same_runs(f"{case}-cp1", ring, ref, "RingGRPOTrainer", "GRPOTrainer")
+    assert_same_runs(f"{case}-cp1", ring, ref, "RingGRPOTrainer", "GRPOTrainer", Run.of("grpo", VOCAB, CASES[case]))
 
 
 def test_ring_grpo_trainer_generates_once_per_cp_group(tmp_path: Path) -> None:
@@ -219,7 +222,8 @@ def test_ring_grpo_trainer_vllm_server_mode_matches_single_process(tmp_path: Pat
     assert [len(q) for q in ref["requests"]] == [2, 2] and all(not r["requests"] for r in ring[1:])  # main process
     assert ring[0]["synced"] == ref["synced"] and ref["synced"][0] > 0  # the weights were streamed
     assert all(r["seen"] == ref["seen"] for r in ring), "the runs scored different completions"
-    assert_same_runs(f"vllm-server-cp{cp}", ring, ref, "RingGRPOTrainer", "GRPOTrainer")
+    assert_same_runs(f"vllm-server-cp{cp}", ring, ref, "RingGRPOTrainer", "GRPOTrainer",
+                     Run.of("grpo", VOCAB, CASES["full-dapo"]))  # fmt: skip
 
 
 def test_refusals() -> None:
@@ -291,7 +295,8 @@ def test_ring_grpo_trainer_vllm_server_mode_dp2_matches_trl_over_2_processes(tmp
     assert all(not r["requests"] for r in ring[1:])
     assert ring[0]["synced"] == ddp[0]["synced"] and ddp[0]["synced"][0] > 0  # every weight streamed, FSDP2 too
     assert ring[0]["seen"] == ring[1]["seen"] == ddp[0]["seen"] and ring[2]["seen"] == ring[3]["seen"] == ddp[1]["seen"]
-    assert_same_runs(f"vllm-server-dp2-cp2{'-fsdp2' if mesh else ''}", ring, ddp[0], "RingGRPOTrainer", "GRPOTrainer")
+    assert_same_runs(f"vllm-server-dp2-cp2{'-fsdp2' if mesh else ''}", ring, ddp[0], "RingGRPOTrainer", "GRPOTrainer",
+                     Run.of("grpo", VOCAB, CASES["full-dapo"]))  # fmt: skip
 
 
 def test_one_request_per_cp_group_asks_each_group_once_and_hands_its_ranks_the_same_completions() -> None:

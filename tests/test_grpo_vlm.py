@@ -19,7 +19,9 @@ import numpy as np
 import pytest
 import torch
 
+from testkit.post import Run
 from testkit.spawn import run_ranks
+from testkit.vlm import VOCAB
 
 pytest.importorskip("trl")
 
@@ -187,7 +189,7 @@ def _check(case: str, ring: list[dict], ref: dict, cp: int) -> None:
     assert len(ref["grads"]) == len(ring[0]["grads"]) == 2
     # the tower: trained (its gradients compared too) or frozen (none)
     assert (ref["tower_grads"] > 0) == (not CASES[case]["lora"]) and ring[0]["tower_grads"] == ref["tower_grads"]
-    assert_same_runs(f"{case}-cp{cp}", ring, ref, "RingGRPOTrainer", "GRPOTrainer")
+    assert_same_runs(f"{case}-cp{cp}", ring, ref, "RingGRPOTrainer", "GRPOTrainer", Run.of("grpo", VOCAB, CASES[case]))
 
 
 @pytest.mark.parametrize("cp", [2, 3])

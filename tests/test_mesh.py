@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from hf_ring.trainer.mesh import adopt_parallelism_config
+from testkit.post import Run, metric_tolerance
 
 
 def _pc(**sizes):
@@ -230,7 +231,11 @@ def test_fsdp2_over_dp_shard_x_cp_equals_one_process(tmp_path, trainer: str) -> 
             for key, b in want.items():
                 a = got[key]
                 worst["metric"] = max(worst["metric"], abs(a - b))
-                assert abs(a - b) <= 1e-6 + 1e-5 * abs(b), f"step {step + 1} {key}: {a} vs {b}"
+                if trainer == "dpo":  # rewards and margins: differences of sums (testkit.post's error model)
+                    tol, model = metric_tolerance(key, want, Run("dpo", VOCAB, beta=0.2))
+                else:  # the LM loss, a mean of cross-entropies >= 0, and the gradient norm: 84 eps of themselves
+                    tol, model = 1e-5 * abs(b), "relative"
+                assert abs(a - b) <= tol, f"step {step + 1} {key}: {a} vs {b}, within {tol:.3g}: {model}"
             assert set(r["grads"][step]) == set(ref["grads"][step])
             for name, g in ref["grads"][step].items():
                 err = float(np.abs(r["grads"][step][name] - g).max() / max(np.abs(g).max(), 1e-8))

@@ -155,3 +155,26 @@ def test_models_json_covers_the_sweep() -> None:
     assert not no_paths, f"records without the unlabelled and chunked paths: {no_paths[:5]} (rerun the sweep)"
     bad = [_key(r["family"], r.get("variant")) for r in records if {"wrong", "broken"} & set(_statuses(r).values())]
     assert not bad, f"WRONG or BROKEN records in docs/models.json: {bad}"
+
+
+def test_a_value_error_is_hf_rings_own_by_its_files_directory(tmp_path: Path) -> None:
+    """``classify`` calls a ValueError raised in hf_ring's package a refusal and one raised in torch's a break,
+    by the frame's file inside each package's directory: a checkout in a folder named ``hf_ring`` (its
+    environment inside it) has ``hf_ring`` in every path, torch's too."""
+    import hf_ring
+    from testkit.frames import package_dir
+    from testkit.sweep_rank import classify
+
+    def raised_in(filename: str) -> BaseException:
+        scope: dict = {}
+        exec(compile("def check():\n    raise ValueError('shapes differ')\n", filename, "exec"), scope)
+        try:
+            scope["check"]()
+        except ValueError as e:
+            return e
+        raise AssertionError("no exception")
+
+    torch_in_checkout = tmp_path / "hf_ring" / ".venv" / "lib" / "torch" / "nn" / "functional.py"
+    assert classify(raised_in(str(torch_in_checkout)))[0] == "broken"
+    status, detail = classify(raised_in(str(package_dir(hf_ring) / "ops" / "checks.py")))
+    assert status == "refused" and detail.endswith("(at hf_ring/ops/checks.py:2)"), detail

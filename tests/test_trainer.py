@@ -217,3 +217,49 @@ def test_no_future_warning_from_hf_ring_calls(tmp_path) -> None:
         args = RingTrainingArguments(str(tmp_path / "run"), activation_checkpointing=True, activation_offload=True,
                                      **common)  # fmt: skip
         RingTrainer(model=tiny_model("llama", "ring"), args=args, train_dataset=Samples(4, 1)).train()
+
+
+def _device_setup_messages(out: str) -> dict:
+    """On a rank whose gloo group is up and no launcher's environment is set: what transformers' arguments log
+    while setting up their devices, for ``TrainingArguments``, ``RingTrainingArguments`` and ``RingDPOConfig``."""
+    import logging
+
+    from transformers import TrainingArguments
+
+    from hf_ring.trainer import RingTrainingArguments
+
+    classes = {"TrainingArguments": TrainingArguments, "RingTrainingArguments": RingTrainingArguments}
+    try:
+        from hf_ring.trainer.dpo import RingDPOConfig
+
+        classes["RingDPOConfig"] = RingDPOConfig
+    except ImportError:  # no TRL
+        pass
+    launcher = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+    saved = {k: os.environ.pop(k) for k in launcher if k in os.environ}
+    seen: dict[str, list[str]] = {}
+    handler = logging.Handler()
+    handler.emit = lambda record: seen[current].append(record.getMessage())  # type: ignore[method-assign]
+    logger = logging.getLogger("transformers.training_args")
+    logger.addHandler(handler)
+    try:
+        for current, cls in classes.items():
+            seen[current] = []
+            cls(output_dir=out, use_cpu=True, report_to="none")
+    finally:
+        logger.removeHandler(handler)
+        os.environ.update(saved)
+    return seen
+
+
+def test_the_parallel_mode_hint_does_not_reach_the_user(tmp_path) -> None:
+    """transformers warns "process group is initialized, but parallel_mode != ParallelMode.DISTRIBUTED" when
+    arguments set up their devices with a group up that accelerate's state does not use (one process with a
+    group, as the tests' one-process references; a CPU launch without use_cpu, which RingTrainer refuses naming
+    the fix): hf_ring's arguments keep it from the user, plain ``TrainingArguments`` still say it."""
+    from testkit.spawn import run_ranks
+
+    seen = run_ranks(1, _device_setup_messages, str(tmp_path / "out"), timeout=120)[0]
+    hint = "torch.distributed process group is initialized, but parallel_mode != ParallelMode.DISTRIBUTED"
+    assert any(hint in m for m in seen.pop("TrainingArguments")), "transformers no longer says it: drop the filter"
+    assert seen and all(not any(hint in m for m in msgs) for msgs in seen.values()), seen

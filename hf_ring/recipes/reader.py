@@ -41,6 +41,7 @@ __all__ = [
     "description",
     "launch_config_path",
     "launch_configs",
+    "missing_recipe",
     "packaged_recipes",
     "read_recipe",
     "recipe_memory",
@@ -110,12 +111,25 @@ def recipe_path(source: Source) -> Path | None:
     return None
 
 
+def missing_recipe(source: Source) -> str:
+    """Why ``source`` names no recipe, in one line: a file (a ``.yaml`` name or a path) that does not exist,
+    with the absolute path it was looked for at, or an unknown packaged name; then the packaged names."""
+    names = [p.stem for p in packaged_recipes()]
+    p = Path(source)
+    hint = did_you_mean(p.stem, names)
+    if p.suffix not in _SUFFIXES and p.name == str(source):  # a bare name: a packaged recipe was meant
+        return f"no recipe {str(source)!r}{hint}: give a .yaml file or a packaged recipe ({', '.join(names)})"
+    where = p.expanduser().resolve()
+    what = ("is a directory (at" if where.is_dir() else "is not a .yaml file (at" if where.exists()
+            else "does not exist (looked for")  # fmt: skip
+    return (f"recipe file {str(source)!r} {what} {where}); give an existing .yaml file, or a packaged "
+            f"recipe{hint}: {', '.join(names)}")  # fmt: skip
+
+
 def _find(source: Source) -> Path:
     path = recipe_path(source)
     if path is None:
-        names = [p.stem for p in packaged_recipes()]
-        raise RecipeNotFound(f"no recipe {str(source)!r}{did_you_mean(Path(source).stem, names)}: give a .yaml "
-                             f"file or a packaged recipe ({', '.join(names)})")  # fmt: skip
+        raise RecipeNotFound(missing_recipe(source))
     return path
 
 

@@ -5,13 +5,18 @@ options of long sequences, and ``apply_model_options``, which puts those options
 from __future__ import annotations
 
 import dataclasses
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 from torch import nn
 from transformers import TrainingArguments
 
 from ..errors import UserError
+from ..ledger import LEDGER
 from ..ops.kernels import check_backend
 from ..planner.settings import parse_ulysses_size
 from ..transformers.patches import enable_activation_checkpointing, enable_chunked_loss, enable_tiled_mlp
@@ -112,6 +117,11 @@ class RingTrainingArguments(TrainingArguments):
                 setattr(self, new, value)
                 setattr(self, old, None)
 
+    @cached_property
+    def _setup_devices(self):  # noqa: ANN202 - TrainingArguments' own, run once (by __post_init__)
+        with _without_parallel_mode_hint():
+            return TrainingArguments._setup_devices.func(self)  # type: ignore[attr-defined]
+
     def __post_init__(self) -> None:
         check_numbers(self)
         self._resolve_checkpointing_alias()
@@ -146,6 +156,26 @@ def checkpointing(args: Any) -> tuple[bool, dict | None]:
     if hasattr(args, "activation_checkpointing"):
         return bool(args.activation_checkpointing), args.activation_checkpointing_kwargs
     return bool(getattr(args, "gradient_checkpointing", False)), getattr(args, "gradient_checkpointing_kwargs", None)
+
+
+_PARALLEL_MODE_HINT = "torch.distributed process group is initialized, but parallel_mode != ParallelMode.DISTRIBUTED"
+
+
+@contextmanager
+def _without_parallel_mode_hint() -> Iterator[None]:
+    """Keep transformers' hint above (``TrainingArguments._setup_devices``: a process group is up but accelerate's
+    state is not distributed; "launch with torch.distributed.launch") from the user while the arguments set up
+    their devices, and only then: RingTrainer compares the launched processes with Trainer's view itself and
+    refuses a mismatch naming the fix (``use_cpu=True``), and one process with a group up is no mistake."""
+
+    def keep(record: logging.LogRecord) -> bool:
+        return _PARALLEL_MODE_HINT not in record.getMessage()
+
+    logger = logging.getLogger("transformers.training_args")
+    with LEDGER.scoped() as scope:
+        logger.addFilter(keep)
+        scope.change(logger, lambda: logger.removeFilter(keep), why="RingTrainingArguments: the parallel_mode hint")
+        yield
 
 
 # field -> (the least value, whether it may equal it, whole numbers only, what it counts; None is

@@ -36,6 +36,8 @@ _COLLECTIVES = {  # torch.distributed calls, as users know them
 
 
 _state = {"armed": False, "timed_out": False}
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # hf_ring's directory
+_DIST = os.path.dirname(os.path.abspath(dist.__file__))  # torch.distributed's
 
 
 class CollectiveTimeout(RuntimeError):
@@ -88,6 +90,13 @@ def _frames(tb: types.TracebackType | None) -> list[types.FrameType]:
     return out
 
 
+def _inside(path: str, package: str) -> str | None:
+    """``path`` relative to the directory ``package`` when the file lies in it, else ``None`` (by directory:
+    a checkout or environment in a folder named ``hf_ring`` or ``torch`` has those names in every path)."""
+    path = os.path.abspath(path)
+    return os.path.relpath(path, package).replace("\\", "/") if path.startswith(package + os.sep) else None
+
+
 def _where(exc: BaseException, cp: Any) -> tuple[str, str]:
     """``(call, group)`` from the traceback: the innermost torch.distributed call and the hf_ring
     function that made it, and the innermost process group found in the frames' variables."""
@@ -95,13 +104,12 @@ def _where(exc: BaseException, cp: Any) -> tuple[str, str]:
     collective = caller = group = ""
     for frame in reversed(_frames(exc.__traceback__)):
         code = frame.f_code
-        path = code.co_filename.replace("\\", "/")
-        if not collective and code.co_name in _COLLECTIVES and "/torch/distributed/" in path:
+        if not collective and code.co_name in _COLLECTIVES and _inside(code.co_filename, _DIST) is not None:
             collective = code.co_name
             if "group" in frame.f_locals and frame.f_locals["group"] is None and dist.is_initialized():
                 group = f"world group (ranks 0-{dist.get_world_size() - 1})"
-        elif not caller and "/hf_ring/" in path:
-            caller = f"{code.co_name} ({path.rsplit('/hf_ring/', 1)[1]}:{frame.f_lineno})"
+        elif not caller and (where := _inside(code.co_filename, _PACKAGE)) is not None:
+            caller = f"{code.co_name} ({where}:{frame.f_lineno})"
         for value in list(frame.f_locals.values()):
             for candidate in (value, getattr(value, "group", None)):
                 if not group and isinstance(candidate, dist.ProcessGroup):
