@@ -411,8 +411,8 @@ class TaskGenerator:
             size = max(1, size - self._unit())
         fill = (self.filler * (gap // max(1, len(self.filler)) + 1))[:gap]
         ids = self.prefix + head + fill + tail
-        return Sample(self.task, length, index, ids, self.tok.decode(ids), answers, self.spec.tokens_to_generate,
-                      self.spec.metric)  # fmt: skip
+        text = self.tok.decode(ids, skip_special_tokens=True)
+        return Sample(self.task, length, index, ids, text, answers, self.spec.tokens_to_generate, self.spec.metric)
 
 
 def _read_qa(path: str | None, dataset: str) -> tuple[list[dict[str, Any]], list[str]]:
