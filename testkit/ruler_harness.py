@@ -8,7 +8,6 @@ next to it; only the RULER tasks that need no download run (the essay haystack a
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -86,20 +85,15 @@ def hf_ring_outputs(model_dir: str, rows: list[dict[str, Any]]) -> list[dict[str
     return out
 
 
-def table(rows: list[dict[str, Any]], ours: list[dict[str, Any]]) -> str:
-    """Markdown: per task, lm-eval's and hf_ring's mean scores and how many outputs are equal."""
-    lines = [
-        "| lm-eval task | samples | lm-eval score | hf_ring score (CP decode) | equal outputs |",
-        "|---|---|---|---|---|",
-    ]
-    for task in dict.fromkeys(r["task"] for r in rows):
-        pairs = [(r, o) for r, o in zip(rows, ours) if r["task"] == task]
-        a = 100 * sum(r["score"] for r, _ in pairs) / len(pairs)
-        b = 100 * sum(o["score"] for _, o in pairs) / len(pairs)
-        same = sum(r["output"] == o["output"] for r, o in pairs)
-        lines.append(f"| {task} | {len(pairs)} | {a:.1f} | {b:.1f} | {same}/{len(pairs)} |")
+def table(samples: list[dict[str, Any]]) -> str:
+    """Markdown: per task, lm-eval's and hf_ring's mean scores and how many outputs are equal, from the
+    samples of a results file (lm-eval's fields plus ``hf_ring_output``, ``hf_ring_score``)."""
+    lines = ["| lm-eval task | samples | lm-eval score | hf_ring score (CP = 2 decoding) | equal outputs |"]
+    lines.append("|---|---|---|---|---|")
+    for task in dict.fromkeys(r["task"] for r in samples):
+        mine = [r for r in samples if r["task"] == task]
+        a = 100 * sum(r["score"] for r in mine) / len(mine)
+        b = 100 * sum(r["hf_ring_score"] for r in mine) / len(mine)
+        same = sum(r["output"] == r["hf_ring_output"] for r in mine)
+        lines.append(f"| {task} | {len(mine)} | {a:.1f} | {b:.1f} | {same}/{len(mine)} |")
     return "\n".join(lines)
-
-
-def write(path: str | os.PathLike, text: str) -> None:
-    Path(path).write_text(text)
