@@ -8,6 +8,7 @@ next to it; only the RULER tasks that need no download run (the essay haystack a
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -46,6 +47,13 @@ def lm_eval_samples(model_dir: str, tasks: list[str], length: int, limit: int) -
     ``output``, ``score``."""
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    # lm-eval's NIAH module asks nltk for its sentence splitter at import and downloads it when missing
+    # (waiting on the network here); only the essay haystack uses it, and no task run here has one
+    import tempfile
+
+    nltk_data = Path(tempfile.mkdtemp(prefix="hf_ring_nltk_"))
+    (nltk_data / "tokenizers" / "punkt_tab").mkdir(parents=True)
+    os.environ["NLTK_DATA"] = str(nltk_data)
     import lm_eval
 
     out = lm_eval.simple_evaluate(

@@ -9,7 +9,7 @@ from pathlib import Path
 
 
 @functools.cache
-def tiny_tokenizer_dir(vocab_size: int = 400) -> str:
+def tiny_tokenizer_dir(vocab_size: int = 1500) -> str:
     """A directory holding the tokenizer (``<s>`` BOS, ``</s>`` EOS), trained once per process."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast

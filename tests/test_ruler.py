@@ -1,6 +1,6 @@
 """``hf-ring eval ruler``: the task generators against RULER's definitions (exact lengths, answers in the
 prompt, each task's structure, reproducible seeds), RULER's scoring, and the command end to end in one
-process and at CP = 2 (the same records)."""
+process, at CP = 2 and at DP 2 x CP 2 (the same records)."""
 
 from __future__ import annotations
 
@@ -152,7 +152,7 @@ def ruler_run(model_dir: str, out: str, tasks: str, cp: int | None = None) -> di
 
 
 @pytest.mark.timeout(600)
-def test_command_one_process_and_cp2(tmp_path):
+def test_command_one_process_cp2_and_dp2_x_cp2(tmp_path):
     from testkit.ruler_harness import tiny_text_model
 
     model = tiny_text_model(tmp_path / "model")
@@ -166,4 +166,7 @@ def test_command_one_process_and_cp2(tmp_path):
     two = run_ranks(2, ruler_run, model, str(tmp_path / "two"), "vt,fwe", timeout=500)
     strip = [{k: v for k, v in r.items() if k != "seconds"} for r in one["records"]]
     for rank in two:
+        assert [{k: v for k, v in r.items() if k != "seconds"} for r in rank["records"]] == strip
+    dp = run_ranks(4, ruler_run, model, str(tmp_path / "dp"), "vt,fwe", 2, timeout=500)  # DP 2 x CP 2
+    for rank in dp:
         assert [{k: v for k, v in r.items() if k != "seconds"} for r in rank["records"]] == strip

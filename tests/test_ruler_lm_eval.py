@@ -20,7 +20,7 @@ from hf_ring.evaluation.ruler_tasks import ruler_score  # noqa: E402
 from testkit.ruler_harness import OFFLINE_TASKS, hf_ring_outputs, lm_eval_samples, tiny_text_model  # noqa: E402
 from testkit.spawn import run_ranks  # noqa: E402
 
-LENGTH, LIMIT = 1024, 2
+LENGTH, LIMIT = 2048, 2
 
 
 def test_scores_equal_lm_eval_process_results():
