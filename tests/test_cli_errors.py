@@ -45,61 +45,28 @@ def _one_line(out: subprocess.CompletedProcess, command: str) -> str:
 @pytest.mark.parametrize(
     ("argv", "command", "message"),
     [
-        (
-            ["plan", "llama-3.1-8b-128"],
-            "hf-ring plan",
-            "MODEL 'llama-3.1-8b-128': no recipe, known model or "
-            "config.json of that name (did you mean 'llama-3.1-8b-128k'?)",
-        ),
+        (["plan", "llama-3.1-8b-128"], "hf-ring plan", "MODEL 'llama-3.1-8b-128': no recipe, known model or "
+         "config.json of that name (did you mean 'llama-3.1-8b-128k'?)"),
         (["plan", "Lama-3.1-8B", "--seq-len", "1M"], "hf-ring plan", "(did you mean 'Llama-3.1-8B'?)"),
-        (
-            ["plan", "Llama-3.1-8B"],
-            "hf-ring plan",
-            "--seq-len: give the tokens per sequence to plan Llama-3.1-8B "
-            "with (--seq-len 128K); only a recipe states its own",
-        ),
+        (["plan", "Llama-3.1-8B"], "hf-ring plan", "--seq-len: give the tokens per sequence to plan Llama-3.1-8B "
+         "with (--seq-len 128K); only a recipe states its own"),
         (["plan", "Llama-3.1-8B", "--seq-len", "0"], "hf-ring plan", "argument --seq-len: 0: give a number >= 2"),
         (["plan", "Llama-3.1-8B", "--seq-len", "1M", "--gpus", "0"], "hf-ring plan", "--gpus: 0: give a number >= 1"),
         (["plan", "Llama-3.1-8B", "--seq-len", "1M", "--cp", "0"], "hf-ring plan", "--cp: 0: give a number >= 1"),
-        (
-            ["plan", "Llama-3.1-8B", "--seq-len", "1M", "--gpus", "12", "--cp", "8"],
-            "hf-ring plan",
-            "cp=8 must divide the number of GPUs (12)",
-        ),
-        (
-            ["plan", "Llama-3.1-8B", "--seq-lenn", "1M"],
-            "hf-ring plan",
-            "unrecognized arguments: --seq-lenn 1M (did you mean '--seq-len'?)",
-        ),
+        (["plan", "Llama-3.1-8B", "--seq-len", "1M", "--gpus", "12", "--cp", "8"], "hf-ring plan",
+         "cp=8 must divide the number of GPUs (12)"),
+        (["plan", "Llama-3.1-8B", "--seq-lenn", "1M"], "hf-ring plan", "unrecognized arguments: --seq-lenn 1M (did "
+         "you mean '--seq-len'?)"),
         (["plan", "Llama-3.1-8B", "--seq-len", "1M", "--mode", "ful"], "hf-ring plan", "(did you mean 'full'?)"),
-        (
-            ["plann", "x"],
-            "hf-ring",
-            "invalid choice: 'plann' (choose from 'train', 'plan', 'eval') (did you mean 'plan'?)",
-        ),
+        (["plann", "x"], "hf-ring", "invalid choice: 'plann' (choose from 'train', 'plan', 'eval') (did you mean "
+         "'plan'?)"),
         (["train", "--config", "cpu4"], "hf-ring train", "no launch config 'cpu4' (did you mean 'cpu-4proc'?)"),
         (["plan", "tiny-cpu-demo", "--write", "--seq-len", "1K"], "hf-ring plan", None),  # a recipe: allowed
-        (
-            ["plan", "Llama-3.1-8B", "--write", "--seq-len", "1K"],
-            "hf-ring plan",
-            "--write: MODEL 'Llama-3.1-8B' is not a recipe",
-        ),
+        (["plan", "Llama-3.1-8B", "--write", "--seq-len", "1K"], "hf-ring plan", "--write: MODEL 'Llama-3.1-8B' is "
+         "not a recipe"),
     ],  # fmt: skip
-    ids=[
-        "plan-recipe-typo",
-        "plan-model-typo",
-        "plan-no-seq-len",
-        "seq-len-0",
-        "gpus-0",
-        "cp-0",
-        "cp-not-dividing",
-        "flag-typo",
-        "choice-typo",
-        "command-typo",
-        "config-typo",
-        "write-recipe",
-        "write-model",
-    ],  # fmt: skip
+    ids=["plan-recipe-typo", "plan-model-typo", "plan-no-seq-len", "seq-len-0", "gpus-0", "cp-0", "cp-not-dividing",
+         "flag-typo", "choice-typo", "command-typo", "config-typo", "write-recipe", "write-model"],  # fmt: skip
 )
 def test_commands_without_torch_say_one_line(argv: list[str], command: str, message: str | None,
                                              tmp_path: Path) -> None:  # fmt: skip
@@ -169,31 +136,20 @@ def test_hub_failure_names_the_data_path(tmp_path: Path, monkeypatch) -> None:
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (
-            ["--cp_size", "0"],
-            "cp_size=0: processes that share one sequence (1: no context parallelism); give a whole "
-            "number >= 1 (e.g. --cp_size 1)",
-        ),
-        (
-            ["--max_steps", "-1"],
-            "max_steps=-1: a recipe trains a set number of optimizer steps; give --max_steps N "
-            "(e.g. --max_steps 100), or steps to every data stage",
-        ),
+        (["--cp_size", "0"], "cp_size=0: processes that share one sequence (1: no context parallelism); give a whole "
+         "number >= 1 (e.g. --cp_size 1)"),
+        (["--max_steps", "-1"], "max_steps=-1: a recipe trains a set number of optimizer steps; give --max_steps N "
+         "(e.g. --max_steps 100), or steps to every data stage"),
         (["--max_steps", "0"], "max_steps=0: optimizer steps to train"),
         (["--save_steps", "0"], "save_steps=0: optimizer steps between checkpoints"),
         (["--logging_steps", "-5"], "logging_steps=-5"),
         (["--learning_rate=-1e-4"], "learning_rate=-0.0001: the peak learning rate; give a number >= 0"),
         (["--gradient_accumulation_steps", "0"], "gradient_accumulation_steps=0: micro-steps per optimizer step"),
         (["--ulysses_size", "3"], "ulysses_size=3 does not divide cp_size=1"),
-        (
-            ["--cp_size", "4"],
-            "cp_size=4: needs 4 processes (or a multiple), but this is one process; launch with "
-            "torchrun --nproc_per_node 4",
-        ),
-        (
-            ["--max_steps", "abc"],
-            "argument --max_steps/--max-steps: invalid int value: 'abc'; hf-ring train RECIPE --help lists",
-        ),
+        (["--cp_size", "4"], "cp_size=4: needs 4 processes (or a multiple), but this is one process; launch with "
+         "torchrun --nproc_per_node 4"),
+        (["--max_steps", "abc"], "argument --max_steps/--max-steps: invalid int value: 'abc'; hf-ring train RECIPE "
+         "--help lists"),
         (["--lerning_rate", "0.1"], "unknown flag --lerning_rate (did you mean '--learning_rate'?)"),
         (["--data.seq_lenn", "64"], "data: unknown keys ['seq_lenn' (seq_len?)]"),
         (["--data.seq_len", "1"], "data.seq_len: a whole number >= 2, not 1"),
@@ -238,7 +194,7 @@ def test_model_refusal_is_one_line(tmp_path: Path, monkeypatch) -> None:
     from hf_ring.transformers.support import RingNotSupported
 
     def refuse(recipe: Any) -> None:
-        raise RingNotSupported("attn_implementation=\"ring\": rope_type='dynamic' rescales RoPE ...;\nuse 'yarn'")
+        raise RingNotSupported('attn_implementation="ring": rope_type=\'dynamic\' rescales RoPE ...;\nuse \'yarn\'')
 
     monkeypatch.setattr("hf_ring.recipes.run.run", refuse)
     line = _train_fails(str(_recipe(tmp_path)))

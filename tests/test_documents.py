@@ -167,9 +167,7 @@ def documents_errors(case: str, dtype_name: str, hq: int, hkv: int, d: int) -> d
     yq, yk, yv = (t.to(dtype).detach().requires_grad_() for t in (q, k, v))
     rep = hq // hkv
     y = F.scaled_dot_product_attention(
-        yq.transpose(1, 2),
-        yk.repeat_interleave(rep, 2).transpose(1, 2),
-        yv.repeat_interleave(rep, 2).transpose(1, 2),
+        yq.transpose(1, 2), yk.repeat_interleave(rep, 2).transpose(1, 2), yv.repeat_interleave(rep, 2).transpose(1, 2),
         attn_mask=mask,
     ).transpose(1, 2)
     y.backward(dout.to(dtype))
@@ -290,16 +288,8 @@ def test_cu_seq_lens_give_the_same_batch_as_position_ids() -> None:
 
     ids = torch.arange(8)[None]
     a = hf_ring.shard_batch({"input_ids": ids, "labels": ids, "position_ids": torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2]])})
-    b = hf_ring.shard_batch(
-        {
-            "input_ids": ids,
-            "labels": ids,
-            "cu_seq_lens_q": torch.tensor([0, 3, 5, 8]),
-            "cu_seq_lens_k": torch.tensor([0, 3, 5, 8]),
-            "max_length_q": 3,
-            "max_length_k": 3,
-        }
-    )
+    b = hf_ring.shard_batch({"input_ids": ids, "labels": ids, "cu_seq_lens_q": torch.tensor([0, 3, 5, 8]),
+                             "cu_seq_lens_k": torch.tensor([0, 3, 5, 8]), "max_length_q": 3, "max_length_k": 3})
     assert torch.equal(a["position_ids"], b["position_ids"]) and torch.equal(a["shift_labels"], b["shift_labels"])
     assert a["shift_labels"].tolist() == [[1, 2, -100, 4, -100, 6, 7, -100]]  # no target crosses a boundary
     assert a["ring_context"].schedule is not None

@@ -246,21 +246,9 @@ def test_ring_dpo_trainer_cp1_is_dpo_trainer(tmp_path: Path, case: str) -> None:
     _tokenizer(tmp_path / "tok")
     for kind in ("ring", "ref"):
         Dataset.from_list(_pairs()).save_to_disk(tmp_path / f"pairs-{kind}")
-    runs = {
-        kind: run_ranks(
-            1,
-            dpo_run,
-            kind,
-            case,
-            str(tmp_path / kind),
-            str(tmp_path / "tok"),
-            str(tmp_path / f"pairs-{kind}"),
-            1,
-            True,
-            timeout=300,
-        )  # fmt: skip
-        for kind in ("ring", "ref")
-    }
+    runs = {kind: run_ranks(1, dpo_run, kind, case, str(tmp_path / kind), str(tmp_path / "tok"),
+                            str(tmp_path / f"pairs-{kind}"), 1, True, timeout=300)  # fmt: skip
+            for kind in ("ring", "ref")}
     ring, ref = runs["ring"], runs["ref"][0]
     assert ring[0]["cp"] == 1 and len(ref["logs"]) == len(ring[0]["logs"]) == 3
     assert "eval_logits_mean" in ref["logs"][-1]

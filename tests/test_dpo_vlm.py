@@ -81,12 +81,8 @@ def dpo_vlm_run(kind: str, case: str, out: str, data_dir: str) -> dict:
     holder: list = [None]
     keep = _Grads(holder)
     trainer = (RingDPOTrainer if ring else DPOTrainer)(
-        model=model,
-        args=args,
-        train_dataset=load_from_disk(data_dir),
-        processing_class=tiny_processor(),
-        callbacks=[keep],
-        **extra,
+        model=model, args=args, train_dataset=load_from_disk(data_dir), processing_class=tiny_processor(),
+        callbacks=[keep], **extra
     )
     holder[0] = trainer.model
     seen: list[str] = []
@@ -95,9 +91,8 @@ def dpo_vlm_run(kind: str, case: str, out: str, data_dir: str) -> dict:
         from hf_ring.trainer import fused_head
 
         shard = fused_head.shard_batch
-        fused_head.shard_batch = lambda batch, **kw: (
-            seen.extend(sorted(batch)) or rows.append(batch["input_ids"].shape[0]) or shard(batch, **kw)
-        )
+        fused_head.shard_batch = lambda batch, **kw: seen.extend(sorted(batch)) or rows.append(
+            batch["input_ids"].shape[0]) or shard(batch, **kw)
     try:
         trainer.train()
     finally:

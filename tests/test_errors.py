@@ -124,7 +124,9 @@ def test_setup_without_launcher(monkeypatch: pytest.MonkeyPatch) -> None:
     assert not torch.distributed.is_initialized()
     for var in ("RANK", "WORLD_SIZE"):
         monkeypatch.delenv(var, raising=False)
-    with pytest.raises(RuntimeError, match=r"torch.distributed is not initialised and no launcher environment"):
+    with pytest.raises(
+        RuntimeError, match=r"torch.distributed is not initialised and no launcher environment"
+    ):
         hf_ring.setup_context_parallel(2)
     assert "RANK" not in os.environ
 

@@ -29,11 +29,9 @@ DOCS = [1, 2, 9, 1, 14, 2, 1, 7, 3]  # 40 tokens: at CP = 4 (chunks of 5) docume
 
 def build(model_type: str, attn: str, lora: bool, ckpt: bool) -> torch.nn.Module:
     torch.manual_seed(0)
-    model = (
-        causal_lm_class(model_type)
-        ._from_config(tiny_config(model_type), attn_implementation=attn, experts_implementation="eager")
-        .to(torch.float64)
-    )
+    model = causal_lm_class(model_type)._from_config(
+        tiny_config(model_type), attn_implementation=attn, experts_implementation="eager"
+    ).to(torch.float64)
     if lora:
         from peft import LoraConfig, get_peft_model
 

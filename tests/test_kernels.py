@@ -196,3 +196,5 @@ def test_merge_mixed_rows_in_place_through_views() -> None:
     assert torch.equal(out[:, 2], torch.zeros_like(out[:, 2]))  # empty + empty
     assert bool(torch.isneginf(lse[:, 2]).all())
     assert torch.equal(out[:, 1], acc_out[:, 1])  # full + empty
+
+

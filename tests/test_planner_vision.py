@@ -18,16 +18,8 @@ TOWERS = {
     "qwen3_vl": (dict(vision_config=dict(depth=2)), ("visual",)),
     "qwen3_5": (dict(vision_config=dict(depth=2)), ("visual",)),
     "gemma3": (
-        dict(
-            vision_config=dict(
-                num_hidden_layers=2,
-                image_size=896,
-                patch_size=14,
-                hidden_size=1152,
-                intermediate_size=4304,
-                num_attention_heads=16,
-            )
-        ),
+        dict(vision_config=dict(num_hidden_layers=2, image_size=896, patch_size=14, hidden_size=1152,
+                                intermediate_size=4304, num_attention_heads=16)),
         ("vision_tower", "multi_modal_projector"),
     ),  # fmt: skip
     "llama4": (dict(vision_config=dict(num_hidden_layers=2)), ("vision_model", "multi_modal_projector")),

@@ -157,12 +157,8 @@ def test_length_flags_are_checked_too(tmp_path: Path) -> None:
         ({"config": TINY, "dtype": "bf16"}, None, r"model.dtype: one of \['float32', 'bfloat16'"),
         ({"config": {k: v for k, v in TINY.items() if k != "model_type"}}, None, r"model.config: give its model_type"),
         ({"dtype": "float32"}, None, r"model: give config .* name_or_path .* or init_from"),
-        (
-            {"config": TINY},
-            {"r": 4, "lora_alpa": 8},
-            r"lora: \['lora_alpa' \(lora_alpha\?\)\] are not fields of "
-            r"peft.LoraConfig",
-        ),
+        ({"config": TINY}, {"r": 4, "lora_alpa": 8}, r"lora: \['lora_alpa' \(lora_alpha\?\)\] are not fields of "
+                                                     r"peft.LoraConfig"),
         ({"config": TINY}, ["q_proj"], r"lora: a mapping of peft.LoraConfig fields"),
     ],
 )

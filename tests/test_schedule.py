@@ -110,5 +110,7 @@ def test_contiguous_causal_is_unbalanced(size: int) -> None:
 
 
 def test_unknown_layout_raises() -> None:
-    with pytest.raises(ValueError, match=r"unknown order 'striped'; choose one of \('zigzag', 'contiguous'\)"):
+    with pytest.raises(
+        ValueError, match=r"unknown order 'striped'; choose one of \('zigzag', 'contiguous'\)"
+    ):
         make_schedule("striped", True, 0, 2)

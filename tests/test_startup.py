@@ -39,18 +39,9 @@ def test_import_hf_ring_and_its_cli_load_no_torch() -> None:
 
 @pytest.mark.parametrize(
     "argv",
-    [
-        ["--help"],
-        ["train", "--list"],
-        ["train", "--config", "cpu-4proc"],
-        ["train", "--help"],
-        ["plan", "llama-3.1-8b-128k"],
-        ["plan", "Llama-3.1-8B", "--seq-len", "128K", "--json"],
-        ["eval", "--help"],
-        ["plan", "tiny-cpu-demo"],
-        ["plan", "llama-3.1-8b-dpo-128k"],
-        ["plan", "qwen3-8b-grpo-64k"],
-    ],  # fmt: skip
+    [["--help"], ["train", "--list"], ["train", "--config", "cpu-4proc"], ["train", "--help"],
+     ["plan", "llama-3.1-8b-128k"], ["plan", "Llama-3.1-8B", "--seq-len", "128K", "--json"], ["eval", "--help"],
+     ["plan", "tiny-cpu-demo"], ["plan", "llama-3.1-8b-dpo-128k"], ["plan", "qwen3-8b-grpo-64k"]],  # fmt: skip
     ids=lambda a: " ".join(a),
 )
 def test_commands_that_answer_at_once_import_no_torch(argv: list[str]) -> None:
@@ -88,13 +79,8 @@ print("ok")
 
 @pytest.mark.parametrize(
     "first",
-    [
-        "import hf_ring",
-        "import transformers",
-        "import hf_ring, peft",
-        "import transformers.modeling_utils, hf_ring",
-        "import hf_ring; from transformers.models.llama import modeling_llama",
-    ],  # fmt: skip
+    ["import hf_ring", "import transformers", "import hf_ring, peft", "import transformers.modeling_utils, hf_ring",
+     "import hf_ring; from transformers.models.llama import modeling_llama"],  # fmt: skip
 )
 def test_ring_is_registered_whichever_import_comes_first(first: str) -> None:
     """After ``first``, a model built with ``attn_implementation="ring"`` trains on a sharded batch
@@ -153,7 +139,6 @@ def test_public_names_resolve_lazily_and_are_listed() -> None:
 def test_planner_chunk_size_is_the_chunked_loss_rule() -> None:
     """The planner restates ``ops.cross_entropy.default_chunk_size`` (that module imports torch)."""
     from hf_ring.ops.cross_entropy import LOGITS_CHUNK_BYTES, default_chunk_size
-
     planner = importlib.import_module("hf_ring.planner.plan")  # the module, not the function of that name
 
     assert planner.LOGITS_CHUNK_BYTES == LOGITS_CHUNK_BYTES

@@ -130,9 +130,8 @@ def gemma3_blocks_errors() -> dict[str, float]:
     return {
         "logits": (out.logits - want.logits).abs().max().item(),
         "loss": abs(out.loss.item() - want.loss.item()),
-        "grads": max(
-            (p.grad - grads[k].grad).abs().max().item() for k, p in ring.named_parameters() if p.grad is not None
-        ),  # fmt: skip
+        "grads": max((p.grad - grads[k].grad).abs().max().item() for k, p in ring.named_parameters()
+                     if p.grad is not None),  # fmt: skip
     }
 
 

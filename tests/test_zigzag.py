@@ -32,7 +32,9 @@ def round_trips(dims: tuple[int, ...], chunks: tuple[int, ...]) -> list[dict]:
             x = torch.arange(math.prod(shape)).reshape(shape).float()
             s = hf_ring.shard(x, dim=dim)
             u = hf_ring.unshard(s, dim=dim)
-            out.append(dict(dim=dim, c=c, shard_shape=tuple(s.shape), equal=torch.equal(u, x), dtype=str(u.dtype)))
+            out.append(
+                dict(dim=dim, c=c, shard_shape=tuple(s.shape), equal=torch.equal(u, x), dtype=str(u.dtype))
+            )
     return out
 
 

@@ -27,7 +27,9 @@ def check_qkv(q: Tensor, k: Tensor, v: Tensor, who: str, *, same_length: bool = 
         raise ValueError(f"{who}: k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape")
     if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3] or (same_length and q.shape[1] != k.shape[1]):
         rows = "local sequence length " if same_length else ""
-        raise ValueError(f"{who}: q {tuple(q.shape)} and k/v {tuple(k.shape)} must agree on batch, {rows}and head_dim")
+        raise ValueError(
+            f"{who}: q {tuple(q.shape)} and k/v {tuple(k.shape)} must agree on batch, {rows}and head_dim"
+        )
     if q.shape[2] % k.shape[2]:
         raise ValueError(
             f"{who}: query heads ({q.shape[2]}) must be a multiple of key/value heads ({k.shape[2]}) for "

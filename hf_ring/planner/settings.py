@@ -109,10 +109,7 @@ class PlanSettings:
                                       parse=int, least=1)  # fmt: skip
     micro_batch: int = _setting(1, "sequences per micro-batch", least=1)
     tiled_mlp: int | None = _setting(
-        None,
-        "hf_ring.enable_tiled_mlp(model, TOKENS): the MLP over tiles of TOKENS",
-        parse=tokens,
-        metavar="TOKENS",
+        None, "hf_ring.enable_tiled_mlp(model, TOKENS): the MLP over tiles of TOKENS", parse=tokens, metavar="TOKENS",
         least=1,
     )
     reserve_gib: float = _setting(

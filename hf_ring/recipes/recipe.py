@@ -229,10 +229,8 @@ def parse_recipe(argv: list[str] | None = None, *, source: str | os.PathLike | N
                           f"prompt in data.seq_len={seq_len} (prompt + completion); raise data.seq_len or lower "
                           "max_completion_length")  # fmt: skip
     if trainer == "dpo" and args.max_length is not None and args.max_length > seq_len:
-        raise RecipeError(
-            f"{where}: max_length={args.max_length} is longer than data.seq_len={seq_len}, the length "
-            "the planner prices; raise data.seq_len, or drop max_length (it defaults to data.seq_len)"
-        )
+        raise RecipeError(f"{where}: max_length={args.max_length} is longer than data.seq_len={seq_len}, the length "
+                          "the planner prices; raise data.seq_len, or drop max_length (it defaults to data.seq_len)")
     return Recipe(args, sections["model"], sections["lora"], sections["data"], sections["memory_gb"], str(source),
                   path, trainer)  # fmt: skip
 
@@ -340,10 +338,7 @@ def check_ring_model(config: Any, attn: str, cp_size: int, seq_len: int, vision:
 
 
 def build_model(
-    section: dict[str, Any],
-    lora: dict[str, Any] | None,
-    seed: int = 0,
-    where: Path | None = None,
+    section: dict[str, Any], lora: dict[str, Any] | None, seed: int = 0, where: Path | None = None,
     vision: bool = False,
 ) -> torch.nn.Module:
     """The model of a recipe: loaded (``name_or_path``, ``init_from``) or random-initialised with

@@ -374,17 +374,8 @@ def resolve_data(section: Any, trainer: str = "sft") -> dict[str, Any]:
             positive_int(data[key], f"data.{key}", 1 if key == "num_proc" else 0)
     if data.get("add_eos") is not None and not isinstance(data["add_eos"], bool):
         raise RecipeError(f"data.add_eos: true or false, not {data['add_eos']!r}")
-    for key in (
-        "path",
-        "name",
-        "split",
-        "text_field",
-        "ids_field",
-        "tokenizer",
-        "processor",
-        "image_field",
-        "video_field",
-    ):
+    for key in ("path", "name", "split", "text_field", "ids_field", "tokenizer", "processor", "image_field",
+                "video_field"):
         if data.get(key) is not None and not isinstance(data[key], str):
             raise RecipeError(f"data.{key}: a string, not {data[key]!r}")
     _check_multimodal(data)

@@ -32,15 +32,8 @@ from torch.utils.data import Dataset
 from ..data.multimodal import PER_ITEM, pack_multimodal
 from ..errors import RecipeError
 
-__all__ = [
-    "TINY_PROCESSOR",
-    "TinyQwenVLProcessor",
-    "build_processor",
-    "collate_multimodal",
-    "encode",
-    "multimodal_dataset",
-    "multimodal_rows",
-]
+__all__ = ["TINY_PROCESSOR", "TinyQwenVLProcessor", "build_processor", "collate_multimodal", "encode",
+           "multimodal_dataset", "multimodal_rows"]
 
 TINY_PROCESSOR = "tiny-qwen-vl"
 SPECIAL = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")

@@ -350,3 +350,5 @@ def _packed_layout(starts: list[list[int]], n: int, size: int, u_size: int) -> t
     tops = tuple(tuple(s) for s in (starts[:1] if shared else starts))
     layout = ShardLayout(n, ring, u_size, local // u_size, rows, tops, packed=True)
     return layout, layout.index(len(starts))
+
+

@@ -334,6 +334,7 @@ _MAMBA = {"causal_conv1d_fn": "conv", "mamba_selective_scan": "selective", "mamb
 _SSD = {"causal_conv1d_fn": "conv", "mamba2_chunk_scan": "ssd", "mamba2_split_conv1d_scan_combined": "unfused"}
 
 
+
 def _carried(*classes: str) -> dict[str, Callable]:
     """``carry_context`` on the ``forward`` of ``classes`` (a causal LM that calls its model without
     its keyword arguments, and the model, which calls its blocks without them)."""
@@ -363,8 +364,7 @@ FAMILIES: dict[str, Family] = {
         {}, ("MiniMaxLightningAttention",), {"MiniMaxLightningAttention": lightning_forward}
     ),
     "recurrent_gemma.modeling_recurrent_gemma": Family(
-        {},
-        ("RecurrentGemmaRecurrentBlock", "RecurrentGemmaRglru"),
+        {}, ("RecurrentGemmaRecurrentBlock", "RecurrentGemmaRglru"),
         {"RecurrentGemmaRecurrentBlock": recurrent_block_forward, "RecurrentGemmaRglru._rnn_scan": rnn_scan_method},
     ),
     "jamba.modeling_jamba": Family(

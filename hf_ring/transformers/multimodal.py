@@ -57,17 +57,8 @@ SPREAD = frozenset({"Qwen3VLModel", "Qwen3VLMoeModel", "Qwen3_5Model", "Qwen3_5M
 # batch's keyword arguments (the context comes from ``carry.ACTIVE``, set by the model's forward)
 TILES = frozenset({"Gemma3Model", "Llama4ForConditionalGeneration"})
 _ENCODERS = ("visual", "vision_model", "vision_tower")
-_CUT = frozenset(
-    {
-        "inputs_embeds",
-        "position_ids",
-        "attention_mask",
-        "visual_pos_masks",
-        "deepstack_visual_embeds",
-        "labels",
-        "shift_labels",
-    }
-)  # the last two: this rank's already
+_CUT = frozenset({"inputs_embeds", "position_ids", "attention_mask", "visual_pos_masks", "deepstack_visual_embeds",
+                  "labels", "shift_labels"})  # the last two: this rank's already
 _ATTACHED: weakref.WeakSet = weakref.WeakSet()
 _HOLDS: weakref.WeakSet = weakref.WeakSet()  # models that ``check_entry`` found holding one of ``_ATTACHED``
 

@@ -188,7 +188,7 @@ def _check_mask(module: nn.Module, config: Any, name: str, kwargs: dict[str, Any
         return
     if mask.unknown is not None and mask.local_size == 0:
         raise RingNotSupported(
-            f"attn_implementation=\"ring\": this {name} layer's causal mask carries mask functions of the model's "
+            f'attn_implementation="ring": this {name} layer\'s causal mask carries mask functions of the model\'s '
             "own (a bidirectional prefix or image blocks, transformers' or_mask_function / and_mask_function), "
             "which the ring does not compute. Run this model with another attn_implementation."
         )
@@ -286,7 +286,7 @@ def check_layer(
     rope = getattr(config, "rope_parameters", None) or {}
     if isinstance(rope, dict) and rope.get("rope_type") in ("dynamic", "longrope"):
         raise RingNotSupported(
-            f'attn_implementation="ring": rope_type={rope["rope_type"]!r} rescales RoPE from the largest '
+            f"attn_implementation=\"ring\": rope_type={rope['rope_type']!r} rescales RoPE from the largest "
             "position each rank sees, which differs between ranks; use 'default', 'linear', 'llama3' or 'yarn'."
         )
 
