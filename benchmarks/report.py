@@ -96,6 +96,57 @@ def demo_heatmaps() -> str:
     )
 
 
+def demo_ruler() -> str:
+    res = {w: json.loads((DEMO / f"ruler-{w}" / "ruler.json").read_text()) for w in ("before", "after")}
+    b, a = res["before"], res["after"]
+    st = b["settings"]
+    task = b["tasks"][0]
+    head = ["length (tokens)", "short-context model", "after ring-attention fine-tuning", "seconds per sample"]
+    rows = [
+        [tokens(n), f"{b['summary']['table'][task][str(n)]:.1f}", f"**{a['summary']['table'][task][str(n)]:.1f}**",
+         f"{b['summary']['seconds_per_sample'][str(n)]:.2f} / {a['summary']['seconds_per_sample'][str(n)]:.2f}"]
+        for n in b["lengths"]
+    ]  # fmt: skip
+    return table(head, rows) + (
+        f"\n\nRULER's `{task}` (score: the share of samples whose generated digits hold the key, in %), "
+        f"{st['samples']} samples per length, greedy decoding with CP = {st['cp_size']} prefill and the KV cache "
+        f"sharded over the {st['cp_size']} processes; `bash scripts/demo_ruler.sh`, {b['seconds']:.0f} s and "
+        f"{a['seconds']:.0f} s, measured on {machine_text(b.get('machine'))}."
+    )
+
+
+def ruler_lm_eval() -> str:
+    from testkit.ruler_harness import table as lm_eval_table
+
+    data = json.loads((ROOT / "docs" / "ruler-lm-eval.json").read_text())
+    return lm_eval_table(data["samples"]) + (
+        f"\n\nlm-evaluation-harness {data['lm_eval']}, {tokens(data['length'])} tokens, the first "
+        f"{len(data['samples']) // len({r['task'] for r in data['samples']})} samples of each task; "
+        f"`HF_RING_RULER_RESULTS=docs/ruler-lm-eval.json pytest tests/test_ruler_lm_eval.py`, measured on "
+        f"{machine_text(data.get('machine'))}."
+    )
+
+
+def decode_memory() -> str:
+    from hf_ring.planner.decode import decode_cache_bytes
+    from hf_ring.planner.models import model_shape
+
+    gib = 2**30
+    head = ["model", "tokens", "one process, GiB", "CP = 8, GiB per rank", "CP = 16", "CP = 32"]
+    rows = []
+    for name in ("Llama-3.1-8B", "Qwen3.5-9B"):
+        shape = model_shape(name)
+        for n in (2**17, 2**18, 2**19, 2**20):
+            per = [decode_cache_bytes(shape, n, cp)["total"] / gib for cp in (8, 16, 32)]
+            whole = decode_cache_bytes(shape, n, 1)["one_process"] / gib
+            rows.append([name, tokens(n), f"{whole:.1f}", *(f"{v:.2f}" for v in per)])
+    return table(head, rows) + (
+        "\n\nbf16 keys and values, batch 1, 128 generated tokens: each rank's shard of the prompt plus the "
+        "replicated tail (Qwen3.5-9B: 8 of its 32 layers attend; its Gated DeltaNet states, 49 MiB, are "
+        "replicated). `hf_ring.planner.decode.decode_cache_bytes`; `hf-ring plan MODEL --decode` prints it."
+    )
+
+
 # ------------------------------------------------------------------------------------- the models
 def _models() -> list[dict]:
     return json.loads((ROOT / "docs" / "models.json").read_text())
@@ -169,6 +220,9 @@ RENDERERS: dict[str, Callable[[], str]] = {
     "demo-summary": demo_summary,
     "demo-seeds": demo_seeds,
     "demo-heatmaps": demo_heatmaps,
+    "demo-ruler": demo_ruler,
+    "decode-memory": decode_memory,
+    "ruler-lm-eval": ruler_lm_eval,
     "models": models,
     "models-summary": models_summary,
     "recipes": recipes,

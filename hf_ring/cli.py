@@ -153,8 +153,32 @@ def _model(name: str) -> ModelShape:
     )
 
 
+def _decode_table(a: argparse.Namespace) -> int:
+    """``hf-ring plan MODEL --decode``: per-rank memory of greedy decoding under CP (``hf-ring eval ruler``)."""
+    from .planner.decode import decode_cache_bytes
+    from .planner.settings import format_tokens
+
+    recipe = recipe_path(a.model)
+    model = recipe_model(recipe) if recipe is not None else _model(a.model)
+    lengths = [a.seq_len] if getattr(a, "seq_len", None) else [2**17, 2**18, 2**19, 2**20]
+    cps = [a.cp] if getattr(a, "cp", None) else [1, 8, 16, 32]
+    rows = [{"tokens": n, "cp": cp, **decode_cache_bytes(model, n, cp)} for n in lengths for cp in cps]
+    if a.json:
+        print(json.dumps({"model": model.name, "decode_cache_bytes_per_rank": rows}, indent=2))
+        return 0
+    gib = 2**30
+    print(f"{model.name}: KV cache per rank for greedy decoding under CP (bf16, batch 1, 128 new tokens; GiB)")
+    print(f"  {'tokens':>7} {'CP':>4} {'shard':>8} {'tail':>8} {'states':>8} {'total':>8} {'one process':>12}")
+    for r in rows:
+        print(f"  {format_tokens(r['tokens']):>7} {r['cp']:>4} {r['kv_shard'] / gib:>8.2f} {r['kv_tail'] / gib:>8.3f} "
+              f"{r['states'] / gib:>8.3f} {r['total'] / gib:>8.2f} {r['one_process'] / gib:>12.1f}")  # fmt: skip
+    return 0
+
+
 def cmd_plan(a: argparse.Namespace) -> int:
     """``hf-ring plan``: print (or ``--json``) the plan of a model or a recipe."""
+    if a.decode:
+        return _decode_table(a)
     if a.write:
         recipe = recipe_path(a.model)
         if recipe is None:
@@ -293,6 +317,8 @@ def _main(argv: list[str]) -> int:
     p.add_argument("--max-len", action="store_true", help="also search the longest sequence that fits")
     p.add_argument("--json", action="store_true")
     p.add_argument("--write", action="store_true", help="write the figures into the recipe's memory_gb line")
+    p.add_argument("--decode", action="store_true", help="the per-rank KV cache of greedy decoding under CP instead "
+                   "(hf-ring eval ruler), at --seq-len (default 128K-1M) and --cp (default 1, 8, 16, 32)")  # fmt: skip
     p.set_defaults(func=cmd_plan)
     from .evaluation.commands import add_eval_parser
 

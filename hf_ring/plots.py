@@ -7,7 +7,8 @@ draws nothing; the JSON or log is the result, the PNG a view of it).
   test (red 0 -> yellow -> green 1, lengths along x, depths down y);
 - ``needle_comparison_png``: several heatmaps side by side (before / after fine-tuning) and their
   accuracy vs length;
-- ``ppl_png``: loss by position bucket.
+- ``ppl_png``: loss by position bucket;
+- ``ruler_png``: RULER's scores, tasks down y and lengths along x, with the average row.
 
 Figures are drawn on ``matplotlib.figure.Figure`` (no pyplot state). Standard library and the
 planner's token formatting only.
@@ -21,7 +22,16 @@ from typing import Any
 
 from .planner.settings import format_tokens
 
-__all__ = ["have_matplotlib", "model_name", "needle_comparison_png", "needle_png", "plot_loss", "ppl_png", "smooth"]
+__all__ = [
+    "have_matplotlib",
+    "model_name",
+    "needle_comparison_png",
+    "needle_png",
+    "plot_loss",
+    "ppl_png",
+    "ruler_png",
+    "smooth",
+]
 
 COLOURS = ["#F0496E", "#EBB839", "#0CD79F"]  # the needle-in-a-haystack palette: 0 red, 0.5 yellow, 1 green
 
@@ -180,4 +190,33 @@ def plot_loss(history: list[dict[str, Any]], path: str | Path, title: str) -> bo
         ax.legend(title="rolling median, per stage")
     ax.grid(alpha=0.3)
     fig.savefig(path, dpi=120)
+    return True
+
+
+def ruler_png(result: dict[str, Any], path: str | Path) -> bool:
+    """The task x length heatmap of one ``ruler.json`` result (scores in percent, RULER's average in the
+    last row) at ``path``; ``False`` without matplotlib."""
+    if not have_matplotlib():
+        return False
+    from matplotlib.colors import LinearSegmentedColormap
+    from matplotlib.figure import Figure
+
+    tasks, lengths = result["tasks"], result["lengths"]
+    table, average = result["summary"]["table"], result["summary"]["average"]
+    rows = [[table[t][str(n)] for n in lengths] for t in tasks] + [[average[str(n)] for n in lengths]]
+    fig = Figure(figsize=(max(5.0, 2.5 + 0.9 * len(lengths)), max(3.0, 1.2 + 0.4 * len(rows))), layout="tight")
+    ax = fig.add_subplot()
+    im = ax.imshow(rows, cmap=LinearSegmentedColormap.from_list("ruler", COLOURS), vmin=0, vmax=100, aspect="auto")
+    for i, row in enumerate(rows):
+        for j, v in enumerate(row):
+            ax.text(j, i, f"{v:.0f}", ha="center", va="center", fontsize=8)
+    ax.set_xticks(range(len(lengths)), [format_tokens(n) for n in lengths])
+    ax.set_yticks(range(len(rows)), [*tasks, "average"])
+    ax.axhline(len(tasks) - 0.5, color="white", linewidth=3)
+    ax.set_xlabel("length (tokens, generation included)")
+    ax.set_title(f"RULER: {model_name(result)} (CP = {result['settings'].get('cp_size', 1)})")
+    fig.colorbar(im, ax=ax, label="score (%)", fraction=0.046, pad=0.03)
+    description = json.dumps({"tasks": tasks, "lengths": lengths, "values": rows})
+    fig.savefig(path, dpi=120, metadata={"Title": f"hf-ring eval ruler: {result['model']}",
+                                        "Description": description, "Software": "hf_ring"})  # fmt: skip
     return True

@@ -190,9 +190,12 @@ def test_ring_grpo_trainer_cp1_is_grpo_trainer(tmp_path: Path, case: str) -> Non
     """At ``cp_size=1`` ``RingGRPOTrainer`` with a ring-loaded model is TRL's ``GRPOTrainer``: transformers'
     ``generate`` (sampling, a KV cache) on left-padded prompts, the training steps and an evaluation."""
     _tokenizer(tmp_path / "tok")
-    runs = {kind: run_ranks(1, grpo_run, kind, case, str(tmp_path / kind), str(tmp_path / "tok"), False, 1,
-                            evals=True, timeout=300)  # fmt: skip
-            for kind in ("ring", "ref")}
+    runs = {
+        kind: run_ranks(
+            1, grpo_run, kind, case, str(tmp_path / kind), str(tmp_path / "tok"), False, 1, evals=True, timeout=300
+        )  # fmt: skip
+        for kind in ("ring", "ref")
+    }
     ring, ref = runs["ring"], runs["ref"][0]
     assert ring[0]["cp"] == 1 and len(ref["logs"]) == len(ring[0]["logs"]) == 3 and "eval_loss" in ref["logs"][-1]
     assert ring[0]["seen"] == ref["seen"], "the runs scored different completions"

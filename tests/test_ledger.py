@@ -151,6 +151,9 @@ def test_uninstall_puts_back_every_original(tmp_path: Path) -> None:
 # (file, target or the name it is an attribute of) -> why the assignment is not a change to a foreign object
 OWN = {
     ("hf_ring/ops/offload.py", "t"): "the op's own record of a transfer (_Transfer)",
+    ("hf_ring/evaluation/generate.py", "prefill"): "the prefill batch's RingContext, hf_ring's own",
+    ("hf_ring/evaluation/generate.py", "cache"): "hf_ring's own sharded KV cache (decode.ShardedCache)",
+    ("hf_ring/transformers/decode.py", "cache"): "hf_ring's own sharded KV cache (ShardedCache)",
     ("hf_ring/__init__.py", "spec.loader"): "the loader of hf_ring's own lazily loaded module",
     ("hf_ring/__init__.py", "m.__loader__"): "hf_ring's own lazily loaded module",
     ("hf_ring/cli.py", "read.__name__"): "hf_ring's own function",

@@ -3,6 +3,9 @@
 - ``needle``: needle-in-a-haystack cells (length x depth), scored teacher-forced on the answer
   tokens; only the answer positions' logits are computed, on the ranks that hold them;
 - ``ppl``: next-token loss by position bucket over long documents, LM head in chunks;
+- ``ruler``: RULER's tasks (``ruler_tasks``, ``ruler_words``: generated offline at exact lengths),
+  answered by ``generate.greedy_generate``: CP prefill, then greedy decoding with the KV cache sharded
+  across the CP group;
 - ``runtime``: DP x CP layout, model / adapter / tokenizer loading, list parsing, progress;
 - ``cli``: the ``hf-ring eval`` subcommands; ``prompts``: the needle task's default texts.
 
@@ -26,6 +29,10 @@ _EXPORTS = {
     "TextSource": "needle",
     "evaluate_needle": "needle",
     "evaluate_ppl": "ppl",
+    "evaluate_ruler": "ruler",
+    "greedy_generate": "generate",
+    "TaskGenerator": "ruler_tasks",
+    "ruler_score": "ruler_tasks",
     "position_nll": "ppl",
     "score_answer": "needle",
 }
@@ -33,16 +40,23 @@ __all__ = [
     "EvalError",
     "PasskeySource",
     "Runtime",
+    "TaskGenerator",
     "TextSource",
     "evaluate_needle",
     "evaluate_ppl",
+    "evaluate_ruler",
+    "greedy_generate",
+    "ruler_score",
     "position_nll",
     "score_answer",
 ]
 
 if TYPE_CHECKING:
+    from .generate import greedy_generate
     from .needle import PasskeySource, TextSource, evaluate_needle, score_answer
     from .ppl import evaluate_ppl, position_nll
+    from .ruler import evaluate_ruler
+    from .ruler_tasks import TaskGenerator, ruler_score
     from .runtime import EvalError, Runtime
 
 

@@ -1,7 +1,7 @@
-"""``hf-ring eval needle`` and ``hf-ring eval ppl``: the subcommands, and the functions they run
-(``run_needle``, ``run_ppl``: the same in one process and on every rank under ``torchrun`` /
-``accelerate launch``; rank 0 writes the files). Building the parser imports no torch: the runners
-import the evaluation modules when they run."""
+"""``hf-ring eval needle``, ``hf-ring eval ppl`` and ``hf-ring eval ruler``: the subcommands, and the
+functions they run (``run_needle``, ``run_ppl``, ``run_ruler``: the same in one process and on every
+rank under ``torchrun`` / ``accelerate launch``; rank 0 writes the files). Building the parser imports
+no torch: the runners import the evaluation modules when they run."""
 
 from __future__ import annotations
 
@@ -15,7 +15,14 @@ from ..errors import debug, exit_for
 from ..planner.settings import tokens
 from .prompts import DEFAULT_ANSWER, DEFAULT_NEEDLE, DEFAULT_QUESTION
 
-__all__ = ["add_eval_parser", "run_needle", "run_ppl"]
+__all__ = ["add_eval_parser", "run_needle", "run_ppl", "run_ruler"]
+
+RULER_TASKS = ["niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1", "niah_multikey_2",
+               "niah_multikey_3", "niah_multivalue", "niah_multiquery", "vt", "cwe", "fwe", "qa_1", "qa_2"]  # fmt: skip
+RULER_SCORING = (
+    "greedy decoding (context-parallel prefill, KV cache sharded across the CP group) of each task's tokens to "
+    "generate; RULER's string match: share of the answers in the output (all), or any of them (part: qa)"
+)
 
 SCORING = (
     "teacher-forced: one prefill of the whole sequence, answer tokens scored from the logits before them "
@@ -42,7 +49,7 @@ def add_eval_parser(sub: Any) -> None:
     """Add ``eval needle`` and ``eval ppl`` to the ``hf-ring`` subparsers ``sub``."""
     ev = sub.add_parser(
         "eval",
-        help="long-context evaluation: needle heatmap, loss by position",
+        help="long-context evaluation: needle heatmap, loss by position, RULER",
         description="Long-context evaluation with context-parallel prefill: run in one process, or "
         "under torchrun / accelerate launch (CP groups prefill one sequence; DP replicas split the "
         "work). See docs/evaluation.md.",
@@ -99,6 +106,34 @@ def add_eval_parser(sub: Any) -> None:
     p.add_argument("--field", default="text", help="the text field of --data lines without input_ids")
     p.add_argument("--chunk-size", type=int, help="rows of logits at a time (default: about 256 MB of them)")
     p.set_defaults(func=cmd_ppl)
+    r = tasks.add_parser(
+        "ruler",
+        help="RULER's synthetic tasks, generated greedily with context-parallel prefill",
+        description="RULER (arXiv 2404.06654): needle-in-a-haystack variants, variable tracking, common and "
+        "frequent words, QA, generated offline by hf_ring at exact lengths in tokens, answered by greedy "
+        "decoding with the KV cache sharded across the CP group, scored by RULER's string match. Writes "
+        "OUT/ruler.json (one record per task, length and sample) and OUT/ruler.png.",
+    )
+    _common(r)
+    r.add_argument("--lengths", required=True, help="lengths in tokens, generation included: 4K,8K,...,1M")
+    r.add_argument(
+        "--tasks",
+        default=",".join(RULER_TASKS[:11]),
+        help=f"comma-separated, of {', '.join(RULER_TASKS)} (default: all but qa_1, qa_2, which need --qa-file)",
+    )
+    r.add_argument("--samples", type=int, default=10, help="samples per task and length (default 10; RULER uses 500)")
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--haystack", help="a text file for the essay haystack of niah_single_2/3, multikey_1, multivalue, "
+                   "multiquery (default: the noise sentences; RULER uses Paul Graham's essays)")  # fmt: skip
+    r.add_argument("--qa-file", help="SQuAD v2 (qa_1) or HotpotQA (qa_2) JSON, downloaded by you; never fetched")
+    r.add_argument(
+        "--mode",
+        choices=["auto", "passkey", "text"],
+        default="auto",
+        help="text: a tokenizer; passkey: niah_single_1 in the CPU demo's token ids (no tokenizer); auto: text "
+        "when a tokenizer is found",
+    )
+    r.set_defaults(func=cmd_ruler)
     c = tasks.add_parser(
         "plot",
         help="needle heatmaps side by side (before / after), with accuracy vs length",
@@ -243,6 +278,71 @@ def run_ppl(a: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+def run_ruler(a: argparse.Namespace) -> dict[str, Any]:
+    """``hf-ring eval ruler``: the result (``ruler.json``'s content) on every rank."""
+    from ..planner.decode import decode_cache_bytes
+    from ..planner.models import ModelShape
+    from ..planner.settings import format_tokens
+    from ..plots import ruler_png
+    from .ruler import evaluate_ruler, summarise
+    from .runtime import EvalError, Runtime, load_model, machine_info, parse_lengths, write_json
+
+    start = time.perf_counter()
+    lengths = parse_lengths(a.lengths)
+    tasks = [t.strip() for t in a.tasks.split(",") if t.strip()]
+    unknown = [t for t in tasks if t not in RULER_TASKS]
+    if unknown or not tasks:
+        raise EvalError(f"--tasks: unknown {unknown or 'empty list'}; known: {', '.join(RULER_TASKS)}")
+    _check_counts(a, EvalError, "samples", "cp_size")
+    tok = None if a.mode == "passkey" else _tokenizer(a)
+    if a.mode == "text" and tok is None:
+        raise EvalError(f"--mode text needs a tokenizer; none found at {a.model} (give --tokenizer)")
+    rt = Runtime.start(a.cp_size)
+    model = load_model(a.model, a.adapter, a.dtype, rt)
+    records, haystacks = evaluate_ruler(model, tok, tasks, lengths, rt, a.samples, a.seed, a.haystack, a.qa_file)
+    summary = summarise(records, tasks, lengths)
+    config = model.config.get_text_config().to_dict()
+    try:
+        shape = ModelShape.from_config(config, a.model)
+        size = next(model.parameters()).element_size()
+        cache = {str(n): decode_cache_bytes(shape, n, rt.cp_size, dtype_bytes=size) for n in lengths}
+    except (KeyError, TypeError, ValueError):
+        cache = {}
+    result = {
+        "task": "ruler",
+        "model": a.model,
+        "adapter": a.adapter,
+        "tasks": tasks,
+        "lengths": lengths,
+        "settings": {
+            "mode": "passkey" if tok is None else "text",
+            "tokenizer": getattr(tok, "name_or_path", None),
+            "samples": a.samples,
+            "seed": a.seed,
+            "haystack": haystacks,
+            "qa_file": a.qa_file,
+            "dtype": str(model.dtype),
+            **rt.as_dict(),
+            "scoring": RULER_SCORING,
+        },
+        "summary": summary,
+        "kv_cache_bytes_per_rank": cache,
+        "seconds": round(time.perf_counter() - start, 2),
+        "machine": machine_info(),
+        "records": records,
+    }
+    if rt.is_main:
+        out = Path(a.out)
+        write_json(out / "ruler.json", result)
+        png = ruler_png(result, out / "ruler.png")
+        avg = summary["average"]
+        print("RULER average by length: " + ", ".join(f"{format_tokens(int(n))} {v:.1f}" for n, v in avg.items()))
+        print(f"wrote {out / 'ruler.json'}" + (f" and {out / 'ruler.png'}" if png else ""))
+        if not png:
+            print(NO_MATPLOTLIB.format(json=out / "ruler.json", png=out / "ruler.png"))
+    return result
+
+
 def run_plot(a: argparse.Namespace) -> None:
     """``hf-ring eval plot``: several needle results in one picture."""
     from ..plots import model_name, needle_comparison_png
@@ -284,6 +384,10 @@ def cmd_needle(a: argparse.Namespace) -> int:
 
 def cmd_ppl(a: argparse.Namespace) -> int:
     return _run(run_ppl, a)
+
+
+def cmd_ruler(a: argparse.Namespace) -> int:
+    return _run(run_ruler, a)
 
 
 def cmd_plot(a: argparse.Namespace) -> int:

@@ -34,6 +34,7 @@ from ..ops.ring import ring_attention
 from ..ops.ulysses import ulysses_ring_attention
 from ..ops.windows import MaskPlan, mask_plan, masked_attention
 from ..parallel import attention_backend
+from . import decode
 from .carry import ACTIVE
 from .context import RingContext
 from .support import check_layer
@@ -192,6 +193,9 @@ def ring_attention_forward(
         return one_process_attention(
             module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, is_causal=is_causal, **kwargs
         )
+    if ring_context.decode is not None and ring_context.decode.decoding:  # new tokens of CP decoding (decode.py)
+        return decode.attention(module, query, key, value, attention_mask, ring_context, scaling=scaling,
+                                dropout=dropout, is_causal=is_causal, **kwargs)  # fmt: skip
     for name, what in _UNSUPPORTED.items():
         if kwargs.get(name) is not None:
             raise RingNotSupported(f'attn_implementation="ring" does not support {what} (got {name}=...).')
@@ -224,6 +228,8 @@ def ring_attention_forward(
     n_global = query.shape[2] * size
     mask = attention_mask if isinstance(attention_mask, RingMask) else None
     check_layer(module, kwargs, n_global, ring_context.labelled, size, ring_context.positions_given, mask=mask)
+    if ring_context.decode is not None:  # a prefill for decoding keeps this rank's keys and values (decode.py)
+        decode.keep_kv(ring_context, key, value)
     query = global_temperature(module, query, ring_context)  # Llama 4's NoPE temperature from global positions
     device = query.device.type
     if torch.is_autocast_enabled(device):  # as SDPA under autocast: all three in the autocast dtype

@@ -18,6 +18,8 @@ What travels in it:
 - the loss policy: this rank's share of the loss is summed over the CP group and multiplied by
   ``dp_size``; its backward is scaled by ``size * dp_size`` (``reduce_loss``);
 - ``full_logits``: the chunked loss (``enable_chunked_loss``) leaves this batch alone;
+- ``decode``: for greedy decoding under context parallelism, the ``decode.DecodeStep`` of this
+  forward (the prefill fills its sharded KV cache, decoding forwards read it); ``None`` otherwise;
 - ``cross_rank_calls``: how many forward calls of ring attention and of the context-parallel token
   mixers ran on this batch -- the only thing written to the context while the batch runs, each
   count by its one writer (the attention function, the mixer routes); the guard against a model
@@ -96,6 +98,8 @@ class RingContext:
             (the ring's own zigzag schedule).
         cross_rank_calls: the forward calls of ring attention and of the context-parallel token
             mixers made with this context (``CrossRankCalls``).
+        decode: ``hf_ring.transformers.decode.DecodeStep`` of a prefill for decoding or of a decoding
+            forward (its sharded KV cache, set by ``hf_ring.evaluation.generate``); ``None``: no decoding.
         entry: ``[B, S_local]`` long, for a batch that enters the model whole (image or video inputs):
             the global token of every local row (``>= N`` for padding), by which the text decoder's
             entry cuts its inputs (``multimodal.py``); ``None``: the inputs come sharded.
@@ -116,6 +120,7 @@ class RingContext:
     ring_group: dist.ProcessGroup | None = field(default=None, repr=False)
     cross_rank_calls: CrossRankCalls = field(default_factory=CrossRankCalls, repr=False)
     entry: Tensor | None = field(default=None, repr=False)
+    decode: Any = field(default=None, repr=False)
     _cache: dict[Any, Any] = field(default_factory=dict, repr=False)
 
     @property

@@ -63,6 +63,13 @@ def _name(fn: Callable) -> str:
     return names[0] if names else type(fn).__name__
 
 
+def _decode() -> Any:
+    """``hf_ring.transformers.decode`` (imported on use: it imports ``support``, which imports this module)."""
+    from . import decode
+
+    return decode
+
+
 def _check_rows(ctx: RingContext, rows: int, what: str) -> None:
     """Refuse a call that does not see the whole local shard; count the call (the guard reads it)."""
     ctx.cross_rank_calls.mixer_ran()
@@ -89,16 +96,23 @@ def conv_route(fn: Callable) -> Callable:
     def causal_conv1d_fn(hidden_states: Tensor, weight: Tensor, bias: Tensor | None = None,
                          activation: str | None = None, **kwargs: Any) -> Tensor:  # fmt: skip
         ctx = _context(kwargs)
+        step = ctx.decode if ctx is not None else None  # greedy decoding under CP (decode.py)
+        if step is not None and step.decoding:
+            return _decode().conv(fn, ctx, hidden_states, weight, bias, activation)
         if not _needs_cp(ctx):
-            return fn(hidden_states, weight, bias, activation=activation, **kwargs)
-        _check_rows(ctx, hidden_states.shape[-1], "causal_conv1d_fn")
-        b, width, dev = hidden_states.shape[0], weight.shape[-1] - 1, hidden_states.device
-        plan = ctx.cached(("conv", b, width, dev), lambda: conv_plan(ctx.layout, b, ctx.rank, width, dev))
+            out = fn(hidden_states, weight, bias, activation=activation, **kwargs)
+        else:
+            _check_rows(ctx, hidden_states.shape[-1], "causal_conv1d_fn")
+            b, width, dev = hidden_states.shape[0], weight.shape[-1] - 1, hidden_states.device
+            plan = ctx.cached(("conv", b, width, dev), lambda: conv_plan(ctx.layout, b, ctx.rank, width, dev))
 
-        def local(x: Tensor, w: Tensor, bias_: Tensor | None, activation: str | None = None) -> Tensor:
-            return fn(x, w, bias_, activation=activation)
+            def local(x: Tensor, w: Tensor, bias_: Tensor | None, activation: str | None = None) -> Tensor:
+                return fn(x, w, bias_, activation=activation)
 
-        return causal_conv1d(hidden_states, weight, bias, activation, plan, ctx.group, conv=local)
+            out = causal_conv1d(hidden_states, weight, bias, activation, plan, ctx.group, conv=local)
+        if step is not None:  # a prefill for decoding keeps the input's last rows
+            _decode().keep_conv(ctx, hidden_states, weight.shape[-1] - 1)
+        return out
 
     return causal_conv1d_fn
 
@@ -113,10 +127,19 @@ def delta_route(fn: Callable) -> Callable:
              initial_state: Tensor | None = None, output_final_state: bool = False,
              use_qk_l2norm_in_kernel: bool = False, **kwargs: Any) -> tuple[Tensor, Tensor | None]:  # fmt: skip
         ctx = _context(kwargs)
+        step = ctx.decode if ctx is not None else None  # greedy decoding under CP (decode.py)
+        if step is not None and step.decoding:
+            _no_cache(fn, initial_state is not None)
+            return _decode().delta(fn, ctx, query, key, value, g, beta, chunk_size=chunk_size,
+                                   use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, **kwargs)  # fmt: skip
         if not _needs_cp(ctx):
-            return fn(query, key, value, g=g, beta=beta, chunk_size=chunk_size, initial_state=initial_state,
-                      output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                      **kwargs)  # fmt: skip
+            out = fn(query, key, value, g=g, beta=beta, chunk_size=chunk_size, initial_state=initial_state,
+                     output_final_state=output_final_state or step is not None,
+                     use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, **kwargs)  # fmt: skip
+            if step is not None:  # a prefill for decoding keeps the state after the prompt
+                _decode().keep_state(ctx, out[1])
+                return out[0], None
+            return out
         _no_cache(fn, initial_state is not None or output_final_state)
         _check_rows(ctx, query.shape[1], _name(fn))
         b, dev = query.shape[0], query.device
@@ -126,7 +149,10 @@ def delta_route(fn: Callable) -> Callable:
             return fn(q, k, v, g=g_, beta=beta_, **kw)
 
         out = delta_rule(local, query, key, value, g, beta, plan, ctx.group, chunk_size=chunk_size,
-                         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)  # fmt: skip
+                         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, final_state=step is not None)  # fmt: skip
+        if step is not None:  # a prefill for decoding keeps the state after the prompt
+            _decode().keep_state(ctx, out[1])
+            return out[0], None
         return out, None
 
     return rule

@@ -56,8 +56,9 @@ def delta_rule(
     beta: Tensor,
     plan: RunPlan,
     group: dist.ProcessGroup | None,
+    final_state: bool = False,
     **options,
-) -> Tensor:
+) -> Tensor | tuple[Tensor, Tensor]:
     """The delta rule over the whole (sharded) sequence, this rank's rows.
 
     Args:
@@ -67,11 +68,14 @@ def delta_rule(
         g: log decay, ``[B, S_local, Hv]`` (Gated DeltaNet) or ``[B, S_local, Hv, Dk]`` (KDA).
         beta: ``[B, S_local, Hv]``.
         plan: ``delta_plan(layout, B, rank)``; group: the layout's CP group.
+        final_state: also return the state after each batch row's last run of one sequence per row
+            (``[B, Hv, Dk, Dv]``, float32 or wider, the same on every rank: one more all-reduce, not
+            differentiable) -- what decoding goes on from (``hf_ring.transformers.decode``).
         options: passed to every rule call (``use_qk_l2norm_in_kernel``, ``chunk_size``, ``scale``).
 
     Returns ``[B, S_local, Hv, Dv]`` in ``q``'s dtype: each row's output as the rule over its
-    document in global order from a zero state (padding rows: zeros). Collective over ``group``
-    (one all-gather forward, one all-reduce backward).
+    document in global order from a zero state (padding rows: zeros); with ``final_state``, the pair
+    ``(out, state)``. Collective over ``group`` (one all-gather forward, one all-reduce backward).
     """
     hv, dk = v.shape[2], q.shape[3]
     qs, ks, vs, gs, bs = (stack_runs(t, plan) for t in (q, k, v, g, beta))
@@ -100,4 +104,27 @@ def delta_rule(
             qm = q_map.index_select(0, plan.fixed_in_cont)  # type: ignore[union-attr]  # [F, L, Hv, Dk]
             extra = torch.einsum("flhk,fhkv->flhv", qm.to(s_in.dtype), s_in)
             out = out.index_add(0, plan.fixed, extra.to(out.dtype))
-    return unstack_runs(out, plan)
+    if not final_state:
+        return unstack_runs(out, plan)
+    return unstack_runs(out, plan), _final_states(plan, maps, exts, states, group, q.dtype)
+
+
+def _final_states(
+    plan: RunPlan, maps: list, exts: list, states: list, group: dist.ProcessGroup | None, dtype: torch.dtype
+) -> Tensor:
+    """``[B, Hv, Dk, Dv]``: the state leaving each row's last run (``M S_in + E`` on the rank that holds
+    it, zeros elsewhere), summed over ``group`` so that every rank has every row's."""
+    if plan.layout.packed:
+        raise ValueError("delta_rule(final_state=True) takes one sequence per batch row, not packed documents")
+    shape = next(e for e in exts if e is not None).shape
+    final = torch.zeros((plan.batch, *shape), dtype=torch.promote_types(dtype, torch.float32), device=exts[0].device)
+    for i, run in enumerate(plan.state.runs):
+        if plan.state.sent[i]:  # a later run of its row continues from it: not the last
+            continue
+        state = exts[i].to(final.dtype)
+        if states[i] is not None and maps[i] is not None:
+            state = apply_matrix(maps[i].to(final.dtype), states[i].to(final.dtype)) + state
+        final[run.row] = state
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(final, group=group)
+    return final
