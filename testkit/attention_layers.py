@@ -3,7 +3,8 @@
 ``layer_requests(model_type)`` builds the family's tiny model (``testkit.families.tiny_config``, with a
 sliding window shorter than the test sequence where the family has one) but with the head dims of its
 default config (Gemma 4's full-attention layers: ``head_dim`` 512), runs one forward through
-``attn_implementation="ring"`` in one process, and records what every attention call asked
+``attn_implementation="ring"`` in one process on a ``shard_batch`` batch (a CP group of one: the ring's
+block kernels run; a model called without ``shard_batch`` would take the one-process path), and records what every attention call asked
 ``get_kernel`` for: ``(head_dim, softcap, window, sinks)``. ``None`` when the family does not run
 through the ring (refused, or no attention layer).
 """
@@ -75,6 +76,7 @@ def _requests(model_type: str, fields: dict[str, Any]) -> tuple[LayerRequest, ..
     import torch
 
     import hf_ring  # noqa: F401 - registers "ring"
+    from hf_ring import shard_batch
     from hf_ring.ops import ring
     from hf_ring.transformers.support import RingNotSupported
 
@@ -99,7 +101,7 @@ def _requests(model_type: str, fields: dict[str, Any]) -> tuple[LayerRequest, ..
             model = build_model(model_type, config, "ring", 0, torch.float32)
             ring.get_kernel, ring.check_extras = pick, extras  # type: ignore[attr-defined]
             with torch.no_grad():
-                model(**sweep_batch(config, 1, N), use_cache=False)
+                model(**shard_batch(sweep_batch(config, 1, N)))  # one process, one shard: through the ring
         except RingNotSupported:
             return None
         except Exception as e:  # noqa: BLE001 - the caller tries the plain tiny config

@@ -226,7 +226,8 @@ def test_auto_says_once_which_kernel_runs_each_kind_of_layer(gpu, caplog: pytest
 
 def test_a_pinned_backend_runs_every_call_that_names_none(monkeypatch: pytest.MonkeyPatch) -> None:
     """``set_attention_backend`` pins the kernel of ``hf_ring.ring_attention`` without ``backend=`` and of the
-    transformers attention function (a tiny Llama forward through ``attn_implementation="ring"``): the same
+    transformers attention function (a tiny Llama forward through ``attn_implementation="ring"`` on a
+    ``shard_batch`` batch, a CP group of one): the same
     output as SDPA, every kernel call on the pinned kernel; a misspelt name is refused naming the closest one,
     in ``RingTrainingArguments`` too (a user error)."""
     from hf_ring.errors import UserError
@@ -249,7 +250,7 @@ def test_a_pinned_backend_runs_every_call_that_names_none(monkeypatch: pytest.Mo
         ring, sdpa = tiny_model("llama", "ring"), tiny_model("llama", "sdpa")
         batch = tiny_batch(1, 24)
         with torch.no_grad():
-            got, want = ring(**batch).logits, sdpa(**batch).logits
+            got, want = ring(**hf_ring.shard_batch(batch)).logits, sdpa(**batch).logits
         assert len(calls) == 1 + ring.config.num_hidden_layers and torch.allclose(got, want, atol=1e-5)
         with pytest.raises(ValueError, match=r"unknown attention backend 'flash_atn_3' \(did you mean 'flash_attn_3'"):
             hf_ring.set_attention_backend("flash_atn_3")

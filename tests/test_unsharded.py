@@ -160,6 +160,17 @@ def test_a_padding_mask_next_to_a_ring_context_is_refused() -> None:
         model(**kwargs, attention_mask=mask)
 
 
+def test_a_layer_that_makes_its_own_keys_is_refused_without_shard_batch() -> None:
+    """DeepSeek-V4 appends compressed keys that the mask does not cover: refused in one line, as under CP."""
+    from testkit.families import causal_lm_class, tiny_config
+
+    config = tiny_config("deepseek_v4")
+    model = causal_lm_class("deepseek_v4")._from_config(config, attn_implementation="ring")
+    ids = torch.randint(0, config.vocab_size, (1, 32), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(hf_ring.RingNotSupported, match=r"attends \d+ keys where its mask covers 32"):
+        model(input_ids=ids, use_cache=False)
+
+
 def hybrid_errors(model_type: str) -> dict[str, float]:
     """On every rank of a CP group: a hybrid model (its mixers need the batch's layout under CP) called
     without ``shard_batch`` runs its mixers on the whole batch, as one process does."""

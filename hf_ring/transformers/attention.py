@@ -335,6 +335,12 @@ def one_process_attention(
     special = [w for w, names in _SDPA_LACKS.items() if any(kwargs.get(k) is not None for k in names)]
     kind = "eager" if special else "sdpa"
     mask = attention_mask.dense(kind) if isinstance(attention_mask, RingMask) else attention_mask
+    if isinstance(mask, Tensor) and mask.shape[-1] != key.shape[-2]:  # keys the layer adds itself (compressed)
+        raise RingNotSupported(
+            f'attn_implementation="ring": {type(module).__name__} attends {key.shape[-2]} keys where its mask covers '
+            f"{mask.shape[-1]} (keys the layer makes itself, such as compressed ones), which neither the ring nor "
+            'its one-process path computes. Load the model with attn_implementation="sdpa" or "eager".'
+        )
     if not special:
         return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, mask, **kwargs)
     eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
