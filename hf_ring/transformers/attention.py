@@ -28,15 +28,18 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..errors import RingMaskUsed, RingNotSupported
+from ..ops.attention_call import AttentionCall
 from ..ops.layout import sequence_layout
-from ..ops.ring import ring_attention
-from ..ops.ulysses import ulysses_ring_attention
-from ..ops.windows import MaskPlan, mask_plan, masked_attention
+from ..ops.windows import MaskPlan, mask_plan
 from ..parallel import attention_backend, context_parallel_state, default_group
 from .carry import ACTIVE
 from .context import RingContext
 from .support import check_layer
 from .temperature import global_temperature
+
+# the attribute of an attention module that holds its head groups (``layers.enable_head_groups``: its ledger
+# lists and removes it); absent: one group
+HEAD_GROUPS = "_hf_ring_head_groups"
 
 _MASK_USED = (
     'attn_implementation="ring": this model uses the attention mask itself, outside transformers\' '
@@ -159,7 +162,47 @@ def ring_attention_forward(
     scores and outputs unchanged. ``softcap`` (Gemma 2) caps the scores in every block kernel call;
     attention sinks (``s_aux [Hq]`` of GPT-OSS, MiMo-V2-Flash, Granite SWA; per-token ``sinks
     [B, Hq, S_local, 1]``) join each row's softmax after the ring's merge (``ring_attention``).
+    What is decided before computing is ``ring_call``'s.
     """
+    d_qk, d_v = query.shape[-1], value.shape[-1]
+    call, sinks, ring_context = ring_call(
+        module, attention_mask, shape=(query.shape[0], query.shape[1], query.shape[2], max(d_qk, d_v)),
+        keys=key.shape[2], scaling=scaling if scaling is not None else d_qk**-0.5, dropout=dropout,
+        is_causal=is_causal, ring_context=ring_context, **kwargs,
+    )  # fmt: skip
+    if ring_context is not None:  # Llama 4's NoPE temperature from global positions
+        query = global_temperature(module, query, ring_context)
+    device = query.device.type
+    if torch.is_autocast_enabled(device):  # as SDPA under autocast: all three in the autocast dtype
+        dtype = torch.get_autocast_dtype(device)
+        query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
+    if d_v != d_qk:  # zero columns add nothing to a score and give outputs that are cut off below
+        d = max(d_qk, d_v)
+        query, key, value = (F.pad(t, (0, d - t.shape[-1])) for t in (query, key, value))
+    q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)  # (B, S, H, D)
+    with torch.autocast(device, enabled=False):
+        out = call(q, k, v, sinks)
+    return (out[..., :d_v] if d_v != d_qk else out), None
+
+
+def ring_call(
+    module: torch.nn.Module,
+    attention_mask: Any,
+    *,
+    shape: tuple[int, int, int, int],
+    keys: int,
+    scaling: float,
+    dropout: float = 0.0,
+    is_causal: bool | None = None,
+    ring_context: RingContext | None = None,
+    **kwargs: Any,
+) -> tuple[AttentionCall, Tensor | None, RingContext | None]:
+    """What the attention function decides before it computes, for a call of ``module`` with queries of
+    ``shape = (B, Hq, S_local, D)``, ``keys`` keys and the keyword arguments transformers passes: the
+    checks (``RingNotSupported`` for what the ring cannot compute exactly), the CP group, Ulysses, the
+    batch's document schedule or the layer's window or chunk, soft-cap, kernel and head groups as an
+    ``AttentionCall``; the sinks as the op takes them; the batch's context (``ACTIVE``'s when the call
+    has none). Counts the call on the context. The tiled layer (``layers.py``) asks it the same."""
     for name, what in _UNSUPPORTED.items():
         if kwargs.get(name) is not None:
             raise RingNotSupported(f'attn_implementation="ring" does not support {what} (got {name}=...).')
@@ -176,10 +219,10 @@ def ring_attention_forward(
             "it applies the causal mask over global positions itself. Pass the batch through "
             "hf_ring.shard_batch (right padding is handled there) instead of a custom mask."
         )
-    if query.shape[2] != key.shape[2]:
+    if shape[2] != keys:
         raise RingNotSupported(
-            f'attn_implementation="ring" needs as many keys as queries (got {query.shape[2]} queries, '
-            f"{key.shape[2]} keys): decoding with a KV cache is not supported. Pass use_cache=False "
+            f'attn_implementation="ring" needs as many keys as queries (got {shape[2]} queries, '
+            f"{keys} keys): decoding with a KV cache is not supported. Pass use_cache=False "
             "(shard_batch does) and generate with another attn_implementation."
         )
     if ring_context is not None:
@@ -193,43 +236,20 @@ def ring_attention_forward(
         ulysses = (cp.ulysses_group, cp.ring_group) if cp is not None and cp.ulysses_size > 1 else None
     labelled = ring_context.labelled if ring_context is not None else False
     given = ring_context.positions_given if ring_context is not None else True
-    n_global = query.shape[2] * size
+    n_global = shape[2] * size
     mask = attention_mask if isinstance(attention_mask, RingMask) else None
     check_layer(module, kwargs, n_global, labelled, size, given, ring_context is not None, mask=mask)
-    if ring_context is not None:  # Llama 4's NoPE temperature from global positions
-        query = global_temperature(module, query, ring_context)
-    device = query.device.type
-    if torch.is_autocast_enabled(device):  # as SDPA under autocast: all three in the autocast dtype
-        dtype = torch.get_autocast_dtype(device)
-        query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
-    d_qk, d_v = query.shape[-1], value.shape[-1]
-    if scaling is None:
-        scaling = d_qk**-0.5
-    if d_v != d_qk:  # zero columns add nothing to a score and give outputs that are cut off below
-        d = max(d_qk, d_v)
-        query, key, value = (F.pad(t, (0, d - t.shape[-1])) for t in (query, key, value))
     causal = module.is_causal if is_causal is None else is_causal
-    plan = _mask_plan(mask, n_global, causal, ring_context, query.shape[0], query.shape[2], size)
-    softcap, sinks = kwargs.get("softcap"), _sinks(kwargs, query.shape[1], query.shape[2])
+    plan = _mask_plan(mask, n_global, causal, ring_context, shape[0], shape[2], size)
+    softcap, sinks = kwargs.get("softcap"), _sinks(kwargs, shape[1], shape[2])
     if ring_context is not None:
         ring_context.cross_rank_calls.attention_ran()  # forward calls only: a checkpoint recompute does not count
-    q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)  # (B, S, H, D)
-    backend = attention_backend()  # "auto", or the kernel hf_ring.set_attention_backend pinned
-    with torch.autocast(device, enabled=False):
-        if ulysses is not None:
-            out = ulysses_ring_attention(
-                q, k, v, ulysses_group=ulysses[0], ring_group=ulysses[1], causal=causal, softmax_scale=scaling,
-                schedule=schedule if plan is None else None, mask=plan, softcap=softcap, sinks=sinks, backend=backend,
-            )  # fmt: skip
-        elif plan is not None:
-            out = masked_attention(q, k, v, plan, group=group, softmax_scale=scaling, softcap=softcap, sinks=sinks,
-                                   backend=backend)  # fmt: skip
-        else:
-            out = ring_attention(
-                q, k, v, group=group, causal=causal, softmax_scale=scaling, schedule=schedule, softcap=softcap,
-                sinks=sinks, backend=backend,
-            )  # fmt: skip
-    return (out[..., :d_v] if d_v != d_qk else out), None
+    call = AttentionCall(
+        group=ulysses[1] if ulysses is not None else group, ulysses_group=ulysses[0] if ulysses else None,
+        ulysses=ulysses is not None, causal=causal, scale=scaling, schedule=schedule if plan is None else None,
+        plan=plan, softcap=softcap, backend=attention_backend(), head_groups=getattr(module, HEAD_GROUPS, 1),
+    )  # fmt: skip
+    return call, sinks, ring_context
 
 
 def _mask_plan(

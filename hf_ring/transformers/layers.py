@@ -1,0 +1,295 @@
+"""Head groups and tiled decoder layers on a transformers model: opt-in, every change to the model listed in
+one ledger and undone by ``disable_head_groups`` / ``disable_tiled_layers``.
+
+- ``enable_head_groups(model, G)``: every attention module runs its heads in ``G`` groups inside the ring
+  (``ops.ring``: the ring's accumulators and messages for one group at a time); the attention function
+  reads the number from the module (``attention.HEAD_GROUPS``).
+- ``enable_tiled_layers(model, tile_tokens)``: every decoder layer of a supported family (``LAYERS``) runs
+  its attention half as ``ops.tiled_layer.attention_block`` (its norm, projections with their LoRA
+  adapters, per-head norms and RoPE over tiles of ``tile_tokens``; attention one head group at a time,
+  the module's head groups) and its MLP half with its norm over tiles (``ops.tiled_mlp``); the final norm
+  over tiles too. What that attention call is, and every check of it, is the attention function's own
+  (``attention.ring_call``), asked with the keyword arguments the layer's attention module would pass. A
+  call without the ring (another attention implementation, a KV cache) runs the layer's own forward.
+
+``CHANGES`` is the table of what changes on a model instance; ``changed(model)`` lists what is in effect.
+The computations are the ops'; this module finds the modules and wires them in.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ..errors import RingNotSupported
+from ..ops.ring import head_groups_of
+from ..ops.tiled_layer import AttentionSpec, Linear, attention_block
+from ..ops.tiled_mlp import tiled_forward
+from .attention import HEAD_GROUPS, ring_call
+from .patches import causal_lm, decoder
+
+__all__ = ["CHANGES", "LAYERS", "changed", "disable_head_groups", "disable_tiled_layers", "enable_head_groups",
+           "enable_tiled_layers"]  # fmt: skip
+
+# decoder layers whose structure the tiled forward computes: pre-norm, input_layernorm -> self_attn (q, k, v,
+# o projections; Qwen3's per-head q_norm / k_norm; RoPE) -> residual, post_attention_layernorm -> mlp ->
+# residual; and how each one's attention module passes its sliding window to the attention function
+LAYERS: dict[str, Any] = {
+    "LlamaDecoderLayer": None,
+    "Qwen2DecoderLayer": lambda attn: attn.sliding_window,
+    "Qwen3DecoderLayer": lambda attn: attn.sliding_window,
+    "MistralDecoderLayer": lambda attn: getattr(attn.config, "sliding_window", None),
+}
+
+CHANGES = (
+    ("`<decoder layer>.forward`", "instance attribute", "enable_tiled_layers",
+     "the tiled layer (`layers.tiled_layer_forward`): checkpointed as the layer's own forward is; a call "
+     "without the ring (another attention implementation, a KV cache) runs the layer's own forward"),
+    ("`<decoder>.norm.forward`", "instance attribute", "enable_tiled_layers",
+     "the final norm over tiles, saving only its input (`ops.tiled_mlp.tiled_forward`)"),
+    (f"`<attention module>.{HEAD_GROUPS}`", "instance attribute", "enable_head_groups",
+     "the number of head groups the ring attention function (and the tiled layer) runs"),
+    ("`<causal LM>._hf_ring_layers`", "instance attribute", "either",
+     "this ledger: every change above with what it replaced, undone by disable_tiled_layers / disable_head_groups"),
+)  # fmt: skip
+
+_MISSING = object()
+LEDGER = "_hf_ring_layers"
+TILED = "_hf_ring_tiled_layer"
+
+
+@dataclass
+class _Entry:
+    obj: nn.Module
+    name: str
+    old: Any
+    by: str
+
+
+class Ledger:
+    """Every attribute the functions of this module set on a model's modules, with what it replaced
+    (``_MISSING``: nothing in the instance's ``__dict__``), by the function that set it."""
+
+    def __init__(self) -> None:
+        self.entries: list[_Entry] = []
+
+    def set(self, obj: nn.Module, name: str, value: Any, by: str) -> None:
+        if not any(e.obj is obj and e.name == name for e in self.entries):
+            self.entries.append(_Entry(obj, name, obj.__dict__.get(name, _MISSING), by))
+        setattr(obj, name, value)
+
+    def undo(self, by: str) -> None:
+        for e in reversed([e for e in self.entries if e.by == by]):
+            if e.old is _MISSING:
+                e.obj.__dict__.pop(e.name, None)
+            else:
+                e.obj.__dict__[e.name] = e.old
+        self.entries = [e for e in self.entries if e.by != by]
+
+
+def _ledger(model: nn.Module, caller: str) -> tuple[nn.Module, Ledger]:
+    lm = causal_lm(model, caller)
+    if LEDGER not in lm.__dict__:
+        lm.__dict__[LEDGER] = Ledger()
+    return lm, lm.__dict__[LEDGER]
+
+
+def changed(model: nn.Module) -> list[tuple[str, str, str]]:
+    """What the functions of this module changed on ``model`` and is in effect: ``(module, attribute,
+    function)`` per change."""
+    lm = causal_lm(model, "changed")
+    ledger = lm.__dict__.get(LEDGER)
+    names = {id(m): n for n, m in lm.named_modules()}
+    return [(names.get(id(e.obj), type(e.obj).__name__), e.name, e.by) for e in (ledger.entries if ledger else [])]
+
+
+# --- head groups -------------------------------------------------------------------------------------
+
+
+def _attention_modules(lm: nn.Module) -> list[nn.Module]:
+    return [m for m in lm.modules() if all(isinstance(getattr(m, n, None), nn.Module) for n in ("q_proj", "o_proj"))
+            and hasattr(getattr(m, "config", None), "num_key_value_heads")]  # fmt: skip
+
+
+def enable_head_groups(model: nn.Module, groups: int) -> nn.Module:
+    """Run every attention module's heads in ``groups`` groups inside the ring (``ring_attention``'s
+    ``head_groups``; ``groups`` must divide the K/V heads: GQA groups stay whole). Exact; idempotent (a
+    second call changes the number); ``1`` undoes it. Returns ``model``."""
+    lm, ledger = _ledger(model, "enable_head_groups")
+    disable_head_groups(model)
+    if groups == 1:
+        return model
+    mods = _attention_modules(lm)
+    if not mods:
+        raise TypeError(f"enable_head_groups: no attention module with q_proj/o_proj in {type(lm).__name__}")
+    for m in mods:
+        heads, kv = m.config.num_attention_heads, m.config.num_key_value_heads
+        try:
+            head_groups_of(heads, kv, groups, "enable_head_groups")
+        except ValueError as e:
+            raise RingNotSupported(f"{e} (head_groups of RingTrainingArguments, a recipe's head_groups)") from None
+        ledger.set(m, HEAD_GROUPS, int(groups), "enable_head_groups")
+    return model
+
+
+def disable_head_groups(model: nn.Module) -> nn.Module:
+    """Undo ``enable_head_groups``."""
+    _, ledger = _ledger(model, "disable_head_groups")
+    ledger.undo("enable_head_groups")
+    return model
+
+
+# --- tiled layers ------------------------------------------------------------------------------------
+
+
+def _linear(m: nn.Module, where: str) -> Linear:
+    """A linear layer as ``Linear``: an ``nn.Linear``, or PEFT's LoRA layer around one."""
+    if type(m).forward is nn.Linear.forward and isinstance(m, nn.Linear):
+        return Linear(m.weight, m.bias)
+    base, lora_a = getattr(m, "base_layer", None), getattr(m, "lora_A", None)
+    if isinstance(base, nn.Module) and isinstance(lora_a, nn.ModuleDict):
+        if getattr(m, "disable_adapters", False) or getattr(m, "merged", False):
+            if getattr(m, "merged", False) and getattr(m, "disable_adapters", False):
+                raise RingNotSupported(f"tiled layers: {where} has merged adapters that are disabled; unmerge them")
+            return _linear(base, where)
+        adapters = []
+        for name in m.active_adapters:
+            if name not in lora_a:
+                continue
+            drop = m.lora_dropout[name]
+            if name in getattr(m, "lora_variant", {}) or m.lora_A[name].bias is not None or \
+                    m.lora_B[name].bias is not None:  # fmt: skip
+                raise RingNotSupported(
+                    f"tiled layers: {where}'s adapter {name!r} is a LoRA variant (DoRA, ...) or has a bias, which the "
+                    "tiled layer does not compute; train without tiled_layers"
+                )
+            if not isinstance(drop, nn.Identity) and m.training and getattr(drop, "p", 0.0) > 0:
+                raise RingNotSupported(
+                    f"tiled layers: {where}'s adapter {name!r} has lora_dropout={drop.p}, a random mask the tiled "
+                    "layer would draw again in its backward; set lora_dropout=0 or train without tiled_layers"
+                )
+            adapters.append((m.lora_A[name].weight, m.lora_B[name].weight, float(m.scaling[name])))
+        inner = _linear(base, where)
+        return Linear(inner.weight, inner.bias, tuple(adapters), getattr(m, "cast_input_dtype_enabled", True))
+    raise RingNotSupported(
+        f"tiled layers: {where} is a {type(m).__name__}, neither torch's nn.Linear nor PEFT's LoRA layer around "
+        "one, so the tiled layer cannot take its rows apart; train without tiled_layers"
+    )
+
+
+def _spec(layer: nn.Module) -> AttentionSpec:
+    attn = layer.self_attn
+    cfg = attn.config
+    rope = getattr(sys.modules.get(type(attn).__module__), "apply_rotary_pos_emb", None)
+    if rope is None:
+        raise RingNotSupported(f"tiled layers: {type(attn).__name__}'s module has no apply_rotary_pos_emb")
+    qn, kn = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+    name = type(layer).__name__
+    return AttentionSpec(
+        q=_linear(attn.q_proj, f"{name}.q_proj"), k=_linear(attn.k_proj, f"{name}.k_proj"),
+        v=_linear(attn.v_proj, f"{name}.v_proj"), o=_linear(attn.o_proj, f"{name}.o_proj"),
+        heads=cfg.num_attention_heads, kv_heads=cfg.num_key_value_heads, head_dim=attn.head_dim,
+        norm=layer.input_layernorm, norm_params=tuple(layer.input_layernorm.parameters()),
+        q_norm=qn, k_norm=kn, qk_norm_params=tuple(p for n in (qn, kn) if n is not None for p in n.parameters()),
+        rope=rope,
+    )  # fmt: skip
+
+
+@dataclass
+class _Tiled:
+    tile: int
+    original: Any  # the layer's forward before (bound)
+    window: Any  # how its attention passes the sliding window (LAYERS)
+
+
+def tiled_layer_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Tensor:
+    """A decoder layer's forward with the ring, its halves over tiles (installed by ``enable_tiled_layers``)."""
+    state: _Tiled = self.__dict__[TILED]
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    ring = getattr(self.self_attn.config, "_attn_implementation", None) == "ring"
+    if not ring or cache is not None or kwargs.get("position_embeddings") is None:
+        return state.original(*args, **kwargs)
+    kwargs.pop("cache", None)
+    kwargs.pop("past_key_values", None)
+    if getattr(self, "gradient_checkpointing", False) and self.training and torch.is_grad_enabled():
+        fn = getattr(self, "_gradient_checkpointing_func", None)
+        if fn is not None:  # as transformers' GradientCheckpointingLayer checkpoints the layer's own forward
+            return fn(functools.partial(_tiled_body, self, **kwargs), *args)
+    return _tiled_body(self, *args, **kwargs)
+
+
+def _tiled_body(
+    self: nn.Module, hidden_states: Tensor, attention_mask: Any = None, position_ids: Tensor | None = None,
+    use_cache: bool | None = False, position_embeddings: tuple[Tensor, Tensor] | None = None, **kwargs: Any,
+) -> Tensor:  # fmt: skip
+    state: _Tiled = self.__dict__[TILED]
+    attn = self.self_attn
+    b, s, _ = hidden_states.shape
+    cfg = attn.config
+    passed = dict(kwargs, position_ids=position_ids, use_cache=use_cache)  # what the attention module passes on
+    if state.window is not None:
+        passed["sliding_window"] = state.window(attn)
+    call, sinks, _ = ring_call(
+        attn, attention_mask, shape=(b, cfg.num_attention_heads, s, attn.head_dim), keys=s, scaling=attn.scaling,
+        dropout=0.0 if not attn.training else attn.attention_dropout, **passed,
+    )  # fmt: skip
+    if sinks is not None:
+        raise RingNotSupported(f"tiled layers: {type(attn).__name__} has attention sinks; train without tiled_layers")
+    cos, sin = position_embeddings  # type: ignore[misc]
+    groups = getattr(attn, HEAD_GROUPS, 1)
+    y = attention_block(hidden_states, _spec(self), call, cos=cos, sin=sin, tile=state.tile, head_groups=groups)
+    h = hidden_states + y
+    del y
+    norm, mlp = self.post_attention_layernorm, self.mlp
+    z = tiled_forward(None, lambda t: mlp(norm(t)), h, state.tile, params=[*norm.parameters(), *mlp.parameters()])
+    return h + z
+
+
+def _tiled_norm(self: nn.Module, x: Tensor) -> Tensor:
+    original, tile = self.__dict__[TILED]
+    return tiled_forward(self, original, x, tile)
+
+
+def enable_tiled_layers(model: nn.Module, tile_tokens: int = 8192) -> nn.Module:
+    """Run every decoder layer of ``model`` (Llama, Qwen2, Qwen3, Mistral: ``LAYERS``) over tiles of
+    ``tile_tokens`` tokens with its heads in the module's head groups (``enable_head_groups``), and the
+    final norm over tiles (``ops.tiled_layer``, ``ops.tiled_mlp``): no full-length norm, projection or
+    adapter temporary, and q, k, v with their gradients for one head group at a time. Exact. Works on
+    plain, PEFT- and DDP-wrapped models, with activation checkpointing (and offload); idempotent (a second
+    call changes the tile). Other decoder layers raise ``RingNotSupported``. Returns ``model``."""
+    if isinstance(tile_tokens, bool) or not isinstance(tile_tokens, int) or tile_tokens < 1:
+        raise ValueError(f"enable_tiled_layers: tile_tokens must be a positive int, not {tile_tokens!r}")
+    lm, ledger = _ledger(model, "enable_tiled_layers")
+    dec = decoder(lm, "enable_tiled_layers")
+    layers = getattr(dec, "layers", None)
+    if not isinstance(layers, nn.ModuleList) or not len(layers):
+        raise TypeError(f"enable_tiled_layers: {type(dec).__name__} has no decoder layers (.layers)")
+    others = sorted({type(layer).__name__ for layer in layers} - set(LAYERS))
+    if others:
+        raise RingNotSupported(
+            f"tiled layers: {', '.join(others)} is not a layer the tiled forward computes (it does: "
+            f"{', '.join(LAYERS)}); train without tiled_layers"
+        )
+    disable_tiled_layers(model)
+    for layer in layers:
+        original = layer.__dict__.get("forward") or type(layer).forward.__get__(layer)
+        ledger.set(layer, TILED, _Tiled(tile_tokens, original, LAYERS[type(layer).__name__]), "enable_tiled_layers")
+        ledger.set(layer, "forward", tiled_layer_forward.__get__(layer), "enable_tiled_layers")
+    norm = getattr(dec, "norm", None)
+    if isinstance(norm, nn.Module):
+        original = norm.__dict__.get("forward") or type(norm).forward.__get__(norm)
+        ledger.set(norm, TILED, (original, tile_tokens), "enable_tiled_layers")
+        ledger.set(norm, "forward", _tiled_norm.__get__(norm), "enable_tiled_layers")
+    return model
+
+
+def disable_tiled_layers(model: nn.Module) -> nn.Module:
+    """Undo ``enable_tiled_layers``: every layer's and the final norm's forward as before."""
+    _, ledger = _ledger(model, "disable_tiled_layers")
+    ledger.undo("enable_tiled_layers")
+    return model
