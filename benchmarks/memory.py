@@ -9,8 +9,10 @@ ranks (spawned processes), sequence N, batch 1, activation checkpointing and the
 (the hf_ring training path). Variants at N = 8192, P = 2: no checkpointing; offload; bfloat16;
 vocabulary 32K with the chunked and with the full-logits loss; the MLP over tiles of 512 tokens,
 without and with offload; LoRA (rank 16, all linear layers, PEFT defaults) on the bf16 model, plain
-and with offload + tiled MLP. Gradients are allocated before the measured step (as from an earlier
-micro-batch), so the figures are the activations and working sets the step adds.
+and with offload + tiled MLP. Head groups and tiled layers (``TILED``: 2 head groups, tiles of 256
+tokens, the loss in chunks of 512): N in 4K-16K at P = 2 and 4, and at N = 8192, P = 2 each option
+alone, with offload, LoRA on bf16 with offload, tiles of 1024. Gradients are allocated before the
+measured step (as from an earlier micro-batch), so the figures are the activations and working sets the step adds.
 
 Two measures per rank, the worst rank kept:
   * ``measured``: allocator-style peak of the tensor storage that the step creates
@@ -39,9 +41,31 @@ QUICK = {"Ns": [1024, 2048], "Ps": [1, 2]}
 
 
 def _case(n, dtype="float32", ckpt=True, offload=False, chunked=True, vocab=256, tiled=None, lora=False,
-          name="ckpt+chunked"):  # fmt: skip
+          name="ckpt+chunked", groups=1, layers=None, loss_chunk=None):  # fmt: skip
     return dict(N=n, dtype=dtype, ckpt=ckpt, offload=offload, chunked=chunked, vocab=vocab, tiled=tiled, lora=lora,
-                name=name)  # fmt: skip
+                name=name, groups=groups, layers=layers, loss_chunk=loss_chunk)  # fmt: skip
+
+
+# head groups and tiled layers (issue 38): 2 head groups (one K/V head each), tiles of 256 tokens, the loss in
+# chunks of 512 tokens (what Llama 3's vocabulary gets by default: 523), so that a layer's backward is the peak
+TILED = dict(groups=2, layers=256, loss_chunk=512)
+TILED_GRID = {"Ns": [4096, 8192, 16384], "Ps": [2, 4]}
+TILED_QUICK = {"Ns": [2048], "Ps": [2]}
+
+
+def tiled_case(n: int, name: str = "tiled+groups", **kw) -> dict:
+    return _case(n, name=name, **{**TILED, **kw})
+
+
+def tiled_variants(n: int) -> list[dict]:
+    """At N = ``n``, P = 2: each option alone, with offload, LoRA on bf16, a larger tile."""
+    return [
+        _case(n, groups=2, loss_chunk=512, name="head groups only"),
+        tiled_case(n, groups=1, name="tiled layers only"),
+        tiled_case(n, offload=True, name="tiled+groups+offload"),
+        tiled_case(n, dtype="bfloat16", lora=True, offload=True, name="LoRA bf16 tiled+groups+offload"),
+        tiled_case(n, layers=1024, name="tiled+groups (1024)"),
+    ]
 
 
 def variants(n: int) -> list[dict]:
@@ -111,15 +135,17 @@ def run_p(p: int, cases: list[dict]) -> list[list[dict]]:
 
 
 # ============================================================================ driver
-def measure(grid: dict, variant_at: tuple[int, int] | None) -> list[dict]:
+def measure(grid: dict, variant_at: tuple[int, int] | None, tiled_grid: dict | None = None) -> list[dict]:
     from hf_ring.planner import PlanSettings, model_shape, plan
 
     rows = []
     meta = {"machine": H.machine_info(), "versions": H.versions(transformers=True)}
-    for p in grid["Ps"]:
-        cases = [_case(n) for n in grid["Ns"]]
+    tiled_grid = tiled_grid or {"Ns": [], "Ps": []}
+    for p in sorted(set(grid["Ps"]) | set(tiled_grid["Ps"])):
+        cases = [_case(n) for n in grid["Ns"]] if p in grid["Ps"] else []
+        cases += [tiled_case(n) for n in tiled_grid["Ns"]] if p in tiled_grid["Ps"] else []
         if variant_at and variant_at[1] == p:
-            cases += variants(variant_at[0])
+            cases += variants(variant_at[0]) + tiled_variants(variant_at[0])
         per_rank = run_p(p, cases)
         for i, c in enumerate(cases):
             peak = max(r[i]["peak"] for r in per_rank)
@@ -130,7 +156,8 @@ def measure(grid: dict, variant_at: tuple[int, int] | None) -> list[dict]:
             mode = "lora" if c["lora"] else "full"
             settings = PlanSettings(seq_len=c["N"], gpus=p, cp=p, mode=mode, dtype=dtype, checkpointing=c["ckpt"],
                                     offload=c["offload"], chunked_loss=c["chunked"], tiled_mlp=c["tiled"],
-                                    reserve_gib=0)  # fmt: skip
+                                    reserve_gib=0, head_groups=c["groups"], tiled_layers=c["layers"],
+                                    loss_chunk=c["loss_chunk"])  # fmt: skip
             pl = plan(model_shape(config), settings)
             rows.append({
                 "config": c["name"], "N": c["N"], "P": p, "tokens_per_rank": pl.tokens_per_rank, "dtype": c["dtype"],
@@ -138,6 +165,7 @@ def measure(grid: dict, variant_at: tuple[int, int] | None) -> list[dict]:
                 "ratio": peak / pl.activation_peak, "peak_phase": pl.peak_phase,
                 "rss_mib": max(rss) / 2**20 if None not in rss else None,
                 "host_mib": host / 2**20, "planned_host_mib": sum(pl.host.values()) / 2**20,
+                "head_groups": c["groups"], "tiled_layers": c["layers"], "loss_chunk": c["loss_chunk"],
                 "model": SHAPE, **meta,
             })  # fmt: skip
             r = rows[-1]
@@ -157,7 +185,7 @@ def main(argv: list[str] | None = None) -> None:
         print(planner_tables())
         return
     grid = QUICK if a.quick else GRID
-    rows = measure(grid, (2048, 2) if a.quick else (8192, 2))
+    rows = measure(grid, (2048, 2) if a.quick else (8192, 2), TILED_QUICK if a.quick else TILED_GRID)
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("".join(json.dumps(r) + "\n" for r in rows))

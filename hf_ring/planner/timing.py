@@ -10,7 +10,8 @@
   and dW), ``1x`` with LoRA (dX only; the adapters' own small GEMMs ``3 x 2 r (in + out)``); recomputed
   forward under checkpointing (but a layer's last linear layer, which the recompute stops before); an MoE
   layer's active experts and router; the LM head (forward twice with the chunked loss, which recomputes it);
-  at ``Rates.gemm``;
+  the MLP's forward once more with a tiled MLP or tiled layers, and with tiled layers q, k, v's twice more and
+  o_proj's once more (their tiles' backward re-runs them); at ``Rates.gemm``;
 - **memory-bound work** per token and layer (``elementwise_bytes``): the two RMSNorms (about five passes over the
   hidden state each), RoPE on q and k (five passes), the gated activation (five passes over the intermediate
   size), the residual adds; the backward twice the forward's traffic, the recompute once more; at
@@ -123,7 +124,7 @@ def _gemm_per_token(m: ModelShape, s: PlanSettings) -> tuple[float, float]:
     checkpointed layer stops after the last tensor its backward saved (torch's non-reentrant checkpoint stops
     early): it skips the layer's last linear layer, whose output nothing saves."""
     lora = s.mode == "lora"
-    fwd = bwd = recompute = 0.0
+    fwd = bwd = recompute = extra = 0.0
     for parts in m.layer_blocks:
         layer = last = 0.0
         for part in parts:
@@ -136,16 +137,20 @@ def _gemm_per_token(m: ModelShape, s: PlanSettings) -> tuple[float, float]:
                 m.part_shapes(part)  # fmt: skip
             for name, (fan_in, fan_out) in shapes.items():
                 f = 2 * fan_in * fan_out
-                layer, last, bwd = layer + f, f, bwd + f * (1 if lora else 2)
-                if lora and name in s.lora_targets:
-                    a = 2 * s.lora_rank * (fan_in + fan_out)
-                    layer, bwd = layer + a, bwd + 2 * a
+                a = 2 * s.lora_rank * (fan_in + fan_out) if lora and name in s.lora_targets else 0
+                layer, last, bwd = layer + f + a, f, bwd + f * (1 if lora else 2) + 2 * a
+                # the tiles' forward once more in backward (tiled MLP, tiled layers); tiled layers make the
+                # group's q, k, v twice more (for the ring, for the tiles' backward) and o_proj's once more
+                again = {"o_proj": 1, "q_proj": 2, "k_proj": 2, "v_proj": 2}.get(name, 0) if s.tiled_layers else 0
+                if part == "mlp" and (s.tiled_mlp or s.tiled_layers):
+                    again = 1
+                extra += again * (f + a)
         fwd += layer
         recompute += layer - last
     head = 2 * m.hidden * m.vocab
     head_fwd = head * (2 if s.chunked_loss else 1)  # the chunked loss recomputes the logits in backward
     head_bwd = head * (1 if lora else 2)
-    executed = fwd + (recompute if s.checkpointing else 0.0) + bwd + head_fwd + head_bwd
+    executed = fwd + (recompute if s.checkpointing else 0.0) + bwd + head_fwd + head_bwd + extra
     return executed, fwd + bwd + head + head_bwd
 
 

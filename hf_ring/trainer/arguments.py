@@ -12,6 +12,7 @@ from transformers import TrainingArguments
 from ..errors import UserError
 from ..ops.kernels import check_backend
 from ..planner.settings import parse_ulysses_size
+from ..transformers.layers import enable_head_groups, enable_tiled_layers
 from ..transformers.patches import enable_activation_checkpointing, enable_chunked_loss, enable_tiled_mlp
 from .mesh import parallelism_sizes
 
@@ -61,6 +62,22 @@ class RingTrainingArguments(TrainingArguments):
     tiled_mlp: int | None = field(
         default=None,
         metadata={"help": "Run every gated MLP over tiles of this many tokens (hf_ring.enable_tiled_mlp); None: off."},
+    )
+    tiled_layers: int | None = field(
+        default=None,
+        metadata={
+            "help": "Run every decoder layer's norms, projections, LoRA adapters, RoPE and MLP over tiles of this many "
+            "tokens, attention one head group at a time (hf_ring.enable_tiled_layers; Llama, Qwen2, Qwen3, Mistral "
+            "layers); None: off."
+        },
+    )
+    head_groups: int = field(
+        default=1,
+        metadata={
+            "help": "Attention heads in this many groups inside the ring, one group at a time: q, k, v, the ring's "
+            "buffers and their gradients for one group (hf_ring.enable_head_groups; it must divide the K/V heads "
+            "each rank attends with). 1: off."
+        },
     )
     activation_offload: bool = field(
         default=False,
@@ -129,6 +146,8 @@ NUMBERS: dict[str, tuple[float, bool, bool, str]] = {
     "per_device_eval_batch_size": (1, True, True, "sequences per process and evaluation step"),
     "gradient_accumulation_steps": (1, True, True, "micro-steps per optimizer step"),
     "tiled_mlp": (1, True, True, "tokens per tile of the MLP (None: off)"),
+    "tiled_layers": (1, True, True, "tokens per tile of the tiled decoder layers (None: off)"),
+    "head_groups": (1, True, True, "attention head groups inside the ring (1: off)"),
     "max_steps": (1, True, True, "optimizer steps to train (-1: as many as num_train_epochs make)"),
     "save_steps": (0, False, False, "optimizer steps between checkpoints (below 1: a fraction of the run)"),
     "logging_steps": (0, False, False, "optimizer steps between logs (below 1: a fraction of the run)"),
@@ -161,12 +180,17 @@ def check_numbers(args: object) -> None:
 
 def apply_model_options(model: nn.Module, args: TrainingArguments) -> nn.Module:
     """Apply the model-side options of ``args`` (a ``RingTrainingArguments``; plain
-    ``TrainingArguments`` have none) to ``model``: chunked loss, tiled MLP, activation offload.
+    ``TrainingArguments`` have none) to ``model``: chunked loss, tiled MLP, head groups, tiled layers,
+    activation offload.
     Idempotent; works on plain and PEFT models. Returns ``model``."""
     if getattr(args, "chunked_loss", False):
         enable_chunked_loss(model)
     if getattr(args, "tiled_mlp", None):
         enable_tiled_mlp(model, args.tiled_mlp)
+    if getattr(args, "head_groups", 1) > 1:
+        enable_head_groups(model, args.head_groups)
+    if getattr(args, "tiled_layers", None):
+        enable_tiled_layers(model, args.tiled_layers)
     if getattr(args, "activation_offload", False):
         kwargs = dict(args.activation_checkpointing_kwargs or {})
         enable_activation_checkpointing(model, offload=True, every_n_layers=kwargs.get("every_n_layers", 1))
