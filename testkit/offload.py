@@ -62,6 +62,14 @@ class MeasuredOffload(OffloadActivations):
             prev.fetched = prev.host.clone()  # on its way while this one is used
         return out
 
+    def peek(self, packed: tuple[torch.device, object]) -> torch.Tensor:
+        device, held = packed
+        if not isinstance(held, _Held):
+            return super().peek(packed)  # type: ignore[arg-type]
+        if held.fetched is None:
+            held.fetched = held.host.clone()  # on the "device" until its own unpacking takes it
+        return held.fetched
+
     def _exit(self, module: torch.nn.Module, args: object, output: object) -> None:
         super()._exit(module, args, output)
         if not self._stack:

@@ -1,8 +1,9 @@
 """Tiled decoder layers with head groups (``hf_ring.enable_tiled_layers``, ``enable_head_groups``): one
 process against the same model untiled, every family the tiled forward computes; a step at CP = 4 with
-every new option on (tiled layers, head groups, checkpointing with offload, the chunked loss, LoRA) equal
-to one process in float64 -- GQA 6:2, head_dim 80, a length not divisible by 2P, packed documents, a
-sliding window (border route), Ulysses 2 x ring 2; the ledger of changes and its undo; the refusals."""
+every new option on (tiled layers, head groups, checkpointing with offload of every other layer's input, the
+chunked loss, LoRA) equal to one process in float64 -- GQA 6:2, head_dim 80, a length not divisible by 2P,
+packed documents, a sliding window (border route), Ulysses 2 x ring 2; the ledger of changes and its undo;
+the refusals."""
 
 from __future__ import annotations
 
@@ -50,7 +51,7 @@ def _options(model: torch.nn.Module, o: dict) -> None:
     if o.get("chunked"):
         hf_ring.enable_chunked_loss(model)
     enable_head_groups(model, o.get("groups", 1))
-    enable_tiled_layers(model, o.get("tile", 5))
+    enable_tiled_layers(model, o.get("tile", 5), offload_every=o.get("every", 1))
     model.train()
 
 
@@ -106,14 +107,14 @@ def cp_step_errors(case: dict) -> dict[str, float]:
 CASES = {
     # GQA 6:2, head_dim 80, 37 tokens (padded to 40 for 2P = 8), LoRA, checkpointing + offload, chunked loss
     "llama_odd_lora_offload": dict(family="llama", overrides=ODD, n=37, lora=True,
-                                   options=dict(ckpt=True, offload=True, chunked=True, groups=2, tile=4)),
+                                   options=dict(ckpt=True, offload=True, chunked=True, groups=2, tile=4, every=2)),
     "qwen3_packed": dict(family="qwen3", overrides=dict(num_attention_heads=6, num_key_value_heads=2), n=0,
                          docs=[7, 1, 20, 13, 5], options=dict(ckpt=True, chunked=True, groups=2, tile=3)),
     "mistral_window_border": dict(family="mistral", overrides={**ODD, "sliding_window": 4}, n=41,
                                   options=dict(ckpt=True, chunked=True, groups=2, tile=3)),
     "llama_ulysses2_ring2": dict(family="llama", ulysses=2, n=44, lora=True,
                                  overrides=dict(num_attention_heads=8, num_key_value_heads=4, hidden_size=64),
-                                 options=dict(ckpt=True, offload=True, chunked=True, groups=2, tile=5)),
+                                 options=dict(ckpt=True, offload=True, chunked=True, groups=2, tile=5, every=2)),
 }  # fmt: skip
 
 
@@ -122,6 +123,28 @@ def test_cp4_step_with_every_option_equals_one_process(name: str) -> None:
     for r in run_ranks(4, cp_step_errors, CASES[name]):
         assert r["loss"] < TOL and r["grads"] < TOL, r
         assert r["changes"] > 0
+
+
+def test_offload_every_other_layer_halves_the_host_copies_and_changes_nothing() -> None:
+    """4 layers: the inputs of layers 0 and 2 and the final norm's go to the host (3 of 5); layers 1 and 3 make
+    theirs again in backward; loss and every gradient bit for bit those of offloading every input."""
+    from testkit.live_tensors import LiveTensorBytes
+    from testkit.offload import MeasuredOffload
+
+    batch = tiny_batch(1, 64)
+    runs = {}
+    for every in (1, 2):
+        model = tiny_model("llama", "ring", torch.float64, num_hidden_layers=4)
+        _options(model, dict(ckpt=True, offload=True, chunked=True, tile=16, every=every))
+        assert isinstance(model.__dict__["_hf_ring_offload"], MeasuredOffload)
+        with LiveTensorBytes() as mem:
+            out = model(**hf_ring.shard_batch(batch))
+            out.loss.backward()
+        runs[every] = (out.loss.detach(), named_grads(model, False), mem.host_peak)
+    one = 64 * 64 * 8  # a [64, 64] float64 layer input
+    assert runs[1][2] // one == 5 and runs[2][2] // one == 3
+    assert torch.equal(runs[1][0], runs[2][0])
+    assert all(torch.equal(runs[1][1][k], runs[2][1][k]) for k in runs[1][1])
 
 
 def test_ledger_lists_every_change_and_undoes_it() -> None:

@@ -80,9 +80,19 @@ def tiled_forward(
 ) -> Tensor:  # fmt: skip
     """``forward(x)`` (a token-wise module's forward, ``x: [..., H]``) over tiles of ``tile`` tokens,
     saving only ``x`` for backward; gradients reach ``x`` and ``module``'s trainable parameters (or
-    those of ``params``, when ``forward`` uses several modules: a norm and the MLP after it)."""
-    if x.shape[:-1].numel() <= tile or not torch.is_grad_enabled():
+    those of ``params``, when ``forward`` uses several modules: a norm and the MLP after it). Without
+    gradients, the same tiles (no full-length temporary either)."""
+    if x.shape[:-1].numel() <= tile:
         return forward(x)
+    if not torch.is_grad_enabled():  # evaluation, a recompute without gradients: the tiles, nothing saved
+        flat, out = x.reshape(-1, x.shape[-1]), None
+        for s in range(0, flat.shape[0], tile):
+            y = forward(flat[s : s + tile])
+            if out is None:
+                out = y.new_empty((flat.shape[0], y.shape[-1]))
+            out[s : s + tile] = y
+        assert out is not None
+        return out.reshape(*x.shape[:-1], out.shape[-1])
     if params is None:
         assert module is not None
         params = list(module.parameters())

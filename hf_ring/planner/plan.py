@@ -45,7 +45,7 @@ GiB = 2**30
 
 # the settings a plan's table and JSON name next to its model and sizes
 SHOWN_SETTINGS = ("mode", "dtype", "checkpointing", "offload", "sharding", "chunked_loss", "tiled_mlp", "tiled_layers",
-                  "head_groups")  # fmt: skip
+                  "head_groups", "offload_every")  # fmt: skip
 
 
 @dataclass
@@ -292,13 +292,22 @@ def plan(model: ModelShape, settings: PlanSettings) -> Plan:
     if offload and not checkpointing:
         raise ValueError("offload moves checkpointed activations to host memory: it needs checkpointing=True")
     # offloaded: the layer inputs and the final norm's tensors (RoPE's cos/sin stay, held by the layers' calls)
-    offloaded = t * (layers_kept + final_norm) if offload else 0.0
+    if s.offload_every > 1 and not (offload and layer_tile):
+        raise ValueError("offload_every > 1 needs offload and tiled_layers (the tiled layers make the inputs again)")
+    offloaded = recomputed = 0.0
+    if offload:  # offload_every = k: the inputs of layers 0, k, 2k, ..., and the final norm's when k divides L
+        k, n_layers = s.offload_every, m.layers
+        stored = (n_layers - 1) // k + 1
+        final_stored = n_layers % k == 0
+        per_layer = layers_kept / n_layers
+        offloaded = t * (per_layer * stored + (final_norm if final_stored else 0.0))
+        recomputed = t * (per_layer * (n_layers - stored) + (0.0 if final_stored else final_norm))
     host = {"checkpointed activations": offloaded}
     # LoRA with checkpointing: transformers makes the (frozen) embedding's output require grad
     # (enable_input_require_grads), a leaf that autograd holds on the device until the step's backward is done
     leaf = t * m.hidden * b if s.mode == "lora" and checkpointing else 0.0
-    kept = decoder_kept - offloaded + loss_kept + leaf
-    rows["checkpointed activations" if checkpointing else "saved activations"] = decoder_kept - offloaded
+    kept = decoder_kept - offloaded - recomputed + loss_kept + leaf
+    rows["checkpointed activations" if checkpointing else "saved activations"] = decoder_kept - offloaded - recomputed
     rows["loss (kept for backward)"] = loss_kept
     if leaf:
         rows["embedding output (LoRA: an autograd leaf)"] = leaf

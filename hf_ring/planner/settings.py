@@ -124,6 +124,13 @@ class PlanSettings:
         "each rank attends with): q, k, v, the ring's buffers and their gradients for one group at a time",
         least=1,
     )
+    offload_every: int = _setting(
+        1,
+        "with offload and tiled_layers: every K-th layer's input in host memory, the K - 1 between made again in "
+        "backward from it (one more forward of those layers); 1: every layer's (hf_ring.enable_tiled_layers(model, "
+        "TOKENS, offload_every=2))",
+        choices=(1, 2), parse=int, metavar="K",
+    )
     host_gib: float | None = _setting(
         None, "GiB of host memory per node the plan must fit in (offloaded activations); None: not checked",
         flag="--host-mem", parse=float, above=0,

@@ -201,6 +201,7 @@ def _settings(r: dict[str, Any]) -> PlanSettings:
         tiled_mlp=r.get("tiled_mlp"),
         tiled_layers=r.get("tiled_layers"),
         head_groups=int(r.get("head_groups", 1)),
+        offload_every=int(r.get("offload_every", 1)),
         gpus_per_node=int(stated.get("gpus_per_node", 8)),
         host_gib=stated.get("host_gib"),
         sharding=stated.get("sharding", "none"),
@@ -216,11 +217,12 @@ def recipe_settings(source: Source) -> PlanSettings:
     """The planner's settings of a recipe: its ``data.seq_len`` (or longest stage), ``cp_size``,
     ``ulysses_size``, ``per_device_train_batch_size``, dtype, LoRA or full fine-tuning,
     ``activation_checkpointing`` (or its alias ``gradient_checkpointing``), ``activation_offload``,
-    ``chunked_loss``, ``tiled_mlp``, ``tiled_layers``, ``head_groups`` and ``data.visual_fraction`` (the share
-    of image / video tokens: the planner prices the vision tower, frozen). The number of GPUs, the sharding,
-    the GPU size, the GPUs per node and the node's host memory come from the launch, which the recipe states in
-    ``memory_gb: {gpus, sharding, gpu, gpus_per_node, host_gib}`` (default: ``cp_size`` GPUs, no sharding,
-    80 GiB, 8 per node, host memory not checked); no runtime reserve."""
+    ``chunked_loss``, ``tiled_mlp``, ``tiled_layers``, ``head_groups``, ``offload_every`` and
+    ``data.visual_fraction`` (the share of image / video tokens: the planner prices the vision tower,
+    frozen). The number of GPUs, the sharding, the GPU size, the GPUs per node and the node's host memory
+    come from the launch, which the recipe states in ``memory_gb: {gpus, sharding, gpu, gpus_per_node,
+    host_gib}`` (default: ``cp_size`` GPUs, no sharding, 80 GiB, 8 per node, host memory not checked); no
+    runtime reserve."""
     return _settings(read_recipe(source))
 
 

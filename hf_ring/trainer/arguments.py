@@ -79,6 +79,14 @@ class RingTrainingArguments(TrainingArguments):
             "each rank attends with). 1: off."
         },
     )
+    offload_every: int = field(
+        default=1,
+        metadata={
+            "help": "With activation_offload and tiled_layers: only every K-th layer's input goes to host memory, "
+            "the layers between make theirs again in backward from it (half the host memory for K = 2, for one "
+            "more forward of half the layers). 1: every layer's input."
+        },
+    )
     activation_offload: bool = field(
         default=False,
         metadata={
@@ -117,6 +125,12 @@ class RingTrainingArguments(TrainingArguments):
         sizes = parallelism_sizes(self)  # accelerate's ParallelismConfig(cp_size=P), here or from the launcher
         if sizes is not None and self.cp_size == 1:
             self.cp_size = sizes["cp_size"]  # what RingTrainer will adopt; configs sized by it see it now
+        if self.offload_every not in (1, 2) or (self.offload_every > 1 and not (self.activation_offload and
+                                                                                  self.tiled_layers)):  # fmt: skip
+            raise UserError(
+                f"RingTrainingArguments: offload_every={self.offload_every} needs activation_offload=True and "
+                "tiled_layers (the tiled layers make the inputs between again); it is 1 or 2."
+            )
         if self.activation_offload and not self.activation_checkpointing:
             raise UserError(
                 "RingTrainingArguments: activation_offload=True needs activation_checkpointing=True "
@@ -148,6 +162,7 @@ NUMBERS: dict[str, tuple[float, bool, bool, str]] = {
     "tiled_mlp": (1, True, True, "tokens per tile of the MLP (None: off)"),
     "tiled_layers": (1, True, True, "tokens per tile of the tiled decoder layers (None: off)"),
     "head_groups": (1, True, True, "attention head groups inside the ring (1: off)"),
+    "offload_every": (1, True, True, "layers per offloaded layer input (1: every layer's input)"),
     "max_steps": (1, True, True, "optimizer steps to train (-1: as many as num_train_epochs make)"),
     "save_steps": (0, False, False, "optimizer steps between checkpoints (below 1: a fraction of the run)"),
     "logging_steps": (0, False, False, "optimizer steps between logs (below 1: a fraction of the run)"),
@@ -190,7 +205,7 @@ def apply_model_options(model: nn.Module, args: TrainingArguments) -> nn.Module:
     if getattr(args, "head_groups", 1) > 1:
         enable_head_groups(model, args.head_groups)
     if getattr(args, "tiled_layers", None):
-        enable_tiled_layers(model, args.tiled_layers)
+        enable_tiled_layers(model, args.tiled_layers, offload_every=getattr(args, "offload_every", 1))
     if getattr(args, "activation_offload", False):
         kwargs = dict(args.activation_checkpointing_kwargs or {})
         enable_activation_checkpointing(model, offload=True, every_n_layers=kwargs.get("every_n_layers", 1))

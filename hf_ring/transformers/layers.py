@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -205,6 +206,9 @@ class _Tiled:
     tile: int
     original: Any  # the layer's forward before (bound)
     window: Any  # how its attention passes the sliding window (LAYERS)
+    index: int = 0  # the layer's place in the decoder
+    every: int = 1  # offload every ``every``-th layer's input; the others are made again from it
+    lm: Any = None  # a weak reference to the causal LM (its offload)
 
 
 def tiled_layer_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Tensor:
@@ -216,11 +220,28 @@ def tiled_layer_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Tensor:
         return state.original(*args, **kwargs)
     kwargs.pop("cache", None)
     kwargs.pop("past_key_values", None)
+    out = None
     if getattr(self, "gradient_checkpointing", False) and self.training and torch.is_grad_enabled():
         fn = getattr(self, "_gradient_checkpointing_func", None)
         if fn is not None:  # as transformers' GradientCheckpointingLayer checkpoints the layer's own forward
-            return fn(functools.partial(_tiled_body, self, **kwargs), *args)
-    return _tiled_body(self, *args, **kwargs)
+            out = fn(functools.partial(_tiled_body, self, **kwargs), *args)
+    if out is None:
+        out = _tiled_body(self, *args, **kwargs)
+    offload = _offload(state)
+    source = args[0] if args else kwargs.get("hidden_states")
+    if offload is not None and source is not None and state.index % state.every != state.every - 1:
+        # the next layer's input is not stored: backward makes it again from this layer's input
+        rest = {k: v for k, v in kwargs.items() if k != "hidden_states"}
+        offload.recompute_from(out, source, functools.partial(_tiled_body, self, **rest))
+    return out
+
+
+def _offload(state: _Tiled) -> Any:
+    """The model's activation offload, when the layers' inputs are offloaded every ``state.every`` layers."""
+    if state.every == 1 or state.lm is None:
+        return None
+    lm = state.lm()
+    return None if lm is None else lm.__dict__.get("_hf_ring_offload")
 
 
 def _tiled_body(
@@ -255,15 +276,23 @@ def _tiled_norm(self: nn.Module, x: Tensor) -> Tensor:
     return tiled_forward(self, original, x, tile)
 
 
-def enable_tiled_layers(model: nn.Module, tile_tokens: int = 8192) -> nn.Module:
+def enable_tiled_layers(model: nn.Module, tile_tokens: int = 8192, offload_every: int = 1) -> nn.Module:
     """Run every decoder layer of ``model`` (Llama, Qwen2, Qwen3, Mistral: ``LAYERS``) over tiles of
     ``tile_tokens`` tokens with its heads in the module's head groups (``enable_head_groups``), and the
     final norm over tiles (``ops.tiled_layer``, ``ops.tiled_mlp``): no full-length norm, projection or
     adapter temporary, and q, k, v with their gradients for one head group at a time. Exact. Works on
     plain, PEFT- and DDP-wrapped models, with activation checkpointing (and offload); idempotent (a second
-    call changes the tile). Other decoder layers raise ``RingNotSupported``. Returns ``model``."""
+    call changes the tile). Other decoder layers raise ``RingNotSupported``. Returns ``model``.
+
+    ``offload_every=2``, with the offload on (``enable_activation_checkpointing(model, offload=True)``):
+    only every other layer's input goes to host memory; the input of each layer between is made again in
+    backward by running the layer before it once more, without gradients (``OffloadActivations.
+    recompute_from``): half the host memory, for one more forward of half the layers."""
     if isinstance(tile_tokens, bool) or not isinstance(tile_tokens, int) or tile_tokens < 1:
         raise ValueError(f"enable_tiled_layers: tile_tokens must be a positive int, not {tile_tokens!r}")
+    if offload_every not in (1, 2):
+        raise ValueError(f"enable_tiled_layers: offload_every must be 1 (every layer's input) or 2, not "
+                         f"{offload_every!r}")  # fmt: skip
     lm, ledger = _ledger(model, "enable_tiled_layers")
     dec = decoder(lm, "enable_tiled_layers")
     layers = getattr(dec, "layers", None)
@@ -276,9 +305,10 @@ def enable_tiled_layers(model: nn.Module, tile_tokens: int = 8192) -> nn.Module:
             f"{', '.join(LAYERS)}); train without tiled_layers"
         )
     disable_tiled_layers(model)
-    for layer in layers:
+    for i, layer in enumerate(layers):
         original = layer.__dict__.get("forward") or type(layer).forward.__get__(layer)
-        ledger.set(layer, TILED, _Tiled(tile_tokens, original, LAYERS[type(layer).__name__]), "enable_tiled_layers")
+        state = _Tiled(tile_tokens, original, LAYERS[type(layer).__name__], i, offload_every, weakref.ref(lm))
+        ledger.set(layer, TILED, state, "enable_tiled_layers")
         ledger.set(layer, "forward", tiled_layer_forward.__get__(layer), "enable_tiled_layers")
     norm = getattr(dec, "norm", None)
     if isinstance(norm, nn.Module):
