@@ -11,8 +11,9 @@ vocabulary 32K with the chunked and with the full-logits loss; the MLP over tile
 without and with offload; LoRA (rank 16, all linear layers, PEFT defaults) on the bf16 model, plain
 and with offload + tiled MLP. Head groups and tiled layers (``TILED``: 2 head groups, tiles of 256
 tokens, the loss in chunks of 512): N in 4K-16K at P = 2 and 4, and at N = 8192, P = 2 each option
-alone, with offload, LoRA on bf16 with offload, tiles of 1024. Gradients are allocated before the
-measured step (as from an earlier micro-batch), so the figures are the activations and working sets the step adds.
+alone, with offload (of every layer's input, of every other one's), LoRA on bf16 with offload, tiles of
+1024. Gradients are allocated before the measured step (as from an earlier micro-batch), so the figures are
+the activations and working sets the step adds.
 
 Two measures per rank, the worst rank kept:
   * ``measured``: allocator-style peak of the tensor storage that the step creates
@@ -41,9 +42,9 @@ QUICK = {"Ns": [1024, 2048], "Ps": [1, 2]}
 
 
 def _case(n, dtype="float32", ckpt=True, offload=False, chunked=True, vocab=256, tiled=None, lora=False,
-          name="ckpt+chunked", groups=1, layers=None, loss_chunk=None):  # fmt: skip
+          name="ckpt+chunked", groups=1, layers=None, loss_chunk=None, every=1):  # fmt: skip
     return dict(N=n, dtype=dtype, ckpt=ckpt, offload=offload, chunked=chunked, vocab=vocab, tiled=tiled, lora=lora,
-                name=name, groups=groups, layers=layers, loss_chunk=loss_chunk)  # fmt: skip
+                name=name, groups=groups, layers=layers, loss_chunk=loss_chunk, every=every)  # fmt: skip
 
 
 # head groups and tiled layers (issue 38): 2 head groups (one K/V head each), tiles of 256 tokens, the loss in
@@ -63,6 +64,7 @@ def tiled_variants(n: int) -> list[dict]:
         _case(n, groups=2, loss_chunk=512, name="head groups only"),
         tiled_case(n, groups=1, name="tiled layers only"),
         tiled_case(n, offload=True, name="tiled+groups+offload"),
+        tiled_case(n, offload=True, every=2, name="tiled+groups+offload every 2nd"),
         tiled_case(n, dtype="bfloat16", lora=True, offload=True, name="LoRA bf16 tiled+groups+offload"),
         tiled_case(n, layers=1024, name="tiled+groups (1024)"),
     ]
@@ -157,7 +159,7 @@ def measure(grid: dict, variant_at: tuple[int, int] | None, tiled_grid: dict | N
             settings = PlanSettings(seq_len=c["N"], gpus=p, cp=p, mode=mode, dtype=dtype, checkpointing=c["ckpt"],
                                     offload=c["offload"], chunked_loss=c["chunked"], tiled_mlp=c["tiled"],
                                     reserve_gib=0, head_groups=c["groups"], tiled_layers=c["layers"],
-                                    loss_chunk=c["loss_chunk"])  # fmt: skip
+                                    loss_chunk=c["loss_chunk"], offload_every=c["every"])  # fmt: skip
             pl = plan(model_shape(config), settings)
             rows.append({
                 "config": c["name"], "N": c["N"], "P": p, "tokens_per_rank": pl.tokens_per_rank, "dtype": c["dtype"],
@@ -166,6 +168,7 @@ def measure(grid: dict, variant_at: tuple[int, int] | None, tiled_grid: dict | N
                 "rss_mib": max(rss) / 2**20 if None not in rss else None,
                 "host_mib": host / 2**20, "planned_host_mib": sum(pl.host.values()) / 2**20,
                 "head_groups": c["groups"], "tiled_layers": c["layers"], "loss_chunk": c["loss_chunk"],
+                "offload_every": c["every"],
                 "model": SHAPE, **meta,
             })  # fmt: skip
             r = rows[-1]

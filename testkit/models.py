@@ -80,7 +80,7 @@ def prepare_step_model(model, case: dict, lora_rank: int):
     if case.get("groups", 1) > 1:
         hf_ring.enable_head_groups(model, case["groups"])
     if case.get("layers"):
-        hf_ring.enable_tiled_layers(model, case["layers"])
+        hf_ring.enable_tiled_layers(model, case["layers"], offload_every=case.get("every", 1))
     model.train()
     for p in model.parameters():
         if p.requires_grad:
