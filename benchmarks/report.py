@@ -21,6 +21,7 @@ from pathlib import Path
 from . import report_measured as measured
 from . import report_planner as planned
 from . import report_prose as prose
+from . import report_tiled as tiled
 from .harness import machine_text
 from .report_measured import pct, table, tokens
 
@@ -145,6 +146,10 @@ RECIPES = {  # what each packaged recipe trains, in words; its memory is the rec
                          "8 x 80 GB", "8 x 1"),
     "llama-3.1-8b-1m": ("Llama-3.1-8B, LoRA r16, YaRN x8, offload, tiled MLP, FSDP2", "2 nodes x 8 x 80 GB",
                         "8 x 2 (ring: `ulysses_size: 1`, the planner's choice)"),
+    "llama-3.1-8b-8m-lora": ("Llama-3.1-8B, LoRA r16, YaRN x64, tiled layers, 8 head groups, offload of every other "
+                             "layer's input, FSDP2", "8 x 80 GB (one node)", "8 x 1"),
+    "llama-3.1-8b-8m-full": ("Llama-3.1-8B, full fine-tuning, YaRN x64, tiled layers, 8 head groups, offload of every "
+                             "other layer's input, FSDP2", "8 x 80 GB (one node)", "8 x 1"),
     "qwen3.5-9b-1m": ("Qwen3.5-9B's language model (no vision tower), LoRA r16 on attention, MLP and Gated DeltaNet "
                       "projections, YaRN x4, offload, tiled MLP, FSDP2", "8 x 80 GB", "8 x 1"),
     "tiny-cpu-dpo": ("tiny Llama, DPO, LoRA r8", "2 CPU processes", "2 x 1"),
@@ -177,6 +182,12 @@ def recipes() -> str:
     )
 
 
+def layer_changes() -> str:
+    from hf_ring.transformers.layers import markdown
+
+    return markdown()
+
+
 RENDERERS: dict[str, Callable[[], str]] = {
     "demo-summary": demo_summary,
     "demo-seeds": demo_seeds,
@@ -198,6 +209,12 @@ RENDERERS: dict[str, Callable[[], str]] = {
     "memory-fit": measured.memory_fit,
     "chunked-loss-autocast": measured.autocast_errors,
     "memory-tools": planned.memory_tools,
+    "tiled-memory": tiled.tiled_memory,
+    "tiled-speed": tiled.tiled_speed,
+    "eight-million": tiled.eight_million,
+    "eight-million-anchors": tiled.eight_million_anchors,
+    "eight-million-more": tiled.eight_million_more,
+    "layer-changes": layer_changes,
     "mlp-recompute": planned.mlp_recompute,
     "ring-overlap": planned.ring_overlap,
     "planner-findings": planned.lora_fp32,

@@ -66,7 +66,8 @@ def memory_grid() -> str:
 def memory_variants() -> str:
     rows = [json.loads(line) for line in (RESULTS / "memory.jsonl").read_text().splitlines() if line.strip()]
     n, p = 8192, 2
-    sel = [r for r in rows if r["N"] == n and r["P"] == p]
+    plain = [r for r in rows if not r.get("tiled_layers") and (r.get("head_groups") or 1) == 1]  # tiled: their own
+    sel = [r for r in plain if r["N"] == n and r["P"] == p]
     head = ["configuration", "measured MiB", "planned MiB", "measured / planned", "RSS growth MiB",
             "host (offloaded) MiB"]  # fmt: skip
     cells = [[r["config"], f"{r['measured_mib']:.2f}", f"{r['planned_mib']:.2f}", f"{r['ratio']:.3f}",

@@ -56,6 +56,16 @@ def memory_tools() -> str:
          "`enable_activation_checkpointing(model, offload=True)`; `activation_offload: true`"],
         ["tiled MLP", "the MLP's `[tokens, intermediate]` tensors in the recompute",
          "`hf_ring.enable_tiled_mlp(model, 8192)`; `tiled_mlp: 8192`"],
+        ["head groups", "the ring's float32 accumulators, K/V messages and dK/dV accumulators (and with tiled layers "
+         "q, k, v and their gradients) for all heads at once: one group of `Hq / G` heads at a time, GQA groups "
+         "whole, the same bytes sent", "`hf_ring.enable_head_groups(model, 8)`; `head_groups: 8`"],
+        ["tiled layers", "every full-length temporary of a layer's recompute and backward but its input, the "
+         "attention output and the gradients flowing in and out: norms (their float32 copies), projections, LoRA "
+         "adapters' float32 input copies, RoPE, the MLP over tiles; the final norm over tiles",
+         "`hf_ring.enable_tiled_layers(model, 8192)`; `tiled_layers: 8192`"],
+        ["offload every other layer's input", "half the host memory of the offload: the inputs between are made "
+         "again in backward (one more forward of half the layers)",
+         "`enable_tiled_layers(model, 8192, offload_every=2)`; `offload_every: 2`"],
     ]  # fmt: skip
     return table(["tool", "what it removes", "how to turn it on"], rows)
 

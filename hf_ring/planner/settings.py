@@ -122,7 +122,7 @@ class PlanSettings:
         1,
         "hf_ring.enable_head_groups(model, G): attention heads in G groups inside the ring (G divides the K/V heads "
         "each rank attends with): q, k, v, the ring's buffers and their gradients for one group at a time",
-        least=1,
+        least=1, metavar="G",
     )
     offload_every: int = _setting(
         1,
@@ -133,7 +133,7 @@ class PlanSettings:
     )
     host_gib: float | None = _setting(
         None, "GiB of host memory per node the plan must fit in (offloaded activations); None: not checked",
-        flag="--host-mem", parse=float, above=0,
+        flag="--host-mem", parse=float, above=0, metavar="GIB",
     )
     reserve_gib: float = _setting(
         2.0, "GiB for CUDA context, NCCL buffers, allocator slack (a recipe: 0)", flag="--reserve", least=0

@@ -35,7 +35,7 @@ from .attention import HEAD_GROUPS, ring_call
 from .patches import causal_lm, decoder
 
 __all__ = ["CHANGES", "LAYERS", "changed", "disable_head_groups", "disable_tiled_layers", "enable_head_groups",
-           "enable_tiled_layers"]  # fmt: skip
+           "enable_tiled_layers", "markdown"]  # fmt: skip
 
 # decoder layers whose structure the tiled forward computes: pre-norm, input_layernorm -> self_attn (q, k, v,
 # o projections; Qwen3's per-head q_norm / k_norm; RoPE) -> residual, post_attention_layernorm -> mlp ->
@@ -55,6 +55,10 @@ CHANGES = (
      "the final norm over tiles, saving only its input (`ops.tiled_mlp.tiled_forward`)"),
     (f"`<attention module>.{HEAD_GROUPS}`", "instance attribute", "enable_head_groups",
      "the number of head groups the ring attention function (and the tiled layer) runs"),
+    ("`<decoder layer>._hf_ring_tiled_layer`", "instance attribute", "enable_tiled_layers",
+     "the tile, the layer's own forward, its place and the offload's stride (what the tiled forward reads)"),
+    ("`<decoder>.norm._hf_ring_tiled_layer`", "instance attribute", "enable_tiled_layers",
+     "the final norm's own forward and the tile"),
     ("`<causal LM>._hf_ring_layers`", "instance attribute", "either",
      "this ledger: every change above with what it replaced, undone by disable_tiled_layers / disable_head_groups"),
 )  # fmt: skip
@@ -98,6 +102,13 @@ def _ledger(model: nn.Module, caller: str) -> tuple[nn.Module, Ledger]:
     if LEDGER not in lm.__dict__:
         lm.__dict__[LEDGER] = Ledger()
     return lm, lm.__dict__[LEDGER]
+
+
+def markdown() -> str:
+    """``CHANGES`` as a Markdown table (docs/transformers.md shows it; tests/test_docs.py holds them equal)."""
+    rows = ["| what changes | kind | by | effect |", "|---|---|---|---|"]
+    rows += [f"| {what} | {kind} | `{by}` | {effect} |" for what, kind, by, effect in CHANGES]
+    return "\n".join(rows)
 
 
 def changed(model: nn.Module) -> list[tuple[str, str, str]]:
