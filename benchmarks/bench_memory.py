@@ -9,8 +9,11 @@ ranks (spawned processes), sequence N, batch 1, activation checkpointing and the
 (the hf_ring training path). Variants at N = 8192, P = 2: no checkpointing; offload; bfloat16;
 vocabulary 32K with the chunked and with the full-logits loss; the MLP over tiles of 512 tokens,
 without and with offload; LoRA (rank 16, all linear layers, PEFT defaults) on the bf16 model, plain
-and with offload + tiled MLP. Gradients are allocated before the measured step (as from an earlier
-micro-batch), so the figures are the activations and working sets the step adds.
+and with offload + tiled MLP. Head groups and tiled layers (``TILED``: 2 head groups, tiles of 256
+tokens, the loss in chunks of 512): N in 4K-16K at P = 2 and 4, and at N = 8192, P = 2 each option
+alone, with offload (of every layer's input, of every other one's), LoRA on bf16 with offload, tiles of
+1024. Gradients are allocated before the measured step (as from an earlier micro-batch), so the figures are
+the activations and working sets the step adds.
 
 Two measures per rank, the worst rank kept:
   * ``measured``: allocator-style peak of the tensor storage that the step creates
@@ -26,7 +29,8 @@ Two measures per rank, the worst rank kept:
 Rows (the long table of ``benchmarks.harness``, name ``peak_memory``, provider the configuration, x = N):
 ``measured``, ``planned``, ``measured/planned``, ``rss_growth``, ``host`` and ``planned_host``, in MiB
 (the ratio as such); the note gives the dtype, the vocabulary, the tokens per rank, the model and the
-planner's peak phase. docs/memory.md shows them (``benchmarks.report_memory``).
+planner's peak phase, and for a case with head groups or tiled layers (``TILED_MARK``) those options.
+docs/memory.md shows them (``benchmarks.report_memory``, the tiled cases ``benchmarks.report_tiled``).
 """
 
 from __future__ import annotations
@@ -43,9 +47,45 @@ QUICK = {"Ns": [1024, 2048], "Ps": [1, 2]}
 
 
 def _case(n, dtype="float32", ckpt=True, offload=False, chunked=True, vocab=256, tiled=None, lora=False,
-          name="ckpt+chunked"):  # fmt: skip
+          name="ckpt+chunked", groups=1, layers=None, loss_chunk=None, every=1):  # fmt: skip
     return dict(N=n, dtype=dtype, ckpt=ckpt, offload=offload, chunked=chunked, vocab=vocab, tiled=tiled, lora=lora,
-                name=name)  # fmt: skip
+                name=name, groups=groups, layers=layers, loss_chunk=loss_chunk, every=every)  # fmt: skip
+
+
+# head groups and tiled layers (issue 38): 2 head groups (one K/V head each), tiles of 256 tokens, the loss in
+# chunks of 512 tokens (what Llama 3's vocabulary gets by default: 523), so that a layer's backward is the peak
+TILED = dict(groups=2, layers=256, loss_chunk=512)
+TILED_GRID = {"Ns": [4096, 8192, 16384], "Ps": [2, 4]}
+TILED_QUICK = {"Ns": [2048], "Ps": [2]}
+
+
+def tiled_case(n: int, name: str = "tiled+groups", **kw) -> dict:
+    return _case(n, name=name, **{**TILED, **kw})
+
+
+def options_note(c: dict) -> str:
+    """The head groups, tiled layers, loss chunk and offload stride of case ``c``, as its rows' note ends
+    (``""`` for the cases without them); ``TILED_MARK`` begins it."""
+    parts = [f"{c['groups']} head groups"] if c["groups"] > 1 else []
+    parts += [f"tiled layers of {c['layers']} tokens"] if c["layers"] else []
+    parts += [f"the loss in chunks of {c['loss_chunk']} tokens"] if c["loss_chunk"] else []
+    parts += ["offload of every other layer's input"] if c["every"] > 1 else []
+    return f"; {TILED_MARK}{', '.join(parts)}" if c["groups"] > 1 or c["layers"] else ""
+
+
+TILED_MARK = "head groups / tiled layers: "  # what a row's note says of a case with head groups or tiled layers
+
+
+def tiled_variants(n: int) -> list[dict]:
+    """At N = ``n``, P = 2: each option alone, with offload, LoRA on bf16, a larger tile."""
+    return [
+        _case(n, groups=2, loss_chunk=512, name="head groups only"),
+        tiled_case(n, groups=1, name="tiled layers only"),
+        tiled_case(n, offload=True, name="tiled+groups+offload"),
+        tiled_case(n, offload=True, every=2, name="tiled+groups+offload every 2nd"),
+        tiled_case(n, dtype="bfloat16", lora=True, offload=True, name="LoRA bf16 tiled+groups+offload"),
+        tiled_case(n, layers=1024, name="tiled+groups (1024)"),
+    ]
 
 
 def variants(n: int) -> list[dict]:
@@ -115,16 +155,18 @@ def run_p(p: int, cases: list[dict]) -> list[list[dict]]:
 
 
 # ============================================================================ driver
-def measure(grid: dict, variant_at: tuple[int, int] | None) -> list[dict]:
+def measure(grid: dict, variant_at: tuple[int, int] | None, tiled_grid: dict | None = None) -> list[dict]:
     from hf_ring.planner import PlanSettings, model_shape, plan
 
     table = H.Table({"machine": H.machine_info(), "versions": H.versions(transformers=True)}, lambda _: 1)
     model = (f"4-layer Llama (hidden {SHAPE['hidden_size']}, MLP {SHAPE['intermediate_size']}, "
              f"{SHAPE['num_attention_heads']} / {SHAPE['num_key_value_heads']} heads)")  # fmt: skip
-    for p in grid["Ps"]:
-        cases = [_case(n) for n in grid["Ns"]]
+    tiled_grid = tiled_grid or {"Ns": [], "Ps": []}
+    for p in sorted(set(grid["Ps"]) | set(tiled_grid["Ps"])):
+        cases = [_case(n) for n in grid["Ns"]] if p in grid["Ps"] else []
+        cases += [tiled_case(n) for n in tiled_grid["Ns"]] if p in tiled_grid["Ps"] else []
         if variant_at and variant_at[1] == p:
-            cases += variants(variant_at[0])
+            cases += variants(variant_at[0]) + tiled_variants(variant_at[0])
         per_rank = run_p(p, cases)
         for i, c in enumerate(cases):
             peak = max(r[i]["peak"] for r in per_rank)
@@ -135,14 +177,15 @@ def measure(grid: dict, variant_at: tuple[int, int] | None) -> list[dict]:
             mode = "lora" if c["lora"] else "full"
             settings = PlanSettings(seq_len=c["N"], gpus=p, cp=p, mode=mode, dtype=dtype, checkpointing=c["ckpt"],
                                     offload=c["offload"], chunked_loss=c["chunked"], tiled_mlp=c["tiled"],
-                                    reserve_gib=0)  # fmt: skip
+                                    reserve_gib=0, head_groups=c["groups"], tiled_layers=c["layers"],
+                                    loss_chunk=c["loss_chunk"], offload_every=c["every"])  # fmt: skip
             pl = plan(model_shape(config), settings)
             vals = {"measured": peak / 2**20, "planned": pl.activation_peak / 2**20,
                     "measured/planned": peak / pl.activation_peak,
                     "rss_growth": max(rss) / 2**20 if None not in rss else None,
                     "host": host / 2**20, "planned_host": sum(pl.host.values()) / 2**20}  # fmt: skip
             note = (f"{c['dtype']}, vocabulary {c['vocab']}, {pl.tokens_per_rank} tokens per rank; {model}; the "
-                    f"planner's peak phase: {pl.peak_phase}")  # fmt: skip
+                    f"planner's peak phase: {pl.peak_phase}{options_note(c)}")  # fmt: skip
             for metric, v in vals.items():
                 unit = "ratio" if metric == "measured/planned" else "MiB"
                 table.add("peak_memory", c["name"], metric, p, c["N"], (v, v, v), unit, note=note)
@@ -158,7 +201,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--quick", action="store_true", help="a tiny grid, for tests")
     a = ap.parse_args(argv)
     grid = QUICK if a.quick else GRID
-    rows = measure(grid, (2048, 2) if a.quick else (8192, 2))
+    rows = measure(grid, (2048, 2) if a.quick else (8192, 2), TILED_QUICK if a.quick else TILED_GRID)
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     H.write_rows(out, rows)

@@ -7,10 +7,10 @@ Each table is drawn by the figures of the benchmark that wrote it, found by the 
 times.png, load_balance.png, comm_hidden.png and attention_memory.png; ``model.jsonl``
 (``bench_model``) model_throughput.png and model_memory.png; ``gpu.jsonl`` (``bench_gpu``)
 gpu_fraction.png, gpu_overlap.png and gpu_kernels.png; ``memory.jsonl`` (``bench_memory``)
-memory.png; ``windows.jsonl``, ``ulysses.jsonl``, ``packed.jsonl`` and ``mixers.jsonl`` the figure
-of the same name. A benchmark draws its own table's figures after writing it (``harness.draw`` runs
-this command). Error bars are the p20..p80 range over iterations; every figure names the machine its
-rows were measured on. The figure code is in ``benchmarks/figures/``; the rows are read by
+memory.png; ``windows.jsonl``, ``ulysses.jsonl``, ``packed.jsonl``, ``mixers.jsonl`` and ``tiled.jsonl``
+(``bench_tiled``) the figure of the same name. A benchmark draws its own table's figures after writing it
+(``harness.draw`` runs this command). Error bars are the p20..p80 range over iterations; every figure names
+the machine its rows were measured on. The figure code is in ``benchmarks/figures/``; the rows are read by
 ``benchmarks.harness.read_rows``.
 """
 
@@ -25,7 +25,7 @@ from .figures.attention import figures as attention_figures
 from .figures.gpu import plot_gpu
 from .figures.model import plot_memory_vs_planner, plot_model
 from .figures.style import select
-from .figures.variants import plot_mixers, plot_packed, plot_ulysses, plot_windows
+from .figures.variants import plot_mixers, plot_packed, plot_tiled, plot_ulysses, plot_windows
 from .harness import read_rows
 
 __all__ = ["FIGURES", "plot_all", "plot_gpu", "plot_model", "select"]
@@ -40,6 +40,7 @@ FIGURES: dict[str, Callable[[list[dict], Path], list[Path]]] = {
     "ulysses": plot_ulysses,
     "packed": plot_packed,
     "mixers": plot_mixers,
+    "tiled": plot_tiled,
 }
 
 

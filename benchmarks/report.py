@@ -3,9 +3,10 @@
 A document marks each generated part ``<!-- name:start -->`` ... ``<!-- name:end -->``; ``render(name)``
 writes it from its results file (``RENDERERS``, one function per region, split by what it shows):
 the long tables of ``benchmarks/results/*.jsonl`` (what things cost in time: ``benchmarks.report_speed``;
-memory and the planner's figures: ``benchmarks.report_memory``; vision-language models:
-``benchmarks.report_multimodal``), ``docs/demo/seeds.json`` and the demo's ``needle.json`` files,
-``docs/models.json`` (the model sweep) and the recipes' ``memory_gb`` (here). Every measured figure says
+memory and the planner's figures: ``benchmarks.report_memory``; head groups, tiled layers and the 8M-token
+recipes: ``benchmarks.report_tiled``; vision-language models: ``benchmarks.report_multimodal``),
+``docs/demo/seeds.json`` and the demo's ``needle.json`` files, ``docs/models.json`` (the model sweep) and
+the recipes' ``memory_gb`` (here). Every measured figure says
 on which machine it was measured, as its results file records it ("a machine not recorded" where it does
 not). ``fill(text)`` renders every region of a document; ``scripts/render_docs.py`` writes them
 (``--check``: only compares), and ``tests/test_docs.py`` fails when a committed document differs from
@@ -22,6 +23,7 @@ from pathlib import Path
 from . import report_memory as memory
 from . import report_multimodal as multimodal
 from . import report_speed as speed
+from . import report_tiled as tiled
 from .harness import machine_text, pct, tokens
 from .harness import markdown_table as table
 
@@ -184,6 +186,10 @@ RECIPES = {  # what each packaged recipe trains, in words; its memory is the rec
                          "8 x 80 GB", "8 x 1"),
     "llama-3.1-8b-1m": ("Llama-3.1-8B, LoRA r16, YaRN x8, offload, tiled MLP, FSDP2", "2 nodes x 8 x 80 GB",
                         "8 x 2 (ring: `ulysses_size: 1`, the planner's choice)"),
+    "llama-3.1-8b-8m-lora": ("Llama-3.1-8B, LoRA r16, YaRN x64, tiled layers, 8 head groups, offload of every other "
+                             "layer's input, FSDP2", "8 x 80 GB (one node)", "8 x 1"),
+    "llama-3.1-8b-8m-full": ("Llama-3.1-8B, full fine-tuning, YaRN x64, tiled layers, 8 head groups, offload of every "
+                             "other layer's input, FSDP2", "8 x 80 GB (one node)", "8 x 1"),
     "qwen3.5-9b-1m": ("Qwen3.5-9B's language model (no vision tower), LoRA r16 on attention, MLP and Gated DeltaNet "
                       "projections, YaRN x4, offload, tiled MLP, FSDP2", "8 x 80 GB", "8 x 1"),
     "tiny-cpu-dpo": ("tiny Llama, DPO, LoRA r8", "2 CPU processes", "2 x 1"),
@@ -214,6 +220,12 @@ def recipes() -> str:
         "\n\nThe memory column is `hf-ring plan RECIPE` as each recipe records it in `memory_gb` (a test fails when a "
         "recipe drifts from the planner)."
     )
+
+
+def layer_changes() -> str:
+    from hf_ring.transformers.layers import markdown
+
+    return markdown()
 
 
 RENDERERS: dict[str, Callable[[], str]] = {
@@ -248,6 +260,12 @@ RENDERERS: dict[str, Callable[[], str]] = {
     "planner-published": memory.planner_published,
     "planner-grid": memory.planner_grid,
     "planner-longest": memory.planner_longest,
+    "tiled-memory": tiled.tiled_memory,
+    "tiled-speed": tiled.tiled_speed,
+    "eight-million": tiled.eight_million,
+    "eight-million-anchors": tiled.eight_million_anchors,
+    "eight-million-more": tiled.eight_million_more,
+    "layer-changes": layer_changes,
     "multimodal-exactness": multimodal.multimodal_exactness,
     "recipe-vlm": multimodal.recipe_vlm,
     "vision-spread": multimodal.vision_spread,

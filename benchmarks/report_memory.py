@@ -13,6 +13,7 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING
 
+from .bench_memory import TILED_MARK
 from .harness import gib, measured_line, one_row, read_rows, tokens
 from .harness import markdown_table as table
 
@@ -38,10 +39,15 @@ def memory_grid() -> str:
     return table(["N", *(f"P = {p}" for p in ps)], cells) + "\n\n" + measured_line(main, MEMORY)
 
 
+def tiled(row: dict) -> bool:
+    """A row of a case with head groups or tiled layers (``benchmarks.report_tiled`` shows those)."""
+    return TILED_MARK in row["note"]
+
+
 def memory_variants() -> str:
     rows = read_rows("memory")
     n, p = 8192, 2
-    sel = [r for r in rows if r["N"] == n and r["P"] == p]
+    sel = [r for r in rows if r["N"] == n and r["P"] == p and not tiled(r)]
     head = ["configuration", "measured MiB", "planned MiB", "measured / planned", "RSS growth MiB",
             "host (offloaded) MiB"]  # fmt: skip
     cells = [[c, *(format(_mib(sel, c, n, p, metric), fmt) for metric, fmt in (
@@ -135,6 +141,16 @@ def memory_tools() -> str:
          "`enable_activation_checkpointing(model, offload=True)`; `activation_offload: true`"],
         ["tiled MLP", "the MLP's `[tokens, intermediate]` tensors in the recompute",
          "`hf_ring.enable_tiled_mlp(model, 8192)`; `tiled_mlp: 8192`"],
+        ["head groups", "the ring's float32 accumulators, K/V messages and dK/dV accumulators (and with tiled layers "
+         "q, k, v and their gradients) for all heads at once: one group of `Hq / G` heads at a time, GQA groups "
+         "whole, the same bytes sent", "`hf_ring.enable_head_groups(model, 8)`; `head_groups: 8`"],
+        ["tiled layers", "every full-length temporary of a layer's recompute and backward but its input, the "
+         "attention output and the gradients flowing in and out: norms (their float32 copies), projections, LoRA "
+         "adapters' float32 input copies, RoPE, the MLP over tiles; the final norm over tiles",
+         "`hf_ring.enable_tiled_layers(model, 8192)`; `tiled_layers: 8192`"],
+        ["offload every other layer's input", "half the host memory of the offload: the inputs between are made "
+         "again in backward (one more forward of half the layers)",
+         "`enable_tiled_layers(model, 8192, offload_every=2)`; `offload_every: 2`"],
     ]  # fmt: skip
     return table(["tool", "what it removes", "how to turn it on"], rows)
 

@@ -38,10 +38,14 @@ _EXPORTS = {
     "chunked_causal_lm_loss": "hf_ring.ops.cross_entropy",
     "count_targets": "hf_ring.data.loader",
     "disable_chunked_loss": "hf_ring.transformers.patches",
+    "disable_head_groups": "hf_ring.transformers.layers",
+    "disable_tiled_layers": "hf_ring.transformers.layers",
     "disable_tiled_mlp": "hf_ring.transformers.patches",
     "dp_sampler": "hf_ring.data.loader",
     "enable_activation_checkpointing": "hf_ring.transformers.patches",
     "enable_chunked_loss": "hf_ring.transformers.patches",
+    "enable_head_groups": "hf_ring.transformers.layers",
+    "enable_tiled_layers": "hf_ring.transformers.layers",
     "enable_tiled_mlp": "hf_ring.transformers.patches",
     "prepare_dataloader": "hf_ring.data.loader",
     "register": "hf_ring.transformers",
@@ -72,10 +76,14 @@ __all__ = [
     "chunked_causal_lm_loss",
     "count_targets",
     "disable_chunked_loss",
+    "disable_head_groups",
+    "disable_tiled_layers",
     "disable_tiled_mlp",
     "dp_sampler",
     "enable_activation_checkpointing",
     "enable_chunked_loss",
+    "enable_head_groups",
+    "enable_tiled_layers",
     "enable_tiled_mlp",
     "prepare_dataloader",
     "register",
@@ -110,6 +118,7 @@ if TYPE_CHECKING:
     from .transformers import register, uninstall
     from .transformers.batch import shard_batch
     from .transformers.context import RingContext
+    from .transformers.layers import disable_head_groups, disable_tiled_layers, enable_head_groups, enable_tiled_layers
     from .transformers.patches import (
         disable_chunked_loss,
         disable_tiled_mlp,

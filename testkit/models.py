@@ -58,8 +58,9 @@ def tiny_batch(b: int, n: int, vocab: int = 97, seed: int = 1) -> dict[str, torc
 
 def prepare_step_model(model, case: dict, lora_rank: int):
     """``model`` with the options of ``case`` (LoRA on ``LORA_TARGETS``, checkpointing with or without
-    offload, chunked loss, tiled MLP), in training mode, with zero gradients already allocated as in
-    gradient accumulation. Returns the model (a PEFT wrapper with LoRA; ``peft`` is imported only then).
+    offload, chunked loss and its ``loss_chunk``, tiled MLP; ``groups``: head groups, ``layers``: tiled
+    layers' tile), in training mode, with zero gradients already allocated as in gradient accumulation.
+    Returns the model (a PEFT wrapper with LoRA; ``peft`` is imported only then).
     Used by the memory tests and ``benchmarks.bench_memory``."""
     from hf_ring.planner import LORA_TARGETS
 
@@ -73,9 +74,13 @@ def prepare_step_model(model, case: dict, lora_rank: int):
 
         hf_ring.enable_activation_checkpointing(model, offload=MeasuredOffload if case["offload"] else False)
     if case["chunked"]:
-        hf_ring.enable_chunked_loss(model)
+        hf_ring.enable_chunked_loss(model, case.get("loss_chunk"))
     if case["tiled"]:
         hf_ring.enable_tiled_mlp(model, case["tiled"])
+    if case.get("groups", 1) > 1:
+        hf_ring.enable_head_groups(model, case["groups"])
+    if case.get("layers"):
+        hf_ring.enable_tiled_layers(model, case["layers"], offload_every=case.get("every", 1))
     model.train()
     for p in model.parameters():
         if p.requires_grad:

@@ -24,18 +24,56 @@ from hf_ring.ops.offload import OffloadActivations
 from testkit.live_tensors import host_allocations
 
 
+class _Held:
+    """One offloaded tensor: its host copy, its copy back once fetched, the one packed before it."""
+
+    __slots__ = ("host", "fetched", "prev", "unpacked", "__weakref__")
+
+    def __init__(self, host: torch.Tensor, prev: weakref.ref | None) -> None:
+        self.host, self.prev = host, prev
+        self.fetched: torch.Tensor | None = None
+        self.unpacked = False
+
+
 class MeasuredOffload(OffloadActivations):
-    def pack(self, tensor: torch.Tensor) -> tuple[torch.device, torch.Tensor]:
+    """The offload as a device would do it, on a CPU-only machine: each saved tensor copied into "host"
+    memory (``host_allocations``) and copied back in backward; unpacking one also copies back the one
+    packed before it (``OffloadActivations``' prefetch on CUDA), which is then device memory until
+    backward takes it."""
+
+    _prev: weakref.ref | None = None
+
+    def pack(self, tensor: torch.Tensor) -> tuple[torch.device, object]:
         if tensor.device.type != "cpu":
             return super().pack(tensor)
         with host_allocations():
-            return tensor.device, tensor.clone()
+            held = _Held(tensor.clone(), self._prev)
+        self._prev = weakref.ref(held)
+        return tensor.device, held
 
-    def unpack(self, packed: tuple[torch.device, torch.Tensor]) -> torch.Tensor:
-        device, tensor = packed
-        if device.type != "cpu":
-            return super().unpack(packed)
-        return tensor.clone()  # the copy back to the "device"
+    def unpack(self, packed: tuple[torch.device, object]) -> torch.Tensor:
+        device, held = packed
+        if not isinstance(held, _Held):
+            return super().unpack(packed)  # type: ignore[arg-type]
+        out = held.fetched if held.fetched is not None else held.host.clone()  # the copy back to the "device"
+        held.fetched, held.unpacked = None, True
+        prev = held.prev() if held.prev is not None else None
+        if prev is not None and prev.fetched is None and not prev.unpacked:
+            prev.fetched = prev.host.clone()  # on its way while this one is used
+        return out
+
+    def peek(self, packed: tuple[torch.device, object]) -> torch.Tensor:
+        device, held = packed
+        if not isinstance(held, _Held):
+            return super().peek(packed)  # type: ignore[arg-type]
+        if held.fetched is None:
+            held.fetched = held.host.clone()  # on the "device" until its own unpacking takes it
+        return held.fetched
+
+    def _exit(self, module: torch.nn.Module, args: object, output: object) -> None:
+        super()._exit(module, args, output)
+        if not self._stack:
+            self._prev = None  # a new forward starts a new chain
 
 
 # --- the CUDA stream ordering of the offload, on CPU ------------------------------------------------

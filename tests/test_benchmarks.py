@@ -292,3 +292,18 @@ def test_gptoss_quick(tmp_path):
     assert all(v > 0 for v in got.values())
     ratio = got[("fwd_bwd_cpu", "hf_ring", 2)] / got[("fwd_bwd_cpu", "one_process", 1)]
     assert abs(got[("cpu_ratio", "hf_ring", 2)] - ratio) <= 0.2 * ratio
+
+
+# ================================================================ head groups and tiled layers (bench_tiled.py)
+@pytest.mark.timeout(300)
+def test_tiled_quick(tmp_path):
+    """Every configuration's step time, ratio to the plain step, peak and loss difference; the figure."""
+    rows = run_quick("bench_tiled", tmp_path / "tiled.jsonl", timeout=290)
+    names = {"base", "head_groups", "tiled_layers", "both"}
+    for metric in ("step_time", "step_ratio", "peak_memory", "loss_difference"):
+        assert {r["provider"] for r in rows if r["name"] == metric} == names, metric
+    assert all(r["median"] > 0 for r in rows if r["name"] in ("step_time", "step_ratio", "peak_memory"))
+    assert all(r["median"] < 1e-5 for r in rows if r["name"] == "loss_difference")
+    peak = {r["provider"]: r["median"] for r in rows if r["name"] == "peak_memory"}
+    assert peak["both"] < peak["base"]
+    assert (tmp_path / "tiled.png").exists()

@@ -6,6 +6,7 @@ it, and ``uninstall()`` undoes every entry.
   scoped changes undone at the end of their block, also on an exception, in front of lasting ones; a
   model's entries go with the model.
 - The walk: models of every kind hf_ring changes (a Llama with the chunked loss, tiled MLPs and offload, a
+  Llama with tiled decoder layers in head groups and offload of every other layer's input, a
   hybrid with routed mixers and the router loss, Gemma 3 with images, a ParallelismConfig adopted), every
   ledger entry read, ``hf_ring.uninstall()``, and every original is back (by identity), every added name
   and hook gone.
@@ -103,6 +104,12 @@ def _build_everything(tmp_path: Path) -> list:
     hf_ring.enable_tiled_mlp(llama, 4)
     hf_ring.enable_activation_checkpointing(llama, offload=True)
     llama(**hf_ring.shard_batch(tiny_batch(1, 12))).loss.backward()
+    tiled = tiny_model("llama", "ring")  # tiled decoder layers in head groups, every other layer's input offloaded
+    hf_ring.enable_activation_checkpointing(tiled, offload=True)
+    hf_ring.enable_head_groups(tiled, 2)
+    hf_ring.enable_tiled_layers(tiled, 4, offload_every=2)
+    tiled.train()
+    tiled(**hf_ring.shard_batch(tiny_batch(1, 12))).loss.backward()
     jamba = causal_lm_class("jamba")._from_config(tiny_config("jamba", router_aux=True), attn_implementation="ring")
     gemma3 = vlm_model("gemma3", "ring")
     from hf_ring.trainer.mesh import adopt_parallelism_config
@@ -110,7 +117,7 @@ def _build_everything(tmp_path: Path) -> list:
     config = SimpleNamespace(cp_size=2, dp_replicate_size=1, dp_shard_size=1, tp_size=1, sp_size=1, cp_backend="torch")
     args = SimpleNamespace(parallelism_config=config, cp_size=1)
     assert adopt_parallelism_config(args, None) == 2
-    return [llama, jamba, gemma3, args]
+    return [llama, tiled, jamba, gemma3, args]
 
 
 def test_uninstall_puts_back_every_original(tmp_path: Path) -> None:
@@ -124,6 +131,10 @@ def test_uninstall_puts_back_every_original(tmp_path: Path) -> None:
         assert {e.scope for e in entries} >= {"process", "modeling module", "model"}
         hf_ring.uninstall()
         assert LEDGER.entries() == []
+        from hf_ring.transformers.attention import HEAD_GROUPS
+        from hf_ring.transformers.layers import changed
+
+        assert changed(kept[1]) == [] and len(HEAD_GROUPS) == 0
         for e in entries:
             owner = e.owner()
             if owner is None or e.kind == "hook":
@@ -137,7 +148,7 @@ def test_uninstall_puts_back_every_original(tmp_path: Path) -> None:
             else:
                 now = getattr(owner, "__dict__", {}).get(e.name, getattr(owner, e.name, MISSING))
                 assert now is e.original, e.where
-        for model in kept[:3]:
+        for model in kept[:4]:
             for m in model.modules():
                 assert not m._forward_hooks and not m._forward_pre_hooks, type(m).__name__
                 assert not any(k.startswith("_hf_ring") for k in vars(m)), type(m).__name__

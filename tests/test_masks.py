@@ -11,11 +11,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
+from hf_ring.ops.attention_call import AttentionCall
 from hf_ring.ops.kernels import ReferenceKernel, TorchCPUKernel, band_mask
 from hf_ring.ops.layout import ShardLayout, sequence_layout
 from hf_ring.ops.ulysses import ulysses_ring_attention
 from hf_ring.ops.windows import mask_plan, masked_attention
 from testkit.flash_blocks import packed_layout
+from testkit.grouped import grouped_attention
 from testkit.oracle import attention, visible
 from testkit.spawn import run_ranks
 
@@ -56,26 +58,29 @@ def _groups(ulysses: int) -> tuple:
 
 def mask_errors(
     packed: bool, masks: list[tuple], hq: int, hkv: int, d: int, ulysses: int = 1, dtype: str = "float64",
-    tile: int | None = None, softcap: float = 0.0, sinks: str | None = None,
+    tile: int | None = None, softcap: float = 0.0, sinks: str | None = None, head_groups: int = 1,
+    functional: bool = False,
 ) -> list[dict]:  # fmt: skip
     """For every ``(window, chunk, route)`` of ``masks``: this rank's errors against float64 (out on its
     real rows, dq/dk/dv gathered whole), the route taken, the ring steps and the rows sent. ``tile``:
     band tiles of that many query rows (``schedule.TILE``). ``softcap``: logit soft-capping;
     ``sinks``: ``"head"`` (one logit per query head) or ``"row"`` (one per row and head), with their
-    gradient (``dsinks``: summed over the ranks, or gathered whole)."""
+    gradient (``dsinks``: summed over the ranks, or gathered whole). ``head_groups``: the ops' head
+    groups; ``functional``: the same groups one after the other through ``AttentionCall.forward`` /
+    ``backward`` (the tiled layer's path, ``testkit.grouped``)."""
     from hf_ring.ops import schedule
 
     saved = schedule.TILE
     schedule.TILE = tile or saved
     try:
-        return _mask_errors(packed, masks, hq, hkv, d, ulysses, dtype, softcap, sinks)
+        return _mask_errors(packed, masks, hq, hkv, d, ulysses, dtype, softcap, sinks, head_groups, functional)
     finally:
         schedule.TILE = saved
 
 
 def _mask_errors(
     packed: bool, masks: list[tuple], hq: int, hkv: int, d: int, ulysses: int, dtype: str, softcap: float = 0.0,
-    sinks: str | None = None,
+    sinks: str | None = None, head_groups: int = 1, functional: bool = False,
 ) -> list[dict]:  # fmt: skip
     world, rank = dist.get_world_size(), dist.get_rank()
     ring = world // ulysses
@@ -108,10 +113,15 @@ def _mask_errors(
             extra["sinks"] = (
                 (sink.clone() if sink.dim() == 1 else take(sink[..., None])[..., 0]).to(dt).requires_grad_()
             )
-        if ulysses > 1:
-            out = ulysses_ring_attention(*loc[:3], ulysses_group=groups[0], ring_group=groups[1], mask=plan, **extra)
+        if functional:
+            call = AttentionCall(group=groups[1], ulysses_group=groups[0], ulysses=ulysses > 1, plan=plan,
+                                 softcap=extra["softcap"])  # fmt: skip
+            out = grouped_attention(call, *loc[:3], extra.get("sinks"), head_groups)
+        elif ulysses > 1:
+            out = ulysses_ring_attention(*loc[:3], ulysses_group=groups[0], ring_group=groups[1], mask=plan,
+                                         head_groups=head_groups, **extra)  # fmt: skip
         else:
-            out = masked_attention(*loc[:3], plan, **extra)
+            out = masked_attention(*loc[:3], plan, head_groups=head_groups, **extra)
         out.backward(loc[3])
         mask = allowed(layout, b, window, chunk)
         ref_in = [t.to(dt).double().clone().requires_grad_() for t in (q, k, v)]

@@ -167,3 +167,31 @@ def test_a_prefetched_copy_dropped_unused_keeps_its_memory_until_it_lands():
     del packed  # x0's transfer, and its prefetched buffer, dropped before the copy ran
     fake.run_side()
     assert fake.runs("h2d x0") >= 0 and not fake.errors, fake.errors
+
+
+def test_every_other_input_made_again_on_the_stand_in_streams():
+    """Tiled layers offloading every other layer's input (``offload_every=2``) on the stand-in streams: the
+    inputs between are made again from the one before (fetched early, then kept for its own unpacking), never
+    read before their copy lands; loss and gradients bit for bit those without offload; the inputs of layers
+    1 and 3 (of 4) not copied."""
+    batch = tiny_batch(1, 40)
+    grads, copies = {}, {}
+    for every in (None, 1, 2):
+        fake = FakeStreams()
+
+        class Faked(OffloadActivations):
+            def __init__(self, module, fake=fake):
+                super().__init__(module, streams=fake)
+
+        model = tiny_model("llama", "ring", num_hidden_layers=4)
+        hf_ring.enable_activation_checkpointing(model, offload=Faked if every else False)
+        hf_ring.enable_tiled_layers(model, 8, offload_every=every or 1)
+        model.train()
+        out = model(**hf_ring.shard_batch(batch))
+        out.loss.backward()
+        grads[every] = [out.loss.detach(), *(p.grad for p in model.parameters())]
+        copies[every] = len([e for e in fake.log if e[0] == "run" and e[2].startswith("d2h")])
+        assert not fake.errors, fake.errors
+    for every in (1, 2):
+        assert all(torch.equal(a, b) for a, b in zip(grads[None], grads[every])), every
+    assert copies[1] - copies[2] == 2 and copies[None] == 0, copies

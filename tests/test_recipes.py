@@ -33,6 +33,8 @@ NAMES = [
     "gpt-oss-20b-128k",
     "llama-3.1-8b-128k",
     "llama-3.1-8b-1m",
+    "llama-3.1-8b-8m-full",
+    "llama-3.1-8b-8m-lora",
     "llama-3.1-8b-dpo-128k",
     "qwen2.5-7b-256k",
     "qwen3-8b-grpo-64k",

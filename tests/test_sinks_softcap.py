@@ -27,7 +27,7 @@ def starts(row: list[int]) -> list[int]:
 
 def ring_errors(
     n: int, hq: int, hkv: int, d: int, softcap: float | None, sinks: str | None, docs: list[list[int]] | None,
-    dtype_name: str = "float32", backend: str = "auto",
+    dtype_name: str = "float32", backend: str = "auto", head_groups: int = 1,
 ) -> dict[str, float]:  # fmt: skip
     """This rank's ring attention against float64 (gathered over the ranks; per-head sinks' gradient
     summed over them, as the DP x CP gradient reduction sums it), and the same-dtype one-process eager
@@ -51,7 +51,8 @@ def ring_errors(
         from testkit.cuda_standins import make_kernel
 
         kernel = make_kernel(backend)
-    out = ring_attention(*loc[:3], schedule=sched, softcap=softcap, sinks=loc_sinks, backend=kernel)
+    out = ring_attention(*loc[:3], schedule=sched, softcap=softcap, sinks=loc_sinks, backend=kernel,
+                         head_groups=head_groups)  # fmt: skip
     out.backward(loc[3])
     got = [unshard(t, dim=1) for t in (out, loc[0].grad, loc[1].grad, loc[2].grad)]
     if sinks == "row":

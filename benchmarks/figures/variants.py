@@ -11,7 +11,7 @@ import numpy as np
 
 from .style import plt, subtitle
 
-__all__ = ["plot_mixers", "plot_packed", "plot_ulysses", "plot_windows"]
+__all__ = ["plot_mixers", "plot_packed", "plot_tiled", "plot_ulysses", "plot_windows"]
 
 
 def _save(fig, path: Path) -> list[Path]:
@@ -156,3 +156,33 @@ def plot_mixers(rows: list[dict], out: Path) -> list[Path]:
     fig.suptitle(f"fp32, gloo, 1 thread per rank; {subtitle(rows).rsplit(' (', 1)[0]} ({commits})",
                  fontsize=7, color="dimgray")  # fmt: skip
     return _save(fig, out / "mixers.png")
+
+
+def plot_tiled(rows: list[dict], out: Path) -> list[Path]:
+    """``tiled.png``: step time of head groups, tiled layers and both over the plain ring step of the same
+    round (left) and the peak per rank (right), against N; [] without rows."""
+    from benchmarks.bench_tiled import SHAPE
+
+    ratio = [r for r in rows if r["name"] == "step_ratio"]
+    peak = [r for r in rows if r["name"] == "peak_memory"]
+    if not ratio:
+        return []
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.8))
+    for prov, style in (("base", ":"), ("head_groups", "-o"), ("tiled_layers", "-s"), ("both", "-^")):
+        sel = sorted((r for r in ratio if r["provider"] == prov), key=lambda r: r["N"])
+        err = [[r["median"] - r["p20"] for r in sel], [r["p80"] - r["median"] for r in sel]]
+        a1.errorbar([r["N"] for r in sel], [r["median"] for r in sel], yerr=err, fmt=style, capsize=3, label=prov)
+        sel = sorted((r for r in peak if r["provider"] == prov), key=lambda r: r["N"])
+        a2.plot([r["N"] for r in sel], [r["median"] for r in sel], style, label=prov)
+    a1.set_title("step time / plain ring step of the same round", fontsize=10)
+    a2.set_title("peak MiB per rank (LiveTensorBytes)", fontsize=10)
+    for ax in (a1, a2):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("N (tokens)")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    a2.set_yscale("log")
+    fig.suptitle(f"Llama {SHAPE['num_hidden_layers']} layers, hidden {SHAPE['hidden_size']}, "
+                 f"{SHAPE['num_attention_heads']}/{SHAPE['num_key_value_heads']} heads, fp32, P = {ratio[0]['P']}, "
+                 "checkpointing + chunked loss; " + subtitle(ratio), fontsize=7, color="dimgray")  # fmt: skip
+    return _save(fig, out / "tiled.png")

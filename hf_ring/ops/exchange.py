@@ -22,7 +22,8 @@ from torch import Tensor
 
 from .layout import Run, ShardLayout
 
-__all__ = ["Halo", "RowPlan", "check_device", "fetch_rows", "halo_plan", "on_device", "plan_rows", "tie"]
+__all__ = ["Halo", "RowPlan", "check_device", "fetch_backward", "fetch_forward", "fetch_rows", "halo_plan", "on_device",
+           "plan_rows", "tie"]  # fmt: skip
 
 Wanted = Callable[[int], list[tuple[int, int]]]  # CP rank -> (batch row, global position) pairs, in order
 
@@ -130,36 +131,47 @@ def _exchange(x: Tensor, plan: RowPlan, group: dist.ProcessGroup | None) -> Tens
     return out
 
 
+def fetch_forward(flat: Tensor, plan: RowPlan, group: dist.ProcessGroup | None) -> Tensor:
+    """``fetch_rows`` without autograd: ``flat [B * S_local, *F]`` -> the wanted rows ``[M, *F]``."""
+    got = _exchange(flat, plan, group)
+    out = flat.new_empty((plan.count, *flat.shape[1:]))
+    out[_on(plan.order, flat.device)] = got
+    return out
+
+
+def fetch_backward(grad: Tensor, plan: RowPlan, group: dist.ProcessGroup | None, rows: int) -> Tensor:
+    """The gradient of ``fetch_forward``: each fetched row's gradient ``grad [M, *F]`` sent back to the
+    rank that holds the row and added there; returns ``[rows, *F]`` (this rank's ``B * S_local`` rows).
+    Collective, like the forward."""
+    dev = grad.device
+    back = grad[_on(plan.order, dev)]  # laid end to end by the rank that holds each row
+    sizes = plan.recv
+    pieces = back.split(list(sizes))
+    # the reverse exchange: what we received from s goes back to s; we get back what we sent
+    feat = grad.shape[1:]
+    if plan.size == 1:
+        got = pieces[0]
+    else:
+        got = grad.new_empty((sum(len(s) for s in plan.send), *feat))
+        dist.all_to_all_single(
+            got, back.contiguous(), output_split_sizes=[len(s) for s in plan.send],
+            input_split_sizes=list(sizes), group=group,
+        )  # fmt: skip
+    dx = grad.new_zeros((rows, *feat))
+    dx.index_add_(0, _on(plan.sent, dev), got)  # type: ignore[arg-type]
+    return dx
+
+
 class _FetchRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, plan, group):  # type: ignore[override]
         # x: (B * S_local, *F) -- this rank's rows, flattened
         ctx.plan, ctx.group, ctx.rows = plan, group, x.shape[0]
-        got = _exchange(x, plan, group)
-        out = x.new_empty((plan.count, *x.shape[1:]))
-        out[_on(plan.order, x.device)] = got
-        return out
+        return fetch_forward(x, plan, group)
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
-        plan: RowPlan = ctx.plan
-        dev = grad.device
-        back = grad[_on(plan.order, dev)]  # laid end to end by the rank that holds each row
-        sizes = plan.recv
-        pieces = back.split(list(sizes))
-        # the reverse exchange: what we received from s goes back to s; we get back what we sent
-        feat = grad.shape[1:]
-        if plan.size == 1:
-            got = pieces[0]
-        else:
-            got = grad.new_empty((sum(len(s) for s in plan.send), *feat))
-            dist.all_to_all_single(
-                got, back.contiguous(), output_split_sizes=[len(s) for s in plan.send],
-                input_split_sizes=list(sizes), group=ctx.group,
-            )  # fmt: skip
-        dx = grad.new_zeros((ctx.rows, *feat))
-        dx.index_add_(0, _on(plan.sent, dev), got)  # type: ignore[arg-type]
-        return dx, None, None
+        return fetch_backward(grad, ctx.plan, ctx.group, ctx.rows), None, None
 
 
 def fetch_rows(x: Tensor, plan: RowPlan, group: dist.ProcessGroup | None) -> Tensor:

@@ -19,6 +19,13 @@ of waiting in line with them (about 1 GiB per layer input at 128K tokens x 4096 
   tensor. Unpacking a tensor also starts the copy of the one packed before it (backward needs them
   in about the reverse order of forward), so that it is on its way while this one is used.
 
+Recomputed instead of stored (``recompute_from(output, source, fn)``): a tensor that ``fn`` makes again
+from another saved tensor -- the next layer's input from this layer's input, by running this layer once
+more -- is kept as that recipe, not copied to the host; in backward its unpacking fetches the source (and
+keeps it for its own unpacking, as a prefetch does) and runs ``fn`` on it without gradients. Every other
+layer's input recomputed halves the host memory for one more forward of half the layers
+(``hf_ring.enable_tiled_layers(..., offload_every=2)``).
+
 ``StreamOps`` (CUDA) is what the offload asks of the device; a stand-in with the same methods
 (``testkit.offload.FakeStreams``) checks the ordering on CPU. ``pack``/``unpack`` are methods so that
 a measuring tool can count the host side of the offload on a CPU-only machine
@@ -92,6 +99,20 @@ class _Transfer:
         self.unpacked = False
 
 
+def _key(t: Tensor) -> tuple:
+    """What identifies a tensor's values while it is alive: its memory, view and type."""
+    return (t.device, t.dtype, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride())
+
+
+class _Recipe:
+    """A saved tensor kept as ``fn(source)``: ``source`` the payload of another packed tensor."""
+
+    __slots__ = ("source", "fn")
+
+    def __init__(self, source: Any, fn: Any) -> None:
+        self.source, self.fn = source, fn
+
+
 class OffloadActivations:
     """Forward hooks on ``module``: what its forward saves for backward lives in host memory until
     backward needs it. Only while ``module.training`` and gradients are enabled.
@@ -114,10 +135,47 @@ class OffloadActivations:
         self._leaving_bytes = 0
         self._last: dict[torch.device, weakref.ref] = {}
         self._stack: list[Any] = []
+        self._recipes: dict[tuple, tuple[Tensor, Any]] = {}  # output key -> (source, fn), this forward
+        self._packed: dict[tuple, Any] = {}  # key of a tensor packed in this forward -> its payload
         self.handles = [
             module.register_forward_pre_hook(self._enter),
             module.register_forward_hook(self._exit, always_call=True),
         ]
+
+    def recompute_from(self, output: Tensor, source: Tensor, fn: Any) -> None:
+        """When ``output`` is saved for backward in this forward, keep ``fn`` instead of a copy: in backward
+        ``fn(source)`` (no gradients) makes it again. ``source`` must be saved (packed) before ``output`` is;
+        otherwise ``output`` is copied as usual. Only while the offload's hooks are on (its module's forward)."""
+        if self._stack and self._stack[-1] is not None:
+            self._recipes[_key(output)] = (source, fn)
+
+    def _pack_entry(self, tensor: Tensor) -> Any:
+        key = _key(tensor)
+        recipe = self._recipes.get(key)
+        if recipe is not None:
+            source = self._packed.get(_key(recipe[0]))
+            if source is not None:
+                return _Recipe(source, recipe[1])
+        packed = self.pack(tensor)
+        self._packed[key] = packed
+        return packed
+
+    def _unpack_entry(self, packed: Any) -> Tensor:
+        if isinstance(packed, _Recipe):
+            source = self.peek(packed.source)
+            with torch.no_grad():
+                return packed.fn(source)
+        return self.unpack(packed)
+
+    def peek(self, packed: tuple[torch.device, Any]) -> Tensor:
+        """``packed``'s tensor back on its device, kept for its own unpacking (which then copies nothing)."""
+        device, payload = packed
+        if isinstance(payload, _Transfer):
+            if payload.fetched is None:
+                self._fetch(payload, device)
+            self.ops.current_stream(device).wait_event(payload.landed)
+            return payload.fetched  # type: ignore[return-value]
+        return self.unpack(packed)
 
     def pack(self, tensor: Tensor) -> tuple[torch.device, Any]:
         """A saved tensor -> ``(its device, its host copy)`` (itself when it is in host memory already;
@@ -210,7 +268,7 @@ class OffloadActivations:
 
     def _enter(self, module: nn.Module, args: Any) -> None:
         if module.training and torch.is_grad_enabled():
-            hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+            hooks = torch.autograd.graph.saved_tensors_hooks(self._pack_entry, self._unpack_entry)
             hooks.__enter__()
             self._stack.append(hooks)
         else:
@@ -223,6 +281,8 @@ class OffloadActivations:
         self._release_left()
         if not self._stack:
             self._last.clear()  # a new forward starts a new chain for prefetching
+            self._recipes.clear()
+            self._packed.clear()
 
     def remove(self) -> None:
         for h in self.handles:

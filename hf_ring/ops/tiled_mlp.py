@@ -20,7 +20,7 @@ LoRA adapters inside the MLP (PEFT) are parameters of the MLP like any other.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -54,7 +54,8 @@ class _TiledMLP(torch.autograd.Function):
         want = [i for i, p in enumerate(params) if ctx.needs_input_grad[3 + i]]
         flat, g = x.reshape(-1, x.shape[-1]), grad.reshape(-1, grad.shape[-1])
         dx = torch.empty_like(flat) if ctx.needs_input_grad[0] else None
-        acc = [torch.zeros(params[i].shape, dtype=torch.float32, device=params[i].device) for i in want]
+        acc = [torch.zeros(params[i].shape, dtype=torch.promote_types(params[i].dtype, torch.float32),
+                           device=params[i].device) for i in want]  # fmt: skip
         for s in range(0, flat.shape[0], ctx.tile):
             xt = flat[s : s + ctx.tile].detach().requires_grad_(dx is not None)
             with torch.enable_grad(), torch.autocast(device, dtype=dtype, enabled=enabled):
@@ -73,10 +74,27 @@ class _TiledMLP(torch.autograd.Function):
         return (dx.reshape(x.shape) if dx is not None else None, None, None, *out)
 
 
-def tiled_forward(module: nn.Module, forward: Callable[[Tensor], Tensor], x: Tensor, tile: int) -> Tensor:
+def tiled_forward(
+    module: nn.Module | None, forward: Callable[[Tensor], Tensor], x: Tensor, tile: int,
+    params: Sequence[Tensor] | None = None,
+) -> Tensor:  # fmt: skip
     """``forward(x)`` (a token-wise module's forward, ``x: [..., H]``) over tiles of ``tile`` tokens,
-    saving only ``x`` for backward; gradients reach ``x`` and ``module``'s trainable parameters."""
-    if x.shape[:-1].numel() <= tile or not torch.is_grad_enabled():
+    saving only ``x`` for backward; gradients reach ``x`` and ``module``'s trainable parameters (or
+    those of ``params``, when ``forward`` uses several modules: a norm and the MLP after it). Without
+    gradients, the same tiles (no full-length temporary either)."""
+    if x.shape[:-1].numel() <= tile:
         return forward(x)
-    params = [p for p in module.parameters() if p.requires_grad]
+    if not torch.is_grad_enabled():  # evaluation, a recompute without gradients: the tiles, nothing saved
+        flat, out = x.reshape(-1, x.shape[-1]), None
+        for s in range(0, flat.shape[0], tile):
+            y = forward(flat[s : s + tile])
+            if out is None:
+                out = y.new_empty((flat.shape[0], y.shape[-1]))
+            out[s : s + tile] = y
+        assert out is not None
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+    if params is None:
+        assert module is not None
+        params = list(module.parameters())
+    params = [p for p in params if p.requires_grad]
     return _TiledMLP.apply(x, forward, tile, *params)

@@ -29,11 +29,12 @@ from torch import Tensor
 from .checks import check_qkv
 from .comm import Ring, check_same_across_ranks, group_size_rank
 from .kernels import BlockKernel
-from .ring import ring_attention
+from .ring import head_groups_of, ring_attention
 from .schedule import Schedule
 from .windows import MaskPlan, masked_attention
 
-__all__ = ["all_to_all", "kv_replication", "ulysses_ring_attention"]
+__all__ = ["all_to_all", "from_heads_grads", "heads_to_rows", "kv_replication", "rows_to_heads", "to_heads",
+           "ulysses_ring_attention"]  # fmt: skip
 
 
 class _AllToAll(torch.autograd.Function):
@@ -86,7 +87,7 @@ def _dims(x: Tensor) -> list[int]:
     return [*x.shape[:4], *[-1] * (4 - min(x.dim(), 4))] if x.dim() <= 4 else [*x.shape[:3], -2]
 
 
-def _check(q: Tensor, k: Tensor, v: Tensor, ulysses_size: int) -> None:
+def _check(q: Tensor, k: Tensor, v: Tensor, ulysses_size: int, head_groups: int = 1) -> None:
     check_qkv(q, k, v, "ulysses_ring_attention")
     if q.shape[2] % ulysses_size:
         raise ValueError(
@@ -94,6 +95,69 @@ def _check(q: Tensor, k: Tensor, v: Tensor, ulysses_size: int) -> None:
             "so the heads cannot be split evenly across the Ulysses group. Pick a ulysses_size that divides "
             f"{q.shape[2]} in hf_ring.setup_context_parallel (ulysses_size=1 is plain ring attention)."
         )
+    local = k.shape[2] * kv_replication(k.shape[2], ulysses_size) // ulysses_size
+    if head_groups != 1:
+        head_groups_of(q.shape[2] // ulysses_size, local, head_groups, "ulysses_ring_attention (heads per rank)")
+
+
+def to_heads(
+    q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, group: dist.ProcessGroup | None, *,
+    differentiable: bool = False,
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:  # fmt: skip
+    """The Ulysses all-to-all before attention: this rank's ``[B, S, H, D]`` rows of every head ->
+    ``[B, U * S, H / U, D]``, the whole ring position's rows of its ``U``-th of the heads, for q, k and v
+    as one message (K/V heads repeated ``kv_replication(Hkv, U)`` times first); ``sinks [Hq]`` cut to
+    this rank's heads, per-row ``sinks [B, S, Hq]`` moved as the queries. ``differentiable``: through
+    the all-to-all Function (its backward is the inverse all-to-all); otherwise a plain exchange."""
+    u_size, u_rank = group_size_rank(group)
+    b, s, hq, d = q.shape
+    rep = kv_replication(k.shape[2], u_size)
+    if rep > 1:  # fewer K/V heads than ranks: the fewest copies that split evenly
+        k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
+    hkv = k.shape[2]
+    # one message: each rank's head chunk j of q, k and v side by side, (B, S, U * (hq + 2 hkv) / U, D)
+    parts = [t.reshape(b, s, u_size, -1, d) for t in (q, k, v)]
+    msg = torch.cat(parts, dim=3).flatten(2, 3)
+    del parts
+    a2a = (lambda x, sd, gd: all_to_all(x, group, scatter_dim=sd, gather_dim=gd)) if differentiable else \
+        (lambda x, sd, gd: _all_to_all(x, group, sd, gd))  # fmt: skip
+    msg = a2a(msg, 2, 1)  # (B, U * S, (Hq + 2 Hkv) / U, D)
+    ql, kl, vl = msg.split((hq // u_size, hkv // u_size, hkv // u_size), dim=2)
+    if sinks is not None and sinks.shape == (hq,):  # this rank received query heads [u Hq / U, (u + 1) Hq / U)
+        sinks = sinks.view(u_size, -1)[u_rank]
+    elif sinks is not None and sinks.shape == (b, s, hq):  # per-row sinks travel as the queries do
+        sinks = a2a(sinks, 2, 1)
+    elif sinks is not None:
+        raise ValueError(f"ulysses_ring_attention: sinks must be [Hq] or [B, S, Hq], got {tuple(sinks.shape)}")
+    return ql, kl, vl, sinks
+
+
+def heads_to_rows(x: Tensor, group: dist.ProcessGroup | None) -> Tensor:
+    """The inverse all-to-all, no autograd: ``[B, U * S, H / U, ...]`` -> ``[B, S, H, ...]``."""
+    return _all_to_all(x, group, 1, 2)
+
+
+def rows_to_heads(x: Tensor, group: dist.ProcessGroup | None) -> Tensor:
+    """The all-to-all before attention for one tensor, no autograd: ``[B, S, H, ...]`` -> ``[B, U * S, H / U, ...]``."""
+    return _all_to_all(x, group, 2, 1)
+
+
+def from_heads_grads(
+    dq: Tensor, dk: Tensor, dv: Tensor, hkv: int, group: dist.ProcessGroup | None
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The gradients of ``to_heads``'s q, k, v (``[B, U * S, H / U, D]`` each) back in this rank's rows,
+    as one message (the inverse all-to-all); a repeated K/V head's copies summed. ``hkv``: the K/V heads
+    before the repetition."""
+    u_size, _ = group_size_rank(group)
+    msg = heads_to_rows(torch.cat((dq, dk, dv), dim=2), group)  # (B, S, U * (hq + 2 hkv) / U, D)
+    b, s, _, d = msg.shape
+    hq_u, hkv_u = dq.shape[2], dk.shape[2]
+    per = msg.view(b, s, u_size, hq_u + 2 * hkv_u, d)
+    dq_, dk_, dv_ = (t.reshape(b, s, -1, d) for t in per.split((hq_u, hkv_u, hkv_u), dim=3))
+    rep = kv_replication(hkv, u_size)
+    if rep > 1:
+        dk_, dv_ = (t.view(b, s, hkv, rep, d).sum(3) for t in (dk_, dv_))
+    return dq_, dk_, dv_
 
 
 def ulysses_ring_attention(
@@ -114,6 +178,7 @@ def ulysses_ring_attention(
     mask: MaskPlan | None = None,
     softcap: float | None = None,
     sinks: Tensor | None = None,
+    head_groups: int = 1,
 ) -> Tensor:
     """Exact attention over a sequence sharded across a Ulysses group, or a Ulysses x ring grid.
 
@@ -141,6 +206,8 @@ def ulysses_ring_attention(
             (its gradient is zero for the other heads on this rank, and summed over the grid with
             every other parameter's gradient); per-row ``sinks [B, S_local, Hq]`` go through the
             all-to-all as the queries do.
+        head_groups: the ring's head groups (``ring_attention``) over the heads each rank holds after the
+            all-to-all: ``G`` must divide those K/V heads (``r * Hkv / U``).
 
     Returns:
         ``[B, S_local, Hq, D]`` in the dtype of ``q``, differentiable in ``q``, ``k`` and ``v``.
@@ -157,31 +224,17 @@ def ulysses_ring_attention(
         ring = Ring(ring_group) if ring_group is not None else _NoRing()
     if validate:  # before the all-to-all, which would fail or hang on ranks that disagree
         _validate([*_dims(q), *_dims(k), *_dims(v), int(causal)], ulysses_group, ring)
-    _check(q, k, v, u_size)
-    b, s, hq, d = q.shape
-    rep = kv_replication(k.shape[2], u_size)
-    if rep > 1:  # fewer K/V heads than ranks: the fewest copies that split evenly
-        k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
-    hkv = k.shape[2]
-    # one message: each rank's head chunk j of q, k and v side by side, (B, S, U * (hq + 2 hkv) / U, D)
-    parts = [t.reshape(b, s, u_size, -1, d) for t in (q, k, v)]
-    msg = torch.cat(parts, dim=3).flatten(2, 3)
-    msg = all_to_all(msg, ulysses_group, scatter_dim=2, gather_dim=1)  # (B, U * S, (Hq + 2 Hkv) / U, D)
-    ql, kl, vl = msg.split((hq // u_size, hkv // u_size, hkv // u_size), dim=2)
-    if sinks is not None and sinks.shape == (hq,):  # this rank received query heads [u Hq / U, (u + 1) Hq / U)
-        sinks = sinks.view(u_size, -1)[group_size_rank(ulysses_group)[1]]
-    elif sinks is not None and sinks.shape == (b, s, hq):  # per-row sinks travel as the queries do
-        sinks = all_to_all(sinks, ulysses_group, scatter_dim=2, gather_dim=1)
-    elif sinks is not None:
-        raise ValueError(f"ulysses_ring_attention: sinks must be [Hq] or [B, S, Hq], got {tuple(sinks.shape)}")
+    _check(q, k, v, u_size, head_groups)
+    ql, kl, vl, sinks = to_heads(q, k, v, sinks, ulysses_group, differentiable=True)
     if mask is not None:
         if dropout_p or attn_mask is not None or schedule is not None or not causal:
             raise ValueError(
                 "ulysses_ring_attention: a mask plan takes no dropout_p, attn_mask or schedule, and is causal"
             )
         out = masked_attention(
-            ql, kl, vl, mask, ring=ring, softmax_scale=softmax_scale, backend=backend, softcap=softcap, sinks=sinks
-        )
+            ql, kl, vl, mask, ring=ring, softmax_scale=softmax_scale, backend=backend, softcap=softcap, sinks=sinks,
+            head_groups=head_groups,
+        )  # fmt: skip
         return all_to_all(out, ulysses_group, scatter_dim=1, gather_dim=2)
     out = ring_attention(
         ql,
@@ -197,6 +250,7 @@ def ulysses_ring_attention(
         schedule=schedule,
         softcap=softcap,
         sinks=sinks,
+        head_groups=head_groups,
     )  # (B, U * S, Hq / U, D)
     return all_to_all(out, ulysses_group, scatter_dim=1, gather_dim=2)  # (B, S, Hq, D)
 

@@ -37,14 +37,22 @@ from torch import Tensor
 
 from .checks import check_extras, check_qkv
 from .comm import Ring
-from .exchange import Halo, halo_plan, tie
+from .exchange import Halo, fetch_backward, fetch_forward, halo_plan, tie
 from .kernels import BlockKernel
 from .layout import ShardLayout
 from .placement import Placement, chunk_placement
-from .ring import block_attention, ring_attention
+from .ring import block_attention, ring_attention, ring_backward, ring_forward
 from .schedule import Block, Schedule, band_blocks, band_schedule, placement_schedule, trim_steps
 
-__all__ = ["WINDOW_ROUTES", "MaskPlan", "mask_plan", "masked_attention", "ring_level"]
+__all__ = [
+    "WINDOW_ROUTES",
+    "MaskPlan",
+    "border_backward",
+    "border_forward",
+    "mask_plan",
+    "masked_attention",
+    "ring_level",
+]
 
 WINDOW_ROUTES = ("auto", "border", "ring")
 
@@ -67,17 +75,27 @@ class MaskPlan:
     kv_dst: Tensor | None = None  # border: where each of the [B * S] local then [M] fetched rows goes
     _on_device: dict = field(default_factory=dict, repr=False)
 
+    def _dst(self, device: torch.device) -> Tensor:
+        assert self.kv_dst is not None
+        dst = self._on_device.get(device)
+        if dst is None:  # once per batch (the plan is cached per batch) and device
+            dst = self._on_device[device] = self.kv_dst.to(device)
+        return dst
+
     def kv_rows(self, local: Tensor, fetched: Tensor) -> Tensor:
         """The border route's key rows ``[B * S + M, *F]``: each run's fetched rows right before its own
         (``local [B * S, *F]``, ``fetched [M, *F]``), rows of no run (padding) at the end; one copy,
         differentiable in both."""
-        assert self.kv_dst is not None
-        dst = self._on_device.get(local.device)
-        if dst is None:  # once per batch (the plan is cached per batch) and device
-            dst = self._on_device[local.device] = self.kv_dst.to(local.device)
+        dst = self._dst(local.device)
         n = local.shape[0]
         rows = local.new_empty(n + fetched.shape[0], *local.shape[1:])
         return rows.index_copy_(0, dst[:n], local).index_copy_(0, dst[n:], fetched)
+
+    def kv_rows_grad(self, grad: Tensor, n: int) -> tuple[Tensor, Tensor]:
+        """The gradient of ``kv_rows`` (``grad [B * S + M, *F]``): that of the ``n`` local rows and of the
+        fetched ones."""
+        dst = self._dst(grad.device)
+        return grad[dst[:n]], grad[dst[n:]]
 
     @property
     def sent_rows(self) -> int:
@@ -192,13 +210,16 @@ def masked_attention(
     backend: str | BlockKernel = "auto",
     softcap: float | None = None,
     sinks: Tensor | None = None,
+    head_groups: int = 1,
 ) -> Tensor:
     """Attention of this rank's rows under ``plan``'s mask (``mask_plan`` of this ring position).
 
     ``q: [B, S, Hq, D]``, ``k, v: [B, S, Hkv, D]``: this ring position's rows (with Ulysses: after
     the all-to-all). ``group``/``ring``: the ring (group) the plan was made for. ``softcap`` and
     ``sinks`` (``[Hq]`` or ``[B, S, Hq]``) as for ``ring_attention``, on either route: the cap goes to
-    every block kernel call, the sinks join each row's merged softmax once. Returns ``[B, S, Hq, D]``
+    every block kernel call, the sinks join each row's merged softmax once; ``head_groups`` as for
+    ``ring_attention`` (on the border route the kernel calls and their accumulators go one head group at
+    a time; the fetched border rows are few). Returns ``[B, S, Hq, D]``
     in ``q``'s dtype, differentiable in ``q``, ``k``, ``v`` (and ``sinks``); collective over the ring
     on either route.
     """
@@ -209,7 +230,7 @@ def masked_attention(
     if plan.route == "ring":
         return ring_attention(
             q, k, v, ring=ring, softmax_scale=softmax_scale, backend=backend, schedule=plan.schedule,
-            softcap=softcap, sinks=sinks,
+            softcap=softcap, sinks=sinks, head_groups=head_groups,
         )  # fmt: skip
     check_qkv(q, k, v, "masked_attention")
     check_extras(q, softcap, sinks, "masked_attention")
@@ -222,6 +243,58 @@ def masked_attention(
     rows = plan.kv_rows(kv.reshape(b * s, *kv.shape[2:]), got)[None]  # [1, B * S + M, Hkv, 2D]
     out = block_attention(
         q.reshape(1, b * s, hq, d), rows[..., :d], rows[..., d:], plan.blocks, softmax_scale=softmax_scale,
-        backend=backend, softcap=softcap, sinks=sinks,
+        backend=backend, softcap=softcap, sinks=sinks, head_groups=head_groups,
     )  # fmt: skip
     return tie(out, got).view(b, s, hq, d)  # every rank runs the fetch's backward
+
+
+def _flat_sinks(sinks: Tensor | None, b: int, s: int) -> Tensor | None:
+    """Per-row sinks ``[B, S, Hq]`` follow the rows into the one flat block ``[1, B * S, Hq]``."""
+    return sinks.reshape(1, b * s, sinks.shape[2]) if sinks is not None and sinks.dim() == 3 else sinks
+
+
+def border_forward(
+    q: Tensor, k: Tensor, v: Tensor, plan: MaskPlan, group: dist.ProcessGroup | None, scale: float,
+    kernel: BlockKernel, sinks: Tensor | None = None, cap: float = 0.0,
+) -> tuple[Tensor, tuple[Tensor, Tensor]]:  # fmt: skip
+    """The border route of ``masked_attention`` without autograd: ``out [B, S, Hq, D]`` and what
+    ``border_backward`` needs besides the inputs: the float32 log-sum-exp ``[B, S, Hq]`` and the fetched
+    border rows ``[M, Hkv, 2D]`` (``W - 1`` per run: a few; kept so that backward fetches nothing again).
+    Collective over ``group``."""
+    assert plan.halo is not None
+    b, s, hq, d = q.shape
+    kv = torch.cat((k, v), dim=-1)  # [B, S, Hkv, 2D]: K and V rows travel together
+    flat = kv.reshape(b * s, *kv.shape[2:])
+    got = fetch_forward(flat, plan.halo.plan, group)
+    rows = plan.kv_rows(flat, got)[None]  # [1, B * S + M, Hkv, 2D]
+    del kv, flat
+    out, lse = ring_forward(q.reshape(1, b * s, hq, d), rows[..., :d], rows[..., d:], scale, [plan.blocks], kernel,
+                            None, _flat_sinks(sinks, b, s), cap)  # fmt: skip
+    return out.view(b, s, hq, d), (lse.view(b, s, hq), got)
+
+
+def border_backward(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, state: tuple[Tensor, Tensor], plan: MaskPlan,
+    group: dist.ProcessGroup | None, scale: float, kernel: BlockKernel, sinks: Tensor | None = None,
+    cap: float = 0.0, sinks_grad: bool = False,
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:  # fmt: skip
+    """The gradients ``(dq, dk, dv, dsinks)`` of ``border_forward`` (its ``out`` and ``state``): the block
+    kernels' backward over the same rows, and the fetched rows' dK/dV sent home (one exchange, collective)."""
+    assert plan.halo is not None
+    lse, got = state
+    b, s, hq, d = q.shape
+    kv = torch.cat((k, v), dim=-1)
+    n = b * s
+    rows = plan.kv_rows(kv.reshape(n, *kv.shape[2:]), got)[None]
+    del kv
+    dq, dk_r, dv_r, dsinks = ring_backward(
+        dout.reshape(1, n, hq, d), q.reshape(1, n, hq, d), rows[..., :d], rows[..., d:], out.reshape(1, n, hq, d),
+        lse.reshape(1, n, hq), scale, [plan.blocks], kernel, None, _flat_sinks(sinks, b, s), cap, sinks_grad,
+    )  # fmt: skip
+    del rows
+    d_local, d_got = plan.kv_rows_grad(torch.cat((dk_r, dv_r), dim=-1)[0], n)
+    d_local = d_local + fetch_backward(d_got, plan.halo.plan, group, n)
+    dk, dv = d_local.view(b, s, -1, 2 * d).split(d, dim=-1)
+    if dsinks is not None and dsinks.dim() == 3:
+        dsinks = dsinks.view(b, s, hq)
+    return dq.view(b, s, hq, d), dk, dv, dsinks

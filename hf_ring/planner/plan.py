@@ -32,10 +32,10 @@ from .terms import (
     attention_comm,
     mixer_comm_bytes,
     mixer_terms,
-    ring_buffer_bytes,
     window_border,
     window_buffer_bytes,
 )
+from .tiled import check_head_groups, check_tiled_layers, ring_group_bytes, tiled_fixed_bytes, tiled_layer_terms
 from .timing import StepTime, rates_for, step_time
 from .vision import priced_tower, vision_terms
 
@@ -44,7 +44,8 @@ __all__ = ["GiB", "Plan", "max_seq_len", "plan", "smallest_cp"]
 GiB = 2**30
 
 # the settings a plan's table and JSON name next to its model and sizes
-SHOWN_SETTINGS = ("mode", "dtype", "checkpointing", "offload", "sharding", "chunked_loss", "tiled_mlp")
+SHOWN_SETTINGS = ("mode", "dtype", "checkpointing", "offload", "sharding", "chunked_loss", "tiled_mlp", "tiled_layers",
+                  "head_groups", "offload_every")  # fmt: skip
 
 
 @dataclass
@@ -114,8 +115,21 @@ class Plan:
         return self.model_states + self.activation_peak + self.rows["runtime reserve"]
 
     @property
+    def host_per_rank(self) -> float:
+        """Bytes of host memory one rank's offloaded activations take."""
+        return sum(self.host.values())
+
+    @property
+    def host_per_node(self) -> float:
+        """Bytes of host memory the offloaded activations of one node's ranks take
+        (``settings.gpus_per_node`` of them, or all GPUs when fewer)."""
+        return self.host_per_rank * min(self.gpus, self.settings.gpus_per_node)
+
+    @property
     def fits(self) -> bool:
-        return self.peak <= self.gpu_bytes
+        """The peak fits in the GPU's memory (and, with ``settings.host_gib``, the offload in the node's)."""
+        host = self.settings.host_gib
+        return self.peak <= self.gpu_bytes and (host is None or self.host_per_node <= host * GiB)
 
     def shown_settings(self) -> dict[str, Any]:
         """The settings that the table's and JSON's headline names (mode, dtype, memory tools)."""
@@ -141,6 +155,8 @@ class Plan:
             "rows_gib": {k: v / GiB for k, v in self.rows.items()},
             "phases_gib": {k: v / GiB for k, v in self.phases.items()},
             "host_gib": {k: v / GiB for k, v in self.host.items()},
+            "host_gib_per_rank": self.host_per_rank / GiB,
+            "host_gib_per_node": self.host_per_node / GiB,
             "peak_gib": self.peak / GiB,
             "gpu_gib": self.gpu_bytes / GiB,
             "fits": self.fits,
@@ -234,7 +250,12 @@ def plan(model: ModelShape, settings: PlanSettings) -> Plan:
     rows: dict[str, float] = {"weights": weights, "gradients": grads, "optimizer state": optim}
 
     # activations kept through the step
-    tile = min(s.tiled_mlp, t) if s.tiled_mlp else 0
+    layer_tile = min(s.tiled_layers, t) if s.tiled_layers else 0
+    if layer_tile:
+        check_tiled_layers(m, checkpointing=s.checkpointing)
+    tile = min(s.tiled_mlp or s.tiled_layers or 0, t)  # tiled layers run the MLP over their tiles too
+    groups = s.head_groups
+    check_head_groups(m, groups, u)
     lora = (s.lora_rank, tuple(s.lora_targets)) if s.mode == "lora" else None
     a = activation_terms(m, b, tiled_mlp=bool(tile), lora=lora, lora_fp32=s.lora_fp32, ulysses=u)
     checkpointing = s.checkpointing
@@ -254,7 +275,9 @@ def plan(model: ModelShape, settings: PlanSettings) -> Plan:
     else:
         own = a["layer_input"] if f32 else 0
         layers_kept = sum(count[k] * (own + saved_through(k, len(k) - 1)) for k in kinds)
-    decoder_kept = t * (layers_kept + a["rope"] + a["final_norm"])
+    # the final norm: its input once tiled; without the chunked loss's head also its output
+    final_norm = a["layer_input"] if layer_tile else a["final_norm"] - (m.hidden * b if s.chunked_loss else 0)
+    decoder_kept = t * (layers_kept + a["rope"] + final_norm)
     vocab_row = m.vocab  # the loss's per-token bytes are per vocabulary entry
     if s.chunked_loss:
         chunk = min(t, s.loss_chunk or _default_chunk_size(m.vocab))
@@ -269,11 +292,25 @@ def plan(model: ModelShape, settings: PlanSettings) -> Plan:
     if offload and not checkpointing:
         raise ValueError("offload moves checkpointed activations to host memory: it needs checkpointing=True")
     # offloaded: the layer inputs and the final norm's tensors (RoPE's cos/sin stay, held by the layers' calls)
-    offloaded = t * (layers_kept + a["final_norm"]) if offload else 0.0
+    if s.offload_every > 1 and not (offload and layer_tile):
+        raise ValueError("offload_every > 1 needs offload and tiled_layers (the tiled layers make the inputs again)")
+    offloaded = recomputed = 0.0
+    if offload:  # offload_every = k: the inputs of layers 0, k, 2k, ..., and the final norm's when k divides L
+        k, n_layers = s.offload_every, m.layers
+        stored = (n_layers - 1) // k + 1
+        final_stored = n_layers % k == 0
+        per_layer = layers_kept / n_layers
+        offloaded = t * (per_layer * stored + (final_norm if final_stored else 0.0))
+        recomputed = t * (per_layer * (n_layers - stored) + (0.0 if final_stored else final_norm))
     host = {"checkpointed activations": offloaded}
-    kept = decoder_kept - offloaded + loss_kept
-    rows["checkpointed activations" if checkpointing else "saved activations"] = decoder_kept - offloaded
+    # LoRA with checkpointing: transformers makes the (frozen) embedding's output require grad
+    # (enable_input_require_grads), a leaf that autograd holds on the device until the step's backward is done
+    leaf = t * m.hidden * b if s.mode == "lora" and checkpointing else 0.0
+    kept = decoder_kept - offloaded - recomputed + loss_kept + leaf
+    rows["checkpointed activations" if checkpointing else "saved activations"] = decoder_kept - offloaded - recomputed
     rows["loss (kept for backward)"] = loss_kept
+    if leaf:
+        rows["embedding output (LoRA: an autograd leaf)"] = leaf
     vt: dict[str, float] = {}
     if vis is not None:
         visual = s.visual_fraction * s.seq_len * s.micro_batch  # visual tokens of the CP group's micro-batch
@@ -290,15 +327,16 @@ def plan(model: ModelShape, settings: PlanSettings) -> Plan:
         )
 
     # working sets, each at its own time in the backward pass
-    unpacked = t * a["layer_input"] if offload else 0.0  # the input of the layer being recomputed, back
-    ring = ring_buffer_bytes(m, b, cp, u)
+    # the input of the layer being recomputed, back; and the previous layer's, fetched while it runs (prefetch)
+    unpacked = t * a["layer_input"] * min(2, m.layers) if offload else 0.0
+    ring = ring_group_bytes(m, b, cp, u, groups)
     n_tokens = t * cp // s.micro_batch
     if m.windowed_layers == m.layers and window_border(m, n_tokens, cp, u):
         # every layer windowed within a chunk: the border's keys and values instead of the ring's buffers
         ring = window_buffer_bytes(m, b, n_tokens, cp, u) * s.micro_batch / t
     dx = t * m.hidden * b
     # decoder state once the loss's backward is done (and the full logits, which the output holds)
-    base = t * a["rope"] + (unpacked if offload else t * layers_kept) + vt.get("kept", 0.0)
+    base = t * a["rope"] + (unpacked if offload else t * layers_kept) + vt.get("kept", 0.0) + leaf
     if not s.chunked_loss:
         base += t * vocab_row * b
     # one MLP tile recomputed in backward: what it saves, two gradients; the tile's weight gradients
@@ -328,6 +366,24 @@ def plan(model: ModelShape, settings: PlanSettings) -> Plan:
     rows["loss working set (backward)"] = loss_bwd
     rows["runtime reserve"] = s.reserve_gib * GiB
     phases = {"loss backward": kept + loss_bwd}
+    if layer_tile:  # every layer tiled: its halves' backward and the recompute of its attention half
+        tl = tiled_layer_terms(m, b, cp, u, groups, lora, s.lora_fp32)
+        fixed = tiled_fixed_bytes(m, b, s.mode == "full", groups)
+        work = {
+            "mlp": t * (tl["saved"] + tl["mlp_input"] + tl["grads"]) + layer_tile * tl["mlp_tile"] + fixed["mlp"],
+            # the ring's backward of one group, or the tiles' backward that follows it
+            "attention": t * (tl["saved"] + tl["grads"])
+            + fixed["attn"]
+            + max(t * tl["group"], t * tl["group_grads"] + layer_tile * tl["attn_tile"]),
+            "forward": t * (tl["saved"] + tl["group_forward"]) + layer_tile * tl["attn_tile"],
+        }
+        for k in ("recompute working set (one layer)", "ring buffers (attention backward)"):
+            rows.pop(k, None)
+        rows["tiled layer: attention output, log-sum-exp"] = t * tl["saved"]
+        rows[f"tiled layer: one head group of {groups} (q, k, v, ring)"] = t * tl["group"]
+        plural = "s" if groups > 1 else ""
+        names = {"mlp": "layer backward, MLP (tiled)", "attention": f"layer backward, attention (tiled, {groups} "
+                 f"head group{plural})", "forward": "layer recompute, attention (tiled)"}  # fmt: skip
     phases.update({names[part]: base + ws for part, ws in sorted(work.items(), key=lambda kv: kv[0] != "mlp")})
     if vt:
         # the step's start: the tower encodes one block at a time, then the features merge into the whole sequence

@@ -112,6 +112,29 @@ class PlanSettings:
         None, "hf_ring.enable_tiled_mlp(model, TOKENS): the MLP over tiles of TOKENS", parse=tokens, metavar="TOKENS",
         least=1,
     )
+    tiled_layers: int | None = _setting(
+        None,
+        "hf_ring.enable_tiled_layers(model, TOKENS): each decoder layer's norms, projections, LoRA adapters and "
+        "RoPE over tiles of TOKENS, its MLP too (Llama, Qwen2, Qwen3, Mistral layers; needs checkpointing)",
+        parse=tokens, metavar="TOKENS", least=1,
+    )
+    head_groups: int = _setting(
+        1,
+        "hf_ring.enable_head_groups(model, G): attention heads in G groups inside the ring (G divides the K/V heads "
+        "each rank attends with): q, k, v, the ring's buffers and their gradients for one group at a time",
+        least=1, metavar="G",
+    )
+    offload_every: int = _setting(
+        1,
+        "with offload and tiled_layers: every K-th layer's input in host memory, the K - 1 between made again in "
+        "backward from it (one more forward of those layers); 1: every layer's (hf_ring.enable_tiled_layers(model, "
+        "TOKENS, offload_every=2))",
+        choices=(1, 2), parse=int, metavar="K",
+    )
+    host_gib: float | None = _setting(
+        None, "GiB of host memory per node the plan must fit in (offloaded activations); None: not checked",
+        flag="--host-mem", parse=float, above=0, metavar="GIB",
+    )
     reserve_gib: float = _setting(
         2.0, "GiB for CUDA context, NCCL buffers, allocator slack (a recipe: 0)", flag="--reserve", least=0
     )

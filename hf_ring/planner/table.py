@@ -33,7 +33,15 @@ def plan_table(self: Plan) -> str:
     lines.append(f"  {'peak (model states + activation peak + reserve)':<42}{self.peak / GiB:>10.2f}")
     lines.append(f"  {'fits in':<42}{self.gpu_bytes / GiB:>10.2f}  {'yes' if self.fits else 'NO'}")
     if any(self.host.values()):
-        lines.append(f"  host memory per rank (offloaded): {sum(self.host.values()) / GiB:.2f} GiB")
+        node = min(self.gpus, self.settings.gpus_per_node)
+        limit = self.settings.host_gib
+        verdict = ""
+        if limit is not None:
+            verdict = f" (of {limit:g} GiB: {'fits' if self.host_per_node <= limit * GiB else 'does NOT fit'})"
+        lines.append(
+            f"  host memory (offloaded): {self.host_per_rank / GiB:.2f} GiB per rank, "
+            f"{self.host_per_node / GiB:.1f} GiB per node of {node} GPUs{verdict}"
+        )
     o = self.overlap
     where = "per rank" if self.ulysses == 1 else "per ring position"
     lines.append(

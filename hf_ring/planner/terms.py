@@ -99,7 +99,8 @@ def activation_terms(
         "final_norm": norm_io,
         # backward transients of the MLP phase: dL/d(gate), dL/d(up) in flight, and dL/dx
         # (tiled: the MLP's dL/dx accumulator instead; the tile's own tensors are counted apart)
-        "mlp_backward": (h * b if tiled_mlp else mlp_grads) + h * b + 24,
+        # (untiled: measured at the peak, dL/d(gate) and dL/d(up) in flight, dL/dx not yet made)
+        "mlp_backward": h * b + h * b + 24 if tiled_mlp else mlp_grads,
         "norm1": norm1,
         "norm_io": norm_io,
     }

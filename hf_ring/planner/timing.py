@@ -10,7 +10,9 @@
   and dW), ``1x`` with LoRA (dX only; the adapters' own small GEMMs ``3 x 2 r (in + out)``); recomputed
   forward under checkpointing (but a layer's last linear layer, which the recompute stops before); an MoE
   layer's active experts and router; the LM head (forward twice with the chunked loss, which recomputes it);
-  at ``Rates.gemm``;
+  the MLP's forward once more with a tiled MLP or tiled layers, and with tiled layers q, k, v's twice more and
+  o_proj's once more (their tiles' backward re-runs them); ``(k - 1) / k`` of the layers' forward once more with
+  ``offload_every = k`` (their inputs made again in backward); at ``Rates.gemm``;
 - **memory-bound work** per token and layer (``elementwise_bytes``): the two RMSNorms (about five passes over the
   hidden state each), RoPE on q and k (five passes), the gated activation (five passes over the intermediate
   size), the residual adds; the backward twice the forward's traffic, the recompute once more; at
@@ -118,12 +120,17 @@ def rates_for(gpu: str, kernel: str, head_dim: int = 128, table: dict[str, Any] 
     return Rates(frac * peak, DEFAULT_GEMM[gen] * peak, kind.hbm_GBps * 0.8e9, peak, name, kind.name)
 
 
+def _again(s: PlanSettings) -> float:
+    """Forwards of a layer once more per step on average: ``(k - 1) / k`` with ``offload_every = k``."""
+    return (s.offload_every - 1) / s.offload_every if s.offload and s.offload_every > 1 else 0.0
+
+
 def _gemm_per_token(m: ModelShape, s: PlanSettings) -> tuple[float, float]:
     """``(executed, model)`` GEMM FLOPs per token of the whole step (every layer, the head). The recompute of a
     checkpointed layer stops after the last tensor its backward saved (torch's non-reentrant checkpoint stops
     early): it skips the layer's last linear layer, whose output nothing saves."""
     lora = s.mode == "lora"
-    fwd = bwd = recompute = 0.0
+    fwd = bwd = recompute = extra = 0.0
     for parts in m.layer_blocks:
         layer = last = 0.0
         for part in parts:
@@ -136,16 +143,20 @@ def _gemm_per_token(m: ModelShape, s: PlanSettings) -> tuple[float, float]:
                 m.part_shapes(part)  # fmt: skip
             for name, (fan_in, fan_out) in shapes.items():
                 f = 2 * fan_in * fan_out
-                layer, last, bwd = layer + f, f, bwd + f * (1 if lora else 2)
-                if lora and name in s.lora_targets:
-                    a = 2 * s.lora_rank * (fan_in + fan_out)
-                    layer, bwd = layer + a, bwd + 2 * a
+                a = 2 * s.lora_rank * (fan_in + fan_out) if lora and name in s.lora_targets else 0
+                layer, last, bwd = layer + f + a, f, bwd + f * (1 if lora else 2) + 2 * a
+                # the tiles' forward once more in backward (tiled MLP, tiled layers); tiled layers make the
+                # group's q, k, v twice more (for the ring, for the tiles' backward) and o_proj's once more
+                again = {"o_proj": 1, "q_proj": 2, "k_proj": 2, "v_proj": 2}.get(name, 0) if s.tiled_layers else 0
+                if part == "mlp" and (s.tiled_mlp or s.tiled_layers):
+                    again = 1
+                extra += again * (f + a)
         fwd += layer
         recompute += layer - last
     head = 2 * m.hidden * m.vocab
     head_fwd = head * (2 if s.chunked_loss else 1)  # the chunked loss recomputes the logits in backward
     head_bwd = head * (1 if lora else 2)
-    executed = fwd + (recompute if s.checkpointing else 0.0) + bwd + head_fwd + head_bwd
+    executed = fwd * (1 + _again(s)) + (recompute if s.checkpointing else 0.0) + bwd + head_fwd + head_bwd + extra
     return executed, fwd + bwd + head + head_bwd
 
 
@@ -159,7 +170,9 @@ def step_flops(m: ModelShape, s: PlanSettings, cp: int) -> dict[str, float]:
     per_pair = 4 * m.heads * m.head_dim * b / cp  # FLOPs of one (query, key) pair over the rank's share
     w = min(m.window, n) if m.window else 0
     fwd = per_pair * (full * n * n / 2 + windowed * (w * n - w * (w - 1) / 2))
-    passes = 2 if s.checkpointing else 1
+    # forwards per step: checkpointing recomputes every layer; offloading every k-th layer's input makes the
+    # k - 1 between again from it in backward (one more forward of (k - 1) / k of the layers)
+    passes = (2 if s.checkpointing else 1) + _again(s)
     gemm_exec, gemm_model = _gemm_per_token(m, s)
     tokens = b * n / cp
     return {
@@ -218,7 +231,7 @@ def step_time(m: ModelShape, s: PlanSettings, cp: int, ulysses: int, rates: Rate
     Ulysses layout with the attention rate setting the overlap)."""
     f = step_flops(m, s, cp)
     attention_s, gemm_s = f["attention"] / rates.attention, f["gemm"] / rates.gemm
-    passes = (2 if s.checkpointing else 1) + 2  # forwards, and the backward's twice the traffic
+    passes = (2 if s.checkpointing else 1) + _again(s) + 2  # forwards, and the backward's twice the traffic
     memory_s = elementwise_bytes(m, DTYPE_BYTES[s.dtype]) * m.layers * f["tokens"] * passes / rates.memory
     exposed = 0.0
     attention_layers = sum("attention" in parts for parts in m.layer_blocks)

@@ -213,6 +213,11 @@ def _settings(r: dict[str, Any]) -> PlanSettings:
         # a DPO pair is two sequences (chosen, rejected) in one forward; GRPO's micro-batch counts completions
         micro_batch=int(r.get("per_device_train_batch_size", 8)) * (2 if _trainer(r) == "dpo" else 1),
         tiled_mlp=r.get("tiled_mlp"),
+        tiled_layers=r.get("tiled_layers"),
+        head_groups=int(r.get("head_groups", 1)),
+        offload_every=int(r.get("offload_every", 1)),
+        gpus_per_node=int(stated.get("gpus_per_node", 8)),
+        host_gib=stated.get("host_gib"),
         sharding=stated.get("sharding", "none"),
         gpu_gib=float(stated.get("gpu", 80)),
         reserve_gib=0.0,
@@ -226,10 +231,12 @@ def recipe_settings(source: Source) -> PlanSettings:
     """The planner's settings of a recipe: its ``data.seq_len`` (or longest stage), ``cp_size``,
     ``ulysses_size``, ``per_device_train_batch_size``, dtype, LoRA or full fine-tuning,
     ``activation_checkpointing`` (or its alias ``gradient_checkpointing``), ``activation_offload``,
-    ``chunked_loss``, ``tiled_mlp`` and ``data.visual_fraction`` (the share of image / video tokens: the
-    planner prices the vision tower, frozen). The number of GPUs, the sharding and the GPU size come from
-    the launch, which the recipe states in ``memory_gb: {gpus, sharding, gpu}`` (default: ``cp_size``
-    GPUs, no sharding, 80 GiB); no runtime reserve."""
+    ``chunked_loss``, ``tiled_mlp``, ``tiled_layers``, ``head_groups``, ``offload_every`` and
+    ``data.visual_fraction`` (the share of image / video tokens: the planner prices the vision tower,
+    frozen). The number of GPUs, the sharding, the GPU size, the GPUs per node and the node's host memory
+    come from the launch, which the recipe states in ``memory_gb: {gpus, sharding, gpu, gpus_per_node,
+    host_gib}`` (default: ``cp_size`` GPUs, no sharding, 80 GiB, 8 per node, host memory not checked); no
+    runtime reserve."""
     return _settings(read_recipe(source))
 
 
@@ -287,10 +294,13 @@ def recipe_memory(source: Source) -> dict[str, Any]:
     ``activations``, ``total`` = the two; ``host`` when activations are offloaded)."""
     stated = read_recipe(source).get("memory_gb") or {}
     p = recipe_plan(source)
-    out: dict[str, Any] = {k: stated[k] for k in ("gpus", "sharding", "gpu") if k in stated}
+    out: dict[str, Any] = {k: stated[k] for k in ("gpus", "sharding", "gpu", "gpus_per_node", "host_gib")
+                           if k in stated}  # fmt: skip
     out.update(p.summary_gib())
     if any(p.host.values()):
         out["host"] = round(sum(p.host.values()) / GiB, 3)
+        if p.host_per_node != p.host_per_rank:
+            out["host_node"] = round(p.host_per_node / GiB, 1)
     return out
 
 

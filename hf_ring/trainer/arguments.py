@@ -19,6 +19,7 @@ from ..errors import UserError
 from ..ledger import LEDGER
 from ..ops.kernels import check_backend
 from ..planner.settings import parse_ulysses_size
+from ..transformers.layers import enable_head_groups, enable_tiled_layers
 from ..transformers.patches import enable_activation_checkpointing, enable_chunked_loss, enable_tiled_mlp
 from .mesh import parallelism_sizes
 
@@ -68,6 +69,30 @@ class RingTrainingArguments(TrainingArguments):
     tiled_mlp: int | None = field(
         default=None,
         metadata={"help": "Run every gated MLP over tiles of this many tokens (hf_ring.enable_tiled_mlp); None: off."},
+    )
+    tiled_layers: int | None = field(
+        default=None,
+        metadata={
+            "help": "Run every decoder layer's norms, projections, LoRA adapters, RoPE and MLP over tiles of this many "
+            "tokens, attention one head group at a time (hf_ring.enable_tiled_layers; Llama, Qwen2, Qwen3, Mistral "
+            "layers); None: off."
+        },
+    )
+    head_groups: int = field(
+        default=1,
+        metadata={
+            "help": "Attention heads in this many groups inside the ring, one group at a time: q, k, v, the ring's "
+            "buffers and their gradients for one group (hf_ring.enable_head_groups; it must divide the K/V heads "
+            "each rank attends with). 1: off."
+        },
+    )
+    offload_every: int = field(
+        default=1,
+        metadata={
+            "help": "With activation_offload and tiled_layers: only every K-th layer's input goes to host memory, "
+            "the layers between make theirs again in backward from it (half the host memory for K = 2, for one "
+            "more forward of half the layers). 1: every layer's input."
+        },
     )
     activation_offload: bool = field(
         default=False,
@@ -129,6 +154,12 @@ class RingTrainingArguments(TrainingArguments):
         sizes = parallelism_sizes(self)  # accelerate's ParallelismConfig(cp_size=P), here or from the launcher
         if sizes is not None and self.cp_size == 1:
             self.cp_size = sizes["cp_size"]  # what RingTrainer will adopt; configs sized by it see it now
+        if self.offload_every not in (1, 2) or (self.offload_every > 1 and not (self.activation_offload and
+                                                                                  self.tiled_layers)):  # fmt: skip
+            raise UserError(
+                f"RingTrainingArguments: offload_every={self.offload_every} needs activation_offload=True and "
+                "tiled_layers (the tiled layers make the inputs between again); it is 1 or 2."
+            )
         if self.activation_offload and not checkpointing(self)[0]:
             raise UserError(
                 "RingTrainingArguments: activation_offload=True needs activation_checkpointing=True "
@@ -187,6 +218,9 @@ NUMBERS: dict[str, tuple[float, bool, bool, str]] = {
     "per_device_eval_batch_size": (1, True, True, "sequences per process and evaluation step"),
     "gradient_accumulation_steps": (1, True, True, "micro-steps per optimizer step"),
     "tiled_mlp": (1, True, True, "tokens per tile of the MLP (None: off)"),
+    "tiled_layers": (1, True, True, "tokens per tile of the tiled decoder layers (None: off)"),
+    "head_groups": (1, True, True, "attention head groups inside the ring (1: off)"),
+    "offload_every": (1, True, True, "layers per offloaded layer input (1: every layer's input)"),
     "max_steps": (1, True, True, "optimizer steps to train (-1: as many as num_train_epochs make)"),
     "save_steps": (0, False, False, "optimizer steps between checkpoints (below 1: a fraction of the run)"),
     "logging_steps": (0, False, False, "optimizer steps between logs (below 1: a fraction of the run)"),
@@ -219,12 +253,17 @@ def check_numbers(args: object) -> None:
 
 def apply_model_options(model: nn.Module, args: TrainingArguments) -> nn.Module:
     """Apply the model-side options of ``args`` (a ``RingTrainingArguments``; plain
-    ``TrainingArguments`` have none) to ``model``: chunked loss, tiled MLP, activation offload.
+    ``TrainingArguments`` have none) to ``model``: chunked loss, tiled MLP, head groups, tiled layers,
+    activation offload.
     Idempotent; works on plain and PEFT models. Returns ``model``."""
     if getattr(args, "chunked_loss", False):
         enable_chunked_loss(model)
     if getattr(args, "tiled_mlp", None):
         enable_tiled_mlp(model, args.tiled_mlp)
+    if getattr(args, "head_groups", 1) > 1:
+        enable_head_groups(model, args.head_groups)
+    if getattr(args, "tiled_layers", None):
+        enable_tiled_layers(model, args.tiled_layers, offload_every=getattr(args, "offload_every", 1))
     if getattr(args, "activation_offload", False):
         kwargs = dict(checkpointing(args)[1] or {})
         enable_activation_checkpointing(model, offload=True, every_n_layers=kwargs.get("every_n_layers", 1))

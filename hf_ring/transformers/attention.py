@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import inspect
 import sys
+import weakref
 from typing import Any
 
 import torch
@@ -30,15 +31,24 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..errors import RingMaskUsed, RingNotSupported
-from ..ops.ring import ring_attention
-from ..ops.ulysses import ulysses_ring_attention
-from ..ops.windows import MaskPlan, mask_plan, masked_attention
+from ..ops.attention_call import AttentionCall
+from ..ops.windows import MaskPlan, mask_plan
 from ..parallel import attention_backend
 from . import decode
 from .carry import ACTIVE
 from .context import RingContext
 from .support import check_layer
 from .temperature import global_temperature
+
+# attention module -> the number of groups its heads run in inside the ring (``layers.enable_head_groups`` and
+# ``disable_head_groups``); absent: one group. hf_ring's own record, never an attribute of the module.
+HEAD_GROUPS: weakref.WeakKeyDictionary[torch.nn.Module, int] = weakref.WeakKeyDictionary()
+
+
+def head_groups(module: torch.nn.Module) -> int:
+    """The head groups ``module``'s attention runs in inside the ring (``enable_head_groups``; 1: all at once)."""
+    return HEAD_GROUPS.get(module, 1)
+
 
 _MASK_USED = (
     'attn_implementation="ring": this model uses the attention mask itself, outside transformers\' '
@@ -186,6 +196,7 @@ def ring_attention_forward(
     scores and outputs unchanged. ``softcap`` (Gemma 2) caps the scores in every block kernel call;
     attention sinks (``s_aux [Hq]`` of GPT-OSS, MiMo-V2-Flash, Granite SWA; per-token ``sinks
     [B, Hq, S_local, 1]``) join each row's softmax after the ring's merge (``ring_attention``).
+    What is decided before computing is ``ring_call``'s.
     """
     if ring_context is None:  # a decoder layer that calls its attention without the batch's keyword arguments
         ring_context = ACTIVE.get()
@@ -196,17 +207,58 @@ def ring_attention_forward(
     if ring_context.decode is not None and ring_context.decode.decoding:  # new tokens of CP decoding (decode.py)
         return decode.attention(module, query, key, value, attention_mask, ring_context, scaling=scaling,
                                 dropout=dropout, is_causal=is_causal, **kwargs)  # fmt: skip
+    d_qk, d_v = query.shape[-1], value.shape[-1]
+    call, sinks = ring_call(
+        module, attention_mask, ring_context, shape=(query.shape[0], query.shape[1], query.shape[2], max(d_qk, d_v)),
+        keys=key.shape[2], scaling=scaling if scaling is not None else d_qk**-0.5, dropout=dropout,
+        is_causal=is_causal, **kwargs,
+    )  # fmt: skip
+    if ring_context.decode is not None:  # a prefill for decoding keeps this rank's keys and values (decode.py)
+        decode.keep_kv(ring_context, key, value)
+    query = global_temperature(module, query, ring_context)  # Llama 4's NoPE temperature from global positions
+    device = query.device.type
+    if torch.is_autocast_enabled(device):  # as SDPA under autocast: all three in the autocast dtype
+        dtype = torch.get_autocast_dtype(device)
+        query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
+    if d_v != d_qk:  # zero columns add nothing to a score and give outputs that are cut off below
+        d = max(d_qk, d_v)
+        query, key, value = (F.pad(t, (0, d - t.shape[-1])) for t in (query, key, value))
+    q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)  # (B, S, H, D)
+    with torch.autocast(device, enabled=False):
+        out = call(q, k, v, sinks)
+    return (out[..., :d_v] if d_v != d_qk else out), None
+
+
+def ring_call(
+    module: torch.nn.Module,
+    attention_mask: Any,
+    ring_context: RingContext,
+    *,
+    shape: tuple[int, int, int, int],
+    keys: int,
+    scaling: float,
+    dropout: float = 0.0,
+    is_causal: bool | None = None,
+    **kwargs: Any,
+) -> tuple[AttentionCall, Tensor | None]:
+    """What the attention function decides before it computes, for a call of ``module`` on the batch of
+    ``ring_context`` with queries of ``shape = (B, Hq, S_local, D)``, ``keys`` keys and the keyword arguments
+    transformers passes: the checks (``RingNotSupported`` for what the ring cannot compute exactly), the CP
+    group, Ulysses, the batch's document schedule or the layer's window or chunk, soft-cap, kernel and head
+    groups (``head_groups``) as an ``AttentionCall``; and the sinks as the op takes them. Counts the call on
+    the context. The tiled layer (``layers.py``) asks it the same; a call without a ``ring_context`` is
+    ``one_process_attention``'s, and a call of CP decoding ``decode.attention``'s, before this."""
     for name, what in _UNSUPPORTED.items():
         if kwargs.get(name) is not None:
             raise RingNotSupported(f'attn_implementation="ring" does not support {what} (got {name}=...).')
     if dropout:
         raise RingNotSupported(
             f'attn_implementation="ring" does not support attention dropout (dropout={dropout} while '
-            "training); set config.attention_dropout = 0.0."
+            "training). Set the model's attention_dropout to 0.0."
         )
     if attention_mask is not None and not isinstance(attention_mask, RingMask):
         raise RingNotSupported(
-            f'attn_implementation="ring" got an attention mask it did not prepare ({type(attention_mask).__name__}); '
+            'attn_implementation="ring" got a dense attention_mask (custom mask or packed sequences); '
             "it applies the causal mask over global positions itself. Pass the batch through "
             "hf_ring.shard_batch (right padding is handled there) instead of a custom mask."
         )
@@ -216,52 +268,28 @@ def ring_attention_forward(
             "Pass the padded batch, attention_mask included, to hf_ring.shard_batch, which handles right "
             "padding exactly, and give the model only what it returns; left padding is not supported."
         )
-    if query.shape[2] != key.shape[2]:
+    if shape[2] != keys:
         raise RingNotSupported(
-            f'attn_implementation="ring" needs as many keys as queries (got {query.shape[2]} queries, '
-            f"{key.shape[2]} keys): decoding with a KV cache is not supported on a batch from shard_batch. "
+            f'attn_implementation="ring" needs as many keys as queries (got {shape[2]} queries, '
+            f"{keys} keys): decoding with a KV cache is not supported on a batch from shard_batch. "
             "Pass use_cache=False (shard_batch does); generate without shard_batch (every rank then runs the "
             "whole sequence, as one process)."
         )
     group, size, schedule = ring_context.group, ring_context.size, ring_context.schedule
     ulysses = (ring_context.ulysses_group, ring_context.ring_group) if ring_context.ulysses_size > 1 else None
-    n_global = query.shape[2] * size
+    n_global = shape[2] * size
     mask = attention_mask if isinstance(attention_mask, RingMask) else None
     check_layer(module, kwargs, n_global, ring_context.labelled, size, ring_context.positions_given, mask=mask)
-    if ring_context.decode is not None:  # a prefill for decoding keeps this rank's keys and values (decode.py)
-        decode.keep_kv(ring_context, key, value)
-    query = global_temperature(module, query, ring_context)  # Llama 4's NoPE temperature from global positions
-    device = query.device.type
-    if torch.is_autocast_enabled(device):  # as SDPA under autocast: all three in the autocast dtype
-        dtype = torch.get_autocast_dtype(device)
-        query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
-    d_qk, d_v = query.shape[-1], value.shape[-1]
-    if scaling is None:
-        scaling = d_qk**-0.5
-    if d_v != d_qk:  # zero columns add nothing to a score and give outputs that are cut off below
-        d = max(d_qk, d_v)
-        query, key, value = (F.pad(t, (0, d - t.shape[-1])) for t in (query, key, value))
     causal = module.is_causal if is_causal is None else is_causal
-    plan = _mask_plan(mask, n_global, causal, ring_context, query.shape[0])
-    softcap, sinks = kwargs.get("softcap"), _sinks(kwargs, query.shape[1], query.shape[2])
+    plan = _mask_plan(mask, n_global, causal, ring_context, shape[0])
+    softcap, sinks = kwargs.get("softcap"), _sinks(kwargs, shape[1], shape[2])
     ring_context.cross_rank_calls.attention_ran()  # forward calls only: a checkpoint recompute does not count
-    q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)  # (B, S, H, D)
-    backend = attention_backend()  # "auto", or the kernel hf_ring.set_attention_backend pinned
-    with torch.autocast(device, enabled=False):
-        if ulysses is not None:
-            out = ulysses_ring_attention(
-                q, k, v, ulysses_group=ulysses[0], ring_group=ulysses[1], causal=causal, softmax_scale=scaling,
-                schedule=schedule if plan is None else None, mask=plan, softcap=softcap, sinks=sinks, backend=backend,
-            )  # fmt: skip
-        elif plan is not None:
-            out = masked_attention(q, k, v, plan, group=group, softmax_scale=scaling, softcap=softcap, sinks=sinks,
-                                   backend=backend)  # fmt: skip
-        else:
-            out = ring_attention(
-                q, k, v, group=group, causal=causal, softmax_scale=scaling, schedule=schedule, softcap=softcap,
-                sinks=sinks, backend=backend,
-            )  # fmt: skip
-    return (out[..., :d_v] if d_v != d_qk else out), None
+    call = AttentionCall(
+        group=ulysses[1] if ulysses is not None else group, ulysses_group=ulysses[0] if ulysses else None,
+        ulysses=ulysses is not None, causal=causal, scale=scaling, schedule=schedule if plan is None else None,
+        plan=plan, softcap=softcap, backend=attention_backend(), head_groups=head_groups(module),
+    )  # fmt: skip
+    return call, sinks
 
 
 def _mask_plan(mask: RingMask | None, n_global: int, causal: bool, ctx: RingContext, batch: int) -> MaskPlan | None:

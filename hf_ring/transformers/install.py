@@ -298,12 +298,13 @@ def _give(model: Any) -> None:
 def uninstall() -> None:
     """Undo everything: every ledger entry (every rebound name is its original object again, an inherited
     one is deleted; the registries hold what they held before, no ``"ring"``; models lose their loss,
-    hooks, chunked loss, tiled MLPs and offload; TRL's and accelerate's objects are theirs again), and
-    forget the modules, so that ``register()`` installs anew."""
-    from . import guard, multimodal, patches
+    hooks, chunked loss, tiled MLPs, tiled layers, head groups and offload; TRL's and accelerate's objects
+    are theirs again), and forget the modules, so that ``register()`` installs anew."""
+    from . import guard, layers, multimodal, patches
 
     LEDGER.undo_all()
-    for forget in (guard.forget, multimodal.forget, patches.forget_models):  # what hf_ring kept about models
+    # what hf_ring kept about models
+    for forget in (guard.forget, multimodal.forget, patches.forget_models, layers.forget):
         forget()
     _MODULES.clear()
 

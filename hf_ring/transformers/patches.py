@@ -103,7 +103,9 @@ class ChunkedLoss:
             return None
         hidden: Tensor = args[0]
         self.kept[ctx] = ChunkedLossInput(hidden, module, self.chunk_size, self.transform)
-        return (hidden[..., :0, :], *args[1:])  # the model computes logits of zero positions
+        # the model computes logits of zero positions, from a new empty tensor: a view of ``hidden`` would keep
+        # all of it (``[tokens, hidden]``) alive through the backward
+        return (hidden.new_empty((*hidden.shape[:-2], 0, hidden.shape[-1])), *args[1:])
 
     def take(self, ctx: RingContext) -> ChunkedLossInput | None:
         """What was kept for the call of ``ctx``, once (the loss's side); ``None`` when that call
