@@ -313,7 +313,7 @@ class RingTrainer(CheckpointMixin, ReplicaMixin, Trainer):
         its group and the timeout."""
         saves = self.args.save_strategy != "no" and not self.args.save_on_each_node
         if _launched() and dist.is_initialized() and (saves or resume_from_checkpoint):
-            from .checks import check_shared_output_dir
+            from .startup import check_shared_output_dir
 
             check_shared_output_dir(self.args.output_dir)
         resume_from_checkpoint = self._resolve_checkpoint(resume_from_checkpoint)
