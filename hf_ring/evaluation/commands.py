@@ -196,7 +196,7 @@ def run_needle(a: argparse.Namespace) -> dict[str, Any]:
     from ..plots import needle_png
     from .needle import evaluate_needle
     from .needle import summarise as summarise_needle
-    from .runtime import EvalError, Runtime, load_model, machine_info, parse_depths, parse_lengths, write_json
+    from .runtime import EvalError, Runtime, load_model, machine_info, parse_depths, parse_lengths
 
     start = time.perf_counter()
     lengths, depths = parse_lengths(a.lengths), parse_depths(a.depths)
@@ -227,15 +227,23 @@ def run_needle(a: argparse.Namespace) -> dict[str, Any]:
         "cells": cells,
     }
     if rt.is_main:
-        out = Path(a.out)
-        write_json(out / "needle.json", result)
-        png = needle_png(result, out / "needle.png")
         by_len = result["summary"]["accuracy_by_length"]
         print("accuracy by length: " + ", ".join(f"{format_tokens(int(n))} {v:.0%}" for n, v in by_len.items()))
-        print(f"wrote {out / 'needle.json'}" + (f" and {out / 'needle.png'}" if png else ""))
-        if not png:
-            print(NO_MATPLOTLIB.format(json=out / "needle.json", png=out / "needle.png"))
+        _write(a.out, "needle", result, needle_png)
     return result
+
+
+def _write(out_dir: str, name: str, result: dict[str, Any], draw: Any) -> None:
+    """``OUT/NAME.json`` and its picture ``OUT/NAME.png`` (``draw(result, path)``: ``False`` without
+    matplotlib, which is then said)."""
+    from .runtime import write_json
+
+    out = Path(out_dir)
+    write_json(out / f"{name}.json", result)
+    png = draw(result, out / f"{name}.png")
+    print(f"wrote {out / f'{name}.json'}" + (f" and {out / f'{name}.png'}" if png else ""))
+    if not png:
+        print(NO_MATPLOTLIB.format(json=out / f"{name}.json", png=out / f"{name}.png"))
 
 
 def run_ppl(a: argparse.Namespace) -> dict[str, Any]:
@@ -243,7 +251,7 @@ def run_ppl(a: argparse.Namespace) -> dict[str, Any]:
     from ..planner.settings import format_tokens
     from ..plots import ppl_png
     from .ppl import documents, evaluate_ppl
-    from .runtime import EvalError, Runtime, load_model, machine_info, write_json
+    from .runtime import EvalError, Runtime, load_model, machine_info
 
     start = time.perf_counter()
     _check_counts(a, EvalError, "docs", "cp_size", "buckets", "chunk_size", "seq_len")
@@ -265,16 +273,11 @@ def run_ppl(a: argparse.Namespace) -> dict[str, Any]:
         "machine": machine_info(),
     }
     if rt.is_main:
-        out = Path(a.out)
-        write_json(out / "ppl.json", result)
-        png = ppl_png(result, out / "ppl.png")
         print(
             f"loss {result['loss']:.4f} (ppl {result['ppl']:.2f}) over {counts['documents']} documents of "
             f"{format_tokens(a.seq_len)} tokens; {counts['skipped_short']} shorter ones skipped"
         )
-        print(f"wrote {out / 'ppl.json'}" + (f" and {out / 'ppl.png'}" if png else ""))
-        if not png:
-            print(NO_MATPLOTLIB.format(json=out / "ppl.json", png=out / "ppl.png"))
+        _write(a.out, "ppl", result, ppl_png)
     return result
 
 
@@ -285,7 +288,7 @@ def run_ruler(a: argparse.Namespace) -> dict[str, Any]:
     from ..planner.settings import format_tokens
     from ..plots import ruler_png
     from .ruler import evaluate_ruler, summarise
-    from .runtime import EvalError, Runtime, load_model, machine_info, parse_lengths, write_json
+    from .runtime import EvalError, Runtime, load_model, machine_info, parse_lengths
 
     start = time.perf_counter()
     lengths = parse_lengths(a.lengths)
@@ -332,14 +335,9 @@ def run_ruler(a: argparse.Namespace) -> dict[str, Any]:
         "records": records,
     }
     if rt.is_main:
-        out = Path(a.out)
-        write_json(out / "ruler.json", result)
-        png = ruler_png(result, out / "ruler.png")
         avg = summary["average"]
         print("RULER average by length: " + ", ".join(f"{format_tokens(int(n))} {v:.1f}" for n, v in avg.items()))
-        print(f"wrote {out / 'ruler.json'}" + (f" and {out / 'ruler.png'}" if png else ""))
-        if not png:
-            print(NO_MATPLOTLIB.format(json=out / "ruler.json", png=out / "ruler.png"))
+        _write(a.out, "ruler", result, ruler_png)
     return result
 
 
