@@ -29,6 +29,7 @@ if __name__ == "__main__":
         if time.monotonic() > deadline:
             sys.exit(f"demo_finetune: {ready} did not appear in {WAIT_SECONDS} s (the first stage did not finish)")
         time.sleep(0.1)
-    if cores is not None:
-        os.sched_setaffinity(0, cores)
+    if cores is not None:  # every thread, also any the imports started
+        for tid in os.listdir("/proc/self/task") if os.path.isdir("/proc/self/task") else ["0"]:
+            os.sched_setaffinity(int(tid), cores)
     sys.exit(main(["train", *argv]))
