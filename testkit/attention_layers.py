@@ -3,10 +3,10 @@
 ``layer_requests(model_type)`` builds the family's tiny model (``testkit.families.tiny_config``, with a
 sliding window shorter than the test sequence where the family has one) but with the head dims of its
 default config (Gemma 4's full-attention layers: ``head_dim`` 512), runs one forward through
-``attn_implementation="ring"`` in one process on a ``shard_batch`` batch (a CP group of one: the ring's
-block kernels run; a model called without ``shard_batch`` would take the one-process path), and records what every attention call asked
-``get_kernel`` for: ``(head_dim, softcap, window, sinks)``. ``None`` when the family does not run
-through the ring (refused, or no attention layer).
+``attn_implementation="ring"`` in one process on a ``shard_batch`` batch (a CP group of one, so the
+ring's block kernels run; without ``shard_batch`` the call takes the one-process path), and records
+what every attention call asked ``get_kernel`` for: ``(head_dim, softcap, window, sinks)``. ``None``
+when the family does not run through the ring (refused, or no attention layer).
 """
 
 from __future__ import annotations
