@@ -47,18 +47,47 @@ def _demo_machine(runs: list[dict]) -> str:
     return f"{runs[0]['cpus']} CPUs (CPU model not recorded)"
 
 
+SPLIT = ("startup", "pretraining", "evaluations", "finetuning", "other")  # a run's split, in the demo's clock
+
+
+def _baseline() -> dict | None:
+    """The demo as it was before it was made faster, run on the same machine (``docs/demo/baseline.json``)."""
+    path = DEMO / "baseline.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def _span(values: list[float]) -> str:
+    lo, hi = min(values), max(values)
+    return f"{lo:.0f}" if round(lo) == round(hi) else f"{lo:.0f}-{hi:.0f}"
+
+
 def demo_summary() -> str:
     runs = _seeds()["runs"]
     ev = runs[0]["eval"]
     seeds = ", ".join(str(r["seed"]) for r in runs)
     before = " / ".join(pct(r["accuracy_before"]) for r in runs)
     after = " / ".join(pct(r["accuracy_after"]) for r in runs)
-    cpu = [r["cpu_seconds"] for r in runs]
-    return (
+    load = max(r["load_average_1min"]["setup"] for r in runs)
+    text = (
         f"Passkey retrieval at {tokens(ev['seq_len'])} tokens ({ev['samples']} held-out samples), seeds {seeds}: "
         f"{before} for the short-context model, **{after}** after ring-attention fine-tuning; "
-        f"{min(cpu):.0f}-{max(cpu):.0f} s of CPU time per run, measured on {_demo_machine(runs)}."
+        f"{_span([r['wall_seconds'] for r in runs])} s per run (load average at most {load:g} at the start; "
+        f"{_span([r['cpu_seconds'] for r in runs])} s of CPU time), measured on {_demo_machine(runs)}."
     )
+    base = _baseline()
+    if base and base.get("other_machine"):  # the same demo, seeds and held-out samples on two CPUs
+        here, there = base["runs"], base["other_machine"]["runs"]
+        mine, theirs = (" / ".join(pct(r["accuracy_before"]) for r in rs) for rs in (here, there))
+        text += (
+            f" The short-context model's accuracy varies with the CPU's floating-point kernels: the earlier demo's "
+            f"({here[0]['eval']['samples']} held-out samples) was {mine} on {_demo_machine(here)} and {theirs} on "
+            f"{_demo_machine(there)}."
+        )
+    return text
+
+
+def _split_row(label: str, runs: list[dict], clock: str) -> list[str]:
+    return [label, *("/".join(f"{r['split'][clock][k]:.0f}" for k in SPLIT) for r in runs)]
 
 
 def demo_seeds() -> str:
@@ -72,13 +101,34 @@ def demo_seeds() -> str:
         [f"after ring-attention fine-tuning ({runs[0]['finetune_steps']} steps)",
          *(f"**{pct(r['accuracy_after'])}**" for r in runs)],
         ["last logged fine-tuning loss", *(f"{r['final_loss']:.4f}" for r in runs)],
-        ["pretraining / fine-tuning, seconds", *(f"{r['pretrain_seconds']:.0f} / {r['finetune_seconds']:.0f}"
-                                                 for r in runs)],
+        ["whole demo, wall seconds (load average at the start, at the end)",
+         *(f"{r['wall_seconds']:.0f} ({r['load_average_1min']['setup']:g}, {r['load_average_1min']['finetune']:g})"
+           for r in runs)],
         ["whole demo, CPU seconds", *(f"{r['cpu_seconds']:.0f}" for r in runs)],
-        ["whole demo, wall seconds (load average at the end)",
-         *(f"{r['wall_seconds']:.0f} ({r['load_average_1min_at_end']:g})" for r in runs)],
+        _split_row("start-up/pretraining/evaluations/fine-tuning/other, wall seconds", runs, "wall_seconds"),
+        _split_row("the same, CPU seconds", runs, "cpu_seconds"),
+        ["set-up (`scripts/setup_env.sh`, not in the demo's time), wall seconds",
+         *(f"{r['split']['wall_seconds']['setup']:.0f}" for r in runs)],
     ]  # fmt: skip
-    return table(head, rows) + f"\n\n`{data['command']}`; measured on {_demo_machine(runs)}."
+    base = _baseline()
+    if base:
+        old = base["runs"]
+        rows += [
+            [f"**the earlier demo** ({old[0]['finetune_steps']} fine-tuning steps; commit {base['commit']}): "
+             "whole demo, wall seconds (load average at the start, at the end)",
+             *(f"{r['wall_seconds']:.0f} ({r['load_average_1min']['setup']:g}, {r['load_average_1min']['finetune']:g})"
+               for r in old)],
+            ["the earlier demo: whole demo, CPU seconds", *(f"{r['cpu_seconds']:.0f}" for r in old)],
+            _split_row("the earlier demo: start-up/pretraining/evaluations/fine-tuning/other, wall seconds", old,
+                       "wall_seconds"),
+            _split_row("the earlier demo: the same, CPU seconds", old, "cpu_seconds"),
+            ["the earlier demo: accuracy, short-context model → after fine-tuning",
+             *(f"{pct(r['accuracy_before'])} → {pct(r['accuracy_after'])}" for r in old)],
+        ]  # fmt: skip
+    text = table(head, rows) + f"\n\n`{data['command']}`; measured on {_demo_machine(runs)}."
+    if base:
+        text += f" The earlier demo: {base['how']}, on {_demo_machine(base['runs'])}."
+    return text
 
 
 def demo_heatmaps() -> str:

@@ -2,6 +2,8 @@
 # The CPU demo over several seeds, one after the other (docs/demo.md's figures, from docs/demo/seeds.json):
 #
 #   bash scripts/demo_seeds.sh [SEED ...]     # default: 0 1 2
+#   QUIET_LOAD=1.5 bash scripts/demo_seeds.sh # before each seed, wait (at most 15 minutes) for the
+#                                             # 1-minute load average to fall below 1.5
 #
 # runs `bash scripts/demo.sh SEED` for each seed and writes, under OUT (default docs/demo):
 # seeds.json (each seed's runs/tiny-cpu-demo/demo.json, and the range of each figure over the
@@ -14,6 +16,14 @@ SEEDS=("$@")
 [ ${#SEEDS[@]} -gt 0 ] || SEEDS=(0 1 2)
 mkdir -p "$OUT"
 for seed in "${SEEDS[@]}"; do
+    if [ -n "${QUIET_LOAD:-}" ]; then  # a shared machine: time each seed when the others are quiet
+        waited=0
+        while ! awk -v l="$(cut -d' ' -f1 /proc/loadavg)" -v q="$QUIET_LOAD" 'BEGIN { exit !(l < q) }' \
+              && [ "$waited" -lt 900 ]; do
+            sleep 15; waited=$((waited + 15))
+        done
+        echo "seed $seed: load average $(cut -d' ' -f1 /proc/loadavg) after waiting $waited s"
+    fi
     bash scripts/demo.sh "$seed"
     cp runs/tiny-cpu-demo/demo.json "$OUT/seed-$seed.json"
     cp runs/tiny-cpu-demo/metrics.jsonl "$OUT/seed-$seed.jsonl"
@@ -30,7 +40,8 @@ runs = [json.load(open(os.path.join(out, f"seed-{s}.json"))) for s in seeds]
 for s in seeds:
     os.remove(os.path.join(out, f"seed-{s}.json"))
 keys = ("accuracy_before", "accuracy_after", "final_loss", "wall_seconds", "cpu_seconds")
-summary = {"command": f"bash scripts/demo_seeds.sh {' '.join(seeds)}",
+quiet = f"QUIET_LOAD={os.environ['QUIET_LOAD']} " if os.environ.get("QUIET_LOAD") else ""
+summary = {"command": f"{quiet}bash scripts/demo_seeds.sh {' '.join(seeds)}",
            "range": {k: [min(r[k] for r in runs), max(r[k] for r in runs)] for k in keys},
            "runs": runs}
 json.dump(summary, open(os.path.join(out, "seeds.json"), "w"), indent=2)

@@ -180,9 +180,35 @@ def _step(checkpoint: str) -> int | None:
         return None
 
 
+class _Clock:
+    """Wall seconds (this process) and CPU seconds (summed over the launched processes at ``total``)
+    of the runner's phases: ``summary["seconds"]``, ``summary["cpu_seconds"]``. Timing only."""
+
+    def __init__(self) -> None:
+        self.marks = [(time.perf_counter(), time.process_time())]
+        self.names: list[str] = []
+
+    def lap(self, name: str) -> None:
+        self.marks.append((time.perf_counter(), time.process_time()))
+        self.names.append(name)
+
+    def total(self, device: Any) -> tuple[dict[str, float], dict[str, float]]:
+        import torch
+        import torch.distributed as dist
+
+        wall = [b[0] - a[0] for a, b in zip(self.marks, self.marks[1:])]
+        cpu = torch.tensor([b[1] - a[1] for a, b in zip(self.marks, self.marks[1:])], dtype=torch.float64)
+        if dist.is_available() and dist.is_initialized():
+            cpu = cpu.to(device)
+            dist.all_reduce(cpu)
+        return ({n: round(w, 1) for n, w in zip(self.names, wall)},
+                {n: round(float(c), 1) for n, c in zip(self.names, cpu.cpu())})  # fmt: skip
+
+
 def run(recipe: Recipe) -> dict[str, Any]:
     """Train a parsed recipe on this process; returns the summary (also written to output_dir)."""
     t0 = time.perf_counter()
+    clock = _Clock()
     args = recipe.args
     if recipe.trainer == "sft":
         args.train_sampling_strategy = "sequential"  # StagedDataset lays the data out along the steps
@@ -231,21 +257,29 @@ def run(recipe: Recipe) -> dict[str, Any]:
     eval_seed = (evaluation or {}).get("seed", args.seed)  # held-out samples: data.eval.seed, else the run's seed
     if evaluation:
         summary["eval"] = {**evaluation, "seed": eval_seed}
+    clock.lap("setup")
     if evaluation and resume is None:
         summary["accuracy_before"] = passkey_accuracy(trainer, evaluation["seq_len"], evaluation["samples"], eval_seed)
         if trainer.is_world_process_zero():
             print(json.dumps({"passkey_accuracy_before": summary["accuracy_before"], **evaluation}), flush=True)
+        clock.lap("eval_before")
     result = trainer.train(resume_from_checkpoint=resume)
+    clock.lap("train")
     if evaluation:
         summary["accuracy_after"] = passkey_accuracy(trainer, evaluation["seq_len"], evaluation["samples"], eval_seed)
+        clock.lap("eval_after")
     out = Path(args.output_dir)
     trainer.save_model(str(out / "final"), merged=args.save_merged_model)
+    clock.lap("save")
     history = [h for h in trainer.state.log_history if "loss" in h]
+    seconds, cpu_seconds = clock.total(args.device)
     summary.update(
         steps=trainer.state.global_step,
         train_seconds=round(result.metrics.get("train_runtime", 0.0), 1),
         wall_seconds=round(time.perf_counter() - t0, 1),
         final_loss=history[-1]["loss"] if history else None,
+        seconds=seconds,
+        cpu_seconds=cpu_seconds,
     )
     if trainer.is_world_process_zero():
         with open(out / "metrics.jsonl", "w") as f:
