@@ -254,11 +254,11 @@ def ring_call(
     if dropout:
         raise RingNotSupported(
             f'attn_implementation="ring" does not support attention dropout (dropout={dropout} while '
-            "training). Set the model's attention_dropout to 0.0."
+            "training); set config.attention_dropout = 0.0."
         )
     if attention_mask is not None and not isinstance(attention_mask, RingMask):
         raise RingNotSupported(
-            'attn_implementation="ring" got a dense attention_mask (custom mask or packed sequences); '
+            f'attn_implementation="ring" got an attention mask it did not prepare ({type(attention_mask).__name__}); '
             "it applies the causal mask over global positions itself. Pass the batch through "
             "hf_ring.shard_batch (right padding is handled there) instead of a custom mask."
         )
